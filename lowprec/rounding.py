@@ -1,0 +1,163 @@
+"""Rounding onto a format's grid: nearest and stochastic.
+
+Both functions take float32 (or float64 under x64; narrower floats are widened
+to float32) and return an array of the same shape and carrier dtype holding
+grid values exactly. They work on integer bit patterns, so they are exact for
+subnormals on every backend and XLA cannot optimise them away under jit.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from lowprec import _bits
+from lowprec import rng as rng_lib
+from lowprec.formats import Format, get_format
+
+OVERFLOW_MODES = ("saturate", "ieee")
+
+
+def _check_overflow(overflow: str) -> None:
+  if overflow not in OVERFLOW_MODES:
+    raise ValueError(
+      f"unknown overflow mode {overflow!r}; valid: {', '.join(OVERFLOW_MODES)}"
+    )
+
+
+def round_nearest(x, fmt, *, overflow: str = "saturate") -> jax.Array:
+  """Rounds to the nearest grid value, ties to even.
+
+  For named formats this equals the `ml_dtypes` cast bit for bit on every
+  finite input when `overflow="ieee"`.
+
+  Args:
+    x: float array (float32, or float64 with x64 enabled).
+    fmt: a format name or `Format`.
+    overflow: "saturate" clips values beyond the largest finite value (and
+      infinities) to +-max; "ieee" does what a cast does: inf, or NaN where
+      the format has no inf (formats with neither saturate, as their casts
+      do). NaN stays NaN in both modes.
+
+  Returns:
+    An array of `x`'s shape and carrier dtype holding grid values.
+
+  Raises:
+    TypeError: non-float input. ValueError: unknown format or overflow mode.
+
+  Example:
+    >>> round_nearest(jnp.array([1.06, 1.07, 500.0]), "float8_e4m3fn")
+    Array([  1.  ,   1.125, 448.  ], dtype=float32)
+  """
+  return round_and_flag(x, fmt, None, overflow=overflow)[0]
+
+
+def round_stochastic(
+  x, fmt, key, *, overflow: str = "saturate", rng: str = "hash"
+) -> jax.Array:
+  """Rounds up or down at random, unbiased: `E[round_stochastic(x)] = x`.
+
+  Between grid neighbours `lo < x < hi` the result is `hi` with probability
+  `(x - lo) / (hi - lo)` and `lo` otherwise; grid values stay put.
+
+  Random bits: 32 per element (64 for float64 input), from a counter-based
+  hash of (`key`, global element index), so the result is the same eager or
+  jitted and sharded or not. The up-probability is compared in 32-bit fixed
+  point against the exact discarded bits of `x`: for float32 input whose
+  discarded part fits in 32 bits (every normal of the target and the upper
+  subnormals) the probability is exact, so the rounding is exactly unbiased;
+  deeper in the subnormal range it is truncated to a multiple of 2**-32, a
+  bias of at most 2**-32 * (hi - lo) toward zero. For `intK` the fraction is
+  computed in float32 and compared with 24 random bits: bias at most
+  2**-24 * scale plus float32 error in `x / scale`.
+
+  Args:
+    x: float array (float32, or float64 with x64 enabled).
+    fmt: a format name or `Format`.
+    key: a JAX PRNG key; reuse it only where you want the same draw.
+    overflow: as in `round_nearest`; a round up past the largest finite value
+      saturates or overflows by the same rule.
+    rng: "hash" (default) or "threefry" (`jax.random.bits`, slower, and not
+      sharding-invariant in general).
+
+  Example:
+    >>> key = jax.random.key(0)
+    >>> x = jnp.full((100_000,), 1.03125)  # a quarter of the way to 1.125
+    >>> float(round_stochastic(x, "float8_e4m3fn", key).mean())  # ~1.03125
+  """
+  fmt = get_format(fmt)
+  _check_overflow(overflow)
+  x, lay = _bits.carrier(x)
+  bits = rng_lib.random_bits(key, x.shape, rng=rng, width=lay.width)
+  return round_with_bits(x, fmt, bits, overflow=overflow)
+
+
+def round_with_bits(x, fmt, bits, *, overflow: str = "saturate") -> jax.Array:
+  """Stochastic rounding with caller-supplied uniform bits.
+
+  Rounds up iff `bits < frac`, where `frac` is the position of |x| between its
+  neighbours as a fixed-point fraction of the carrier width. Useful to inject
+  known bits (tests, reproducing another library's draw).
+  """
+  return round_and_flag(x, fmt, bits, overflow=overflow)[0]
+
+
+def round_and_flag(
+  x, fmt, bits=None, *, overflow: str = "saturate"
+) -> tuple[jax.Array, jax.Array]:
+  """Rounds (nearest if `bits` is None, else stochastic with `bits`).
+
+  Returns:
+    `(rounded, overflowed)`: the rounded array and a boolean mask of the
+    finite-or-infinite inputs whose rounding went past the largest finite
+    value (and was saturated or turned into inf/NaN by `overflow`).
+  """
+  fmt = get_format(fmt)
+  _check_overflow(overflow)
+  x, lay = _bits.carrier(x)
+  if not fmt.is_float:
+    k = x / jnp.asarray(fmt.scale, x.dtype)
+    if bits is None:
+      k = jnp.round(k)
+    else:
+      lo = jnp.floor(k)
+      r24 = (bits >> (lay.width - 24)).astype(x.dtype) * 2.0**-24
+      k = lo + (r24 < k - lo).astype(x.dtype)
+    return _finish_int(x, k, fmt)
+  b = _bits.to_bits(x, lay)
+  a = b & _bits.u(lay.sign_mask - 1, lay)
+  br = _bits.bracket(a, fmt, lay)
+  if bits is None:
+    half = _bits.u(1 << (lay.width - 1), lay)
+    up = (br.frac > half) | ((br.frac == half) & br.odd)
+  else:
+    up = bits.astype(lay.uint) < br.frac
+  return _finish(x, b, jnp.where(up, br.hi, br.lo), fmt, lay, overflow)
+
+
+def _finish(x, b, mag, fmt: Format, lay, overflow: str) -> jax.Array:
+  """Applies overflow, the format's zero sign, and NaN passthrough."""
+  max_bits = _bits.u(lay.bits_of(fmt.max_finite), lay)
+  over = mag > max_bits
+  if overflow == "saturate" or not (fmt.has_inf or fmt.has_nan):
+    over_val = max_bits
+  elif fmt.has_inf:
+    over_val = _bits.u(lay.inf_bits, lay)
+  else:
+    over_val = _bits.u(lay.inf_bits | (1 << (lay.man - 1)), lay)
+  mag = jnp.where(over, over_val, mag)
+  sign = b & _bits.u(lay.sign_mask, lay)
+  if not fmt.has_negative_zero:
+    sign = jnp.where(mag == 0, jnp.zeros_like(sign), sign)
+  out = _bits.from_bits(mag | sign, lay)
+  nan = jnp.isnan(x)
+  return jnp.where(nan, x, out), over & ~nan
+
+
+def _finish_int(x, k, fmt: Format):
+  over = jnp.abs(k) > fmt.int_max
+  k = jnp.clip(k, -fmt.int_max, fmt.int_max)
+  out = k * jnp.asarray(fmt.scale, x.dtype)
+  nan = jnp.isnan(x)
+  return jnp.where(nan, x, out), over & ~nan
+
