@@ -1,0 +1,43 @@
+"""Benchmarks, side by side in one run, printed as Markdown tables of ratios.
+
+  python scripts/bench.py [section ...] [--quick]
+
+Sections: rounding, writeback, trace, ops, train (default: all that exist).
+Each lives in `scripts/bench_<section>.py` with `run(quick: bool) -> str`.
+Numbers are machine-dependent; the README records the ratios measured on the
+2-core CPU machine. Never used as timed assertions in tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+SECTIONS = ("rounding", "writeback", "trace", "ops", "train")
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("sections", nargs="*",
+                      help=f"any of {', '.join(SECTIONS)}")
+  parser.add_argument("--quick", action="store_true",
+                      help="smaller sizes and fewer repeats (smoke test)")
+  args = parser.parse_args(argv)
+  unknown = sorted(set(args.sections) - set(SECTIONS))
+  if unknown:
+    parser.error(f"unknown section(s) {unknown}; valid: {', '.join(SECTIONS)}")
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  names = args.sections or [
+    s for s in SECTIONS
+    if os.path.exists(os.path.join(sys.path[0], f"bench_{s}.py"))
+  ]
+  for name in names:
+    module = importlib.import_module(f"bench_{name}")
+    print(module.run(quick=args.quick), flush=True)
+    print()
+
+
+if __name__ == "__main__":
+  main()
