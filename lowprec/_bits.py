@@ -94,10 +94,14 @@ def shr(a: jax.Array, s, lay: Layout) -> jax.Array:
 def pow2_bits(k: jax.Array, lay: Layout) -> jax.Array:
   """Bits of 2**k for integer k in the carrier's range, subnormals included."""
   k = k.astype(jnp.int32)
-  normal = shl((jnp.maximum(k, lay.emin) + lay.bias).astype(lay.uint), lay.man,
-               lay)
-  sub = shl(u(1, lay),
-            jnp.clip(k - lay.emin + lay.man, 0, lay.man).astype(lay.uint), lay)
+  normal = shl(
+    (jnp.maximum(k, lay.emin) + lay.bias).astype(lay.uint), lay.man, lay
+  )
+  sub = shl(
+    u(1, lay),
+    jnp.clip(k - lay.emin + lay.man, 0, lay.man).astype(lay.uint),
+    lay,
+  )
   return jnp.where(k >= lay.emin, normal, sub)
 
 

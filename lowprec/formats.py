@@ -241,8 +241,9 @@ def _signed_next(fmt: Format, w, up: bool):
     s = jnp.asarray(fmt.scale, w.dtype)
     out = w + s if up else w - s
     lim = fmt.max_finite
-    return jnp.where(jnp.abs(out) > lim * (1 + 1e-6), jnp.sign(out) * jnp.inf,
-                     out)
+    return jnp.where(
+      jnp.abs(out) > lim * (1 + 1e-6), jnp.sign(out) * jnp.inf, out
+    )
   b = _bits.to_bits(w, lay)
   sign = b & _bits.u(lay.sign_mask, lay)
   a = b & _bits.u(lay.sign_mask - 1, lay)
@@ -303,7 +304,7 @@ def ieee_format(exp_bits: int, man_bits: int) -> Format:
 
 
 def int_format(bits: int, scale: float) -> Format:
-  """The symmetric integer grid `scale * {-(2**(bits-1)-1) .. 2**(bits-1)-1}`."""
+  """The symmetric integer grid `scale * {-K', ..., K'}`, K' = 2**(bits-1)-1."""
   if not 2 <= bits <= 8:
     raise ValueError(f"int{bits}: intK needs K in 2..8")
   if scale is None or not np.isfinite(scale) or scale <= 0:
@@ -353,4 +354,3 @@ def get_format(fmt: str | Format, *, scale: float | None = None) -> Format:
     f"unknown format {name!r}.{hint} Valid formats: "
     + ", ".join(format_names())
   )
-

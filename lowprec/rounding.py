@@ -160,4 +160,3 @@ def _finish_int(x, k, fmt: Format):
   out = k * jnp.asarray(fmt.scale, x.dtype)
   nan = jnp.isnan(x)
   return jnp.where(nan, x, out), over & ~nan
-

@@ -20,17 +20,22 @@ SECTIONS = ("rounding", "writeback", "trace", "ops", "train")
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("sections", nargs="*",
-                      help=f"any of {', '.join(SECTIONS)}")
-  parser.add_argument("--quick", action="store_true",
-                      help="smaller sizes and fewer repeats (smoke test)")
+  parser.add_argument(
+    "sections", nargs="*", help=f"any of {', '.join(SECTIONS)}"
+  )
+  parser.add_argument(
+    "--quick",
+    action="store_true",
+    help="smaller sizes and fewer repeats (smoke test)",
+  )
   args = parser.parse_args(argv)
   unknown = sorted(set(args.sections) - set(SECTIONS))
   if unknown:
     parser.error(f"unknown section(s) {unknown}; valid: {', '.join(SECTIONS)}")
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   names = args.sections or [
-    s for s in SECTIONS
+    s
+    for s in SECTIONS
     if os.path.exists(os.path.join(sys.path[0], f"bench_{s}.py"))
   ]
   for name in names:

@@ -20,15 +20,20 @@ def median_time(fn, *args, repeats: int = 7, warmup: int = 2) -> float:
   return statistics.median(times)
 
 
-def table(title: str, rows: list[tuple[str, float]], baseline: str) -> str:
-  """A Markdown table of times and ratios to the row named `baseline`."""
-  base = dict(rows)[baseline]
+def table(
+  title: str, rows: list[tuple[str, float]], baseline: str, *more: str
+) -> str:
+  """A Markdown table of times and ratios to the rows named as baselines."""
+  bases = [baseline, *more]
+  times = dict(rows)
+  head = " | ".join(f"ratio to {b}" for b in bases)
   lines = [
     f"### {title}",
     "",
-    f"| case | median ms | ratio to {baseline} |",
-    "|---|---:|---:|",
+    f"| case | median ms | {head} |",
+    "|---|---:|" + "---:|" * len(bases),
   ]
   for name, t in rows:
-    lines.append(f"| {name} | {t * 1e3:.2f} | {t / base:.2f}x |")
+    ratios = " | ".join(f"{t / times[b]:.2f}x" for b in bases)
+    lines.append(f"| {name} | {t * 1e3:.2f} | {ratios} |")
   return "\n".join(lines)

@@ -63,8 +63,9 @@ def test_every_code_rounds_to_itself(name, jit):
     )
 
   rn, sr, on = (jax.jit(go) if jit else go)(jnp.asarray(v))
-  np.testing.assert_array_equal(np.asarray(rn).view(np.uint32)[v != 0],
-                                v.view(np.uint32)[v != 0])
+  np.testing.assert_array_equal(
+    np.asarray(rn).view(np.uint32)[v != 0], v.view(np.uint32)[v != 0]
+  )
   np.testing.assert_array_equal(np.asarray(sr), v)
   assert bool(np.all(on))
 

@@ -1,0 +1,56 @@
+"""Rounding throughput: 2**24 float32 values under jit, vs a native cast."""
+
+from __future__ import annotations
+
+import time
+
+import gfloat
+import jax
+import jax.numpy as jnp
+import numpy as np
+from benchlib import median_time, table
+from gfloat.formats import format_info_ocp_e4m3
+
+import lowprec
+
+FMT = "float8_e4m3fn"
+
+
+def run(quick: bool = False) -> str:
+  n = 1 << (20 if quick else 24)
+  repeats = 3 if quick else 11
+  x = jnp.asarray(np.random.default_rng(0).normal(0, 30, n).astype(np.float32))
+  key = jax.random.key(0)
+  fns = {
+    "float32 copy (memory floor)": jax.jit(lambda v: -v),
+    "native astype float8_e4m3fn": jax.jit(
+      lambda v: v.astype(jnp.float8_e4m3fn)
+    ),
+    "native astype e4m3fn and back": jax.jit(
+      lambda v: v.astype(jnp.float8_e4m3fn).astype(jnp.float32)
+    ),
+    "round_nearest": jax.jit(lambda v: lowprec.round_nearest(v, FMT)),
+    "round_stochastic (hash bits)": jax.jit(
+      lambda v, k: lowprec.round_stochastic(v, FMT, k)
+    ),
+    "round_stochastic (threefry bits)": jax.jit(
+      lambda v, k: lowprec.round_stochastic(v, FMT, k, rng="threefry")
+    ),
+  }
+  rows = []
+  for name, fn in fns.items():
+    args = (x, key) if "stochastic" in name else (x,)
+    rows.append((name, median_time(fn, *args, repeats=repeats)))
+  # gfloat is a numpy reference implementation: time a slice and scale up.
+  part = np.asarray(x[: n // 64], np.float64)
+  t0 = time.perf_counter()
+  gfloat.round_ndarray(format_info_ocp_e4m3, part, sat=True)
+  rows.append(
+    ("gfloat round_ndarray (numpy, scaled)", (time.perf_counter() - t0) * 64)
+  )
+  return table(
+    f"rounding: 2^{n.bit_length() - 1} float32 values to {FMT}",
+    rows,
+    "native astype float8_e4m3fn",
+    "native astype e4m3fn and back",
+  )

@@ -1,0 +1,447 @@
+"""Rounding against independent oracles: ml_dtypes casts, gfloat, numpy."""
+
+import functools
+
+import gfloat
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gfloat.formats import format_info_ocp_e4m3
+
+import lowprec
+from lowprec import rng
+from lowprec.formats import NAMED
+from lowprec.rounding import round_with_bits
+
+NATIVE = [n for n in NAMED if n != "float32"]
+F32_MAX = np.finfo(np.float32).max
+
+
+def _bits_equal(a, b):
+  """Equal bit patterns, any NaN equal to any NaN."""
+  a = np.asarray(a, np.float32)
+  b = np.asarray(b, np.float32)
+  same = a.view(np.uint32) == b.view(np.uint32)
+  return same | (np.isnan(a) & np.isnan(b))
+
+
+def _assert_bits_equal(actual, expected, x):
+  ok = _bits_equal(actual, expected)
+  if not ok.all():
+    i = np.flatnonzero(~ok)[:5]
+    raise AssertionError(
+      f"{(~ok).sum()} mismatches; x={np.asarray(x)[i]} "
+      f"got={np.asarray(actual)[i]} want={np.asarray(expected)[i]}"
+    )
+
+
+def _probe_points(values: np.ndarray, max_finite: float) -> np.ndarray:
+  """Grid values, midpoints of neighbours and one float32 ulp either side."""
+  pos = values.astype(np.float32)
+  mids = ((values[1:] + values[:-1]) / 2).astype(np.float32)
+  # Above the largest finite value: the overflow midpoint and beyond.
+  top = np.float32(max_finite)
+  extra = np.array(
+    [
+      top * 1.0625,
+      top * 1.125,
+      top * 2,
+      F32_MAX,
+      np.inf,
+      np.nan,
+      0.0,
+      -0.0,
+      1e-45,
+      1e-40,
+    ],
+    np.float32,
+  )
+  pts = np.concatenate([pos, mids, extra])
+  pts = np.concatenate(
+    [
+      pts,
+      np.nextafter(pts, np.float32(np.inf)),
+      np.nextafter(pts, np.float32(-np.inf)),
+    ]
+  )
+  pts = pts[np.isfinite(pts) | ~np.isnan(pts)]
+  return np.concatenate([pts, -pts])
+
+
+def _random_float32(n: int, seed: int) -> np.ndarray:
+  """Random bit patterns: every exponent, subnormals, infs and NaNs."""
+  return (
+    np.random.default_rng(seed)
+    .integers(0, 1 << 32, n, dtype=np.uint64)
+    .astype(np.uint32)
+    .view(np.float32)
+  )
+
+
+@functools.cache
+def _jit_nearest(name, overflow):
+  return jax.jit(lambda x: lowprec.round_nearest(x, name, overflow=overflow))
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("name", NATIVE)
+def test_nearest_equals_ml_dtypes_cast(name, jit):
+  fmt = lowprec.get_format(name)
+  dt = fmt.native_dtype
+  x = _probe_points(
+    fmt.values() if fmt.bits <= 16 else np.zeros(1), fmt.max_finite
+  )
+  if jit:  # 10**6 random bit patterns under jit; eager gets the probes.
+    x = np.concatenate([x, _random_float32(1_000_000, seed=1)])
+  if not fmt.has_nan:  # a cast of NaN to FP6/FP4 has no NaN to give
+    x = x[~np.isnan(x)]
+  with np.errstate(all="ignore"):
+    want = x.astype(dt).astype(np.float32)
+  fn = (
+    _jit_nearest(name, "ieee")
+    if jit
+    else functools.partial(lowprec.round_nearest, fmt=name, overflow="ieee")
+  )
+  _assert_bits_equal(fn(jnp.asarray(x)), want, x)
+
+
+@pytest.mark.parametrize(
+  "name", ["float8_e4m3fn", "float8_e5m2", "bfloat16", "float4_e2m1fn", "e8m3"]
+)
+def test_saturate_clips_overflow_and_infinities(name):
+  fmt = lowprec.get_format(name)
+  m = np.float32(fmt.max_finite)
+  x = jnp.asarray([m * 1.5, np.inf, -np.inf, -m * 3, np.nan, m], jnp.float32)
+  got = np.asarray(lowprec.round_nearest(x, fmt))
+  np.testing.assert_array_equal(got[[0, 1, 2, 3, 5]], [m, m, -m, -m, m])
+  assert np.isnan(got[4])
+
+
+def _gfloat_ieee(exp_bits: int, man_bits: int) -> gfloat.FormatInfo:
+  """gfloat's description of the IEEE-like format eXmY (independent oracle)."""
+  return gfloat.FormatInfo(
+    f"e{exp_bits}m{man_bits}",
+    k=1 + exp_bits + man_bits,
+    precision=man_bits + 1,
+    bias=(1 << (exp_bits - 1)) - 1,
+    is_signed=True,
+    domain=gfloat.Domain.Extended,
+    has_nz=True,
+    num_high_nans=(1 << man_bits) - 1,
+    has_subnormals=True,
+    is_twos_complement=False,
+  )
+
+
+GENERIC = [
+  "e8m3",
+  "e8m10",
+  "e8m0",
+  "e2m0",
+  "e2m5",
+  "e3m1",
+  "e5m7",
+  "e6m4",
+  "e7m2",
+  "e7m12",
+  "e4m20",
+  "e8m22",
+]
+
+
+@pytest.mark.parametrize("name", GENERIC)
+def test_generic_nearest_equals_gfloat(name):
+  fmt = lowprec.get_format(name)
+  fi = _gfloat_ieee(fmt.exp_bits, fmt.man_bits)
+  probes = _probe_points(
+    fmt.values() if fmt.exp_bits + fmt.man_bits <= 16 else np.zeros(1),
+    fmt.max_finite,
+  )
+  # Random values spread over the format's range and below it.
+  r = np.random.default_rng(2)
+  lo, hi = fmt.emin - fmt.man_bits - 3, fmt.emax + 2
+  mags = 2.0 ** r.uniform(lo, hi, 200_000) * r.choice([-1, 1], 200_000)
+  x = np.concatenate([probes, mags.astype(np.float32)])
+  x = x[~np.isnan(x)]
+  want = gfloat.round_ndarray(fi, x.astype(np.float64)).astype(np.float32)
+  got = _jit_nearest(name, "ieee")(jnp.asarray(x))
+  _assert_bits_equal(got, want, x)
+
+
+@pytest.mark.parametrize("scale", [0.25, 1.0, 2.0**-7], ids=str)
+@pytest.mark.parametrize("bits", [2, 3, 8])
+def test_int_nearest_equals_float64_numpy(bits, scale):
+  fmt = lowprec.get_format(f"int{bits}", scale=scale)
+  kmax = 2 ** (bits - 1) - 1
+  k = np.arange(-kmax - 2, kmax + 3, dtype=np.float64)
+  r = np.random.default_rng(3).uniform(-kmax - 3, kmax + 3, 100_000)
+  x = (np.concatenate([k, k + 0.5, r]) * scale).astype(np.float32)
+  want = np.clip(np.round(x.astype(np.float64) / scale), -kmax, kmax) * scale
+  got = _jit_nearest(fmt, "saturate")(jnp.asarray(x))
+  np.testing.assert_array_equal(np.asarray(got, np.float64), want)
+
+
+# ---- stochastic rounding --------------------------------------------------
+
+SR_FORMATS = [
+  "float8_e4m3fn",
+  "float8_e5m2",
+  "bfloat16",
+  "e8m3",
+  "float6_e3m2fn",
+  "float4_e2m1fn",
+]
+
+
+def _brackets(fmt, x):
+  """Grid neighbours lo <= x <= hi from the enumerated grid (float64)."""
+  pos = fmt.values()
+  grid = np.concatenate([-pos[::-1], pos[1:]])
+  i = np.clip(np.searchsorted(grid, x, side="right") - 1, 0, len(grid) - 2)
+  return grid[i], grid[i + 1]
+
+
+@pytest.mark.parametrize("name", SR_FORMATS)
+def test_stochastic_lands_on_a_bracketing_grid_value(name):
+  fmt = lowprec.get_format(name)
+  r = np.random.default_rng(4)
+  m = fmt.max_finite
+  x = r.uniform(-m, m, 200_000).astype(np.float32)
+  x[:1000] = (x[:1000] * 1e-3 / m).astype(np.float32)  # near zero
+  out = np.asarray(
+    jax.jit(lambda v, k: lowprec.round_stochastic(v, fmt, k))(
+      jnp.asarray(x), jax.random.key(0)
+    ),
+    np.float64,
+  )
+  lo, hi = _brackets(fmt, x.astype(np.float64))
+  assert np.all((out == lo) | (out == hi))
+  on = np.isin(x.astype(np.float64), fmt.values()) | np.isin(
+    -x.astype(np.float64), fmt.values()
+  )
+  np.testing.assert_array_equal(out[on], x[on])
+
+
+def _gfloat_fi(name):
+  if name == "float8_e4m3fn":
+    return format_info_ocp_e4m3
+  fmt = lowprec.get_format(name)
+  return _gfloat_ieee(fmt.exp_bits, fmt.man_bits)
+
+
+@pytest.mark.parametrize(
+  "name", ["float8_e4m3fn", "float8_e5m2", "bfloat16", "e8m3", "e3m1", "e5m7"]
+)
+def test_stochastic_equals_gfloat_with_injected_bits(name):
+  """gfloat rounds away iff srbits >= 2**32 - frac; we round up iff R < frac.
+
+  So R and srbits = ~R (uint32) give the same decisions, bit for bit.
+  """
+  fmt = lowprec.get_format(name)
+  r = np.random.default_rng(5)
+  n = 100_000
+  lo, hi = fmt.emin - fmt.man_bits - 2, fmt.emax + 1
+  x = (2.0 ** r.uniform(lo, hi, n) * r.choice([-1, 1], n)).astype(np.float32)
+  x = x[np.abs(x) < fmt.max_finite]
+  bits = np.asarray(rng.random_bits(jax.random.key(7), x.shape))
+  got = jax.jit(lambda v, b: round_with_bits(v, fmt, b))(x, bits)
+  want = gfloat.round_ndarray(
+    _gfloat_fi(name),
+    x.astype(np.float64),
+    gfloat.RoundMode.Stochastic,
+    sat=True,
+    srbits=(~bits).astype(np.int64),
+    srnumbits=32,
+  ).astype(np.float32)
+  _assert_bits_equal(got, want, x)
+
+
+def _up_probability_points(fmt):
+  """Off-grid points in the normal, subnormal and near-max ranges."""
+  v = fmt.values()
+  sub = v[1 : (1 << fmt.man_bits)]
+  picks = [
+    (v[0], v[1]),  # zero to smallest subnormal
+    (sub[len(sub) // 2], sub[len(sub) // 2 + 1]),
+    (1.0, float(fmt.next_up(jnp.float32(1.0)))),
+    (v[-2], v[-1]),  # just below the maximum
+  ]
+  pts = []
+  for lo, hi in picks:
+    for frac in (0.1, 0.5, 0.75):
+      x = np.float32(lo + frac * (hi - lo))
+      pts.append((x, lo, hi))
+  return pts
+
+
+@pytest.mark.parametrize(
+  "name", ["float8_e4m3fn", "float8_e5m2", "bfloat16", "e8m3"]
+)
+def test_stochastic_up_probability_is_binomially_right(name):
+  """Seed 11, N = 40_000 draws per point, tolerance 5 binomial sigmas."""
+  fmt = lowprec.get_format(name)
+  n = 40_000
+  fn = jax.jit(lambda v, k: lowprec.round_stochastic(v, fmt, k))
+  for i, (x, lo, hi) in enumerate(_up_probability_points(fmt)):
+    out = np.asarray(fn(jnp.full((n,), x), jax.random.key(11 + i)), np.float64)
+    assert np.all((out == lo) | (out == hi)), (x, lo, hi)
+    p = (np.float64(x) - lo) / (hi - lo)
+    p_hat = np.mean(out == hi)
+    tol = 5 * np.sqrt(p * (1 - p) / n)
+    assert abs(p_hat - p) <= tol, (x, p, p_hat, tol)
+
+
+def test_stochastic_is_unbiased_on_average():
+  """Seed 3, 2**20 values, mean error within 5 standard errors."""
+  fmt = lowprec.get_format("float8_e4m3fn")
+  x = jnp.asarray(
+    np.random.default_rng(3).uniform(0.01, 400, 1 << 20).astype(np.float32)
+  )
+  err = np.asarray(
+    lowprec.round_stochastic(x, fmt, jax.random.key(3)), np.float64
+  ) - np.asarray(x, np.float64)
+  assert abs(err.mean()) <= 5 * err.std() / np.sqrt(err.size)
+
+
+def test_no_correlation_between_neighbours_or_successive_keys():
+  """Seed 0; N = 2**18 elements at p = 1/2; |corr| <= 5/sqrt(N)."""
+  n = 1 << 18
+  fmt = lowprec.get_format("bfloat16")
+  x = jnp.full((n,), 1.0 + 2.0**-8, jnp.float32)  # midway: p = 1/2
+  key = jax.random.key(0)
+  a = np.asarray(lowprec.round_stochastic(x, fmt, key) > 1.0, np.float64)
+  k2 = jax.random.split(key)[1]
+  b = np.asarray(lowprec.round_stochastic(x, fmt, k2) > 1.0, np.float64)
+  c = np.asarray(
+    lowprec.round_stochastic(x, fmt, jax.random.key(1)) > 1.0, np.float64
+  )
+  bound = 5 / np.sqrt(n)
+  assert abs(np.corrcoef(a[:-1], a[1:])[0, 1]) <= bound
+  assert abs(np.corrcoef(a[:-2], a[2:])[0, 1]) <= bound
+  assert abs(np.corrcoef(a, b)[0, 1]) <= bound
+  assert abs(np.corrcoef(a, c)[0, 1]) <= bound
+  # Two-dimensional arrays: rows and columns are independent too.
+  m = np.asarray(
+    lowprec.round_stochastic(x.reshape(512, 512), fmt, key) > 1.0, np.float64
+  )
+  assert abs(np.corrcoef(m[:-1].ravel(), m[1:].ravel())[0, 1]) <= bound
+
+
+def test_random_bits_are_uniform():
+  """Chi-square of the top byte of 2**20 draws: 255 dof, mean 255, sd 22.6."""
+  bits = np.asarray(rng.random_bits(jax.random.key(5), (1 << 20,)))
+  counts = np.bincount(bits >> 24, minlength=256)
+  expected = bits.size / 256
+  chi2 = ((counts - expected) ** 2 / expected).sum()
+  assert chi2 < 255 + 6 * 22.6
+  per_bit = [(bits >> i & 1).mean() for i in range(32)]
+  assert np.allclose(per_bit, 0.5, atol=5 * 0.5 / np.sqrt(bits.size))
+
+
+def test_stochastic_is_the_same_eager_jit_and_on_eight_devices():
+  devices = jax.devices()
+  assert len(devices) == 8, "tests/conftest.py should give 8 CPU devices"
+  fmt = lowprec.get_format("float8_e5m2")
+  x = jnp.asarray(
+    np.random.default_rng(9).normal(size=(64, 48)).astype(np.float32)
+  )
+  key = jax.random.key(42)
+  fn = jax.jit(lambda v, k: lowprec.round_stochastic(v, fmt, k))
+  one = np.asarray(fn(x, key))
+  eager = np.asarray(lowprec.round_stochastic(x, fmt, key))
+  mesh = jax.sharding.Mesh(np.array(devices).reshape(4, 2), ("a", "b"))
+  spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("a", "b"))
+  sharded = jax.device_put(x, spec)
+  eight = fn(sharded, key)
+  assert len(eight.sharding.device_set) == 8
+  np.testing.assert_array_equal(one, eager)
+  np.testing.assert_array_equal(
+    one.view(np.uint32), np.asarray(eight).view(np.uint32)
+  )
+  # A different key gives different bits.
+  assert np.any(one != np.asarray(fn(x, jax.random.key(43))))
+
+
+def test_float64_input_under_x64():
+  with jax.enable_x64(True):
+    x = jnp.asarray([1.0 + 2.0**-9 + 2.0**-40, 3.0e-42, 1e300, -0.0])
+    got = np.asarray(lowprec.round_nearest(x, "bfloat16"))
+    assert got.dtype == np.float64
+    want = np.asarray(x).astype(np.float32)  # exact here: no double rounding
+    want = want.astype(lowprec.get_format("bfloat16").native_dtype)
+    np.testing.assert_array_equal(got[:2], want[:2].astype(np.float64))
+    assert got[2] == lowprec.get_format("bfloat16").max_finite
+    assert np.signbit(got[3])
+    s = lowprec.round_stochastic(
+      jnp.full((4096,), 1.0 + 2.0**-8), "bfloat16", jax.random.key(0)
+    )
+    assert s.dtype == jnp.float64 and 0.4 < float((s > 1).mean()) < 0.6
+
+
+def test_rounding_survives_jit_where_a_cast_pair_may_not():
+  x = jnp.asarray(np.linspace(1, 2, 1001, dtype=np.float32))
+  got = jax.jit(lambda v: lowprec.round_nearest(v, "bfloat16") * 1.0)(x)
+  want = np.asarray(x).astype(lowprec.get_format("bfloat16").native_dtype)
+  np.testing.assert_array_equal(np.asarray(got), want.astype(np.float32))
+
+
+def test_output_keeps_shape_and_carrier_dtype():
+  x = jnp.ones((3, 4, 5), jnp.float32) * 1.1
+  assert lowprec.round_nearest(x, "float8_e4m3fn").shape == (3, 4, 5)
+  y = lowprec.round_nearest(x.astype(jnp.bfloat16), "float8_e4m3fn")
+  assert y.dtype == jnp.float32
+
+
+@pytest.mark.parametrize(
+  "call, err, match",
+  [
+    (
+      lambda: lowprec.round_nearest(jnp.arange(3), "bfloat16"),
+      TypeError,
+      "floating-point",
+    ),
+    (
+      lambda: lowprec.round_nearest(jnp.ones(3), "bf16"),
+      ValueError,
+      "unknown format",
+    ),
+    (lambda: lowprec.round_nearest(jnp.ones(3), "int3"), ValueError, "scale"),
+    (
+      lambda: lowprec.round_nearest(jnp.ones(3), "bfloat16", overflow="clip"),
+      ValueError,
+      "saturate",
+    ),
+    (
+      lambda: lowprec.round_stochastic(jnp.ones(3), "bfloat16", 0),
+      TypeError,
+      "PRNG key",
+    ),
+    (
+      lambda: lowprec.round_stochastic(
+        jnp.ones(3), "bfloat16", jax.random.split(jax.random.key(0))
+      ),
+      ValueError,
+      "single PRNG key",
+    ),
+    (
+      lambda: lowprec.round_stochastic(
+        jnp.ones(3), "bfloat16", jax.random.key(0), rng="pcg"
+      ),
+      ValueError,
+      "hash",
+    ),
+  ],
+  ids=[
+    "integer-input",
+    "unknown-format",
+    "int-no-scale",
+    "bad-overflow",
+    "not-a-key",
+    "key-array",
+    "bad-rng",
+  ],
+)
+def test_bad_input_errors(call, err, match):
+  with pytest.raises(err, match=match):
+    call()
