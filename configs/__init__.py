@@ -1,0 +1,1 @@
+"""Study configs: one ml_collections file per study (see common.py)."""

@@ -1,0 +1,121 @@
+"""Shared defaults for every study; a study file holds only its differences.
+
+Sections: `study` (name, arms, seeds, and the selected arm / seed), `model`,
+`data`, `opt`, `lowprec`, `train`, `log`, `ckpt`. Durations end in `_steps`;
+formats and rounding modes are plain strings.
+
+The config-file argument (`--config configs/x.py:ARG`) is a comma-separated
+list of `key=value` with keys `scale` (`full`, `cpu` or `smoke`), `arm` and
+`seed`, e.g. `configs/freeze_small_gpt.py:arm=rn_bf16,seed=1`.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+SCALES = ("full", "cpu", "smoke")
+ARG_KEYS = ("scale", "arm", "seed")
+
+
+def parse_arg(arg: str | None, default_scale: str = "cpu") -> dict:
+  """Parses `scale=cpu,arm=rn_bf16,seed=1` (any subset, any order)."""
+  out = {"scale": default_scale, "arm": "", "seed": -1}
+  for item in filter(None, (arg or "").split(",")):
+    key, sep, value = item.partition("=")
+    key = key.strip()
+    if not sep or key not in ARG_KEYS:
+      raise ValueError(
+        f"bad config argument {item!r}; expected key=value with key in "
+        f"{', '.join(ARG_KEYS)}, e.g. 'scale=cpu,arm=rn_bf16,seed=0'"
+      )
+    out[key] = int(value) if key == "seed" else value.strip()
+  if out["scale"] not in SCALES:
+    raise ValueError(
+      f"unknown scale {out['scale']!r}; valid: {', '.join(SCALES)}"
+    )
+  return out
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  """The defaults: a tiny GPT on the built-in corpus, float32, no rounding."""
+  parsed = parse_arg(arg)
+  c = ml_collections.ConfigDict()
+
+  c.study = ml_collections.ConfigDict()
+  c.study.name = "default"
+  c.study.scale = parsed["scale"]
+  c.study.arms = ml_collections.ConfigDict()  # arm name -> nested overrides
+  c.study.seeds = (0,)
+  c.study.arm = parsed["arm"]  # "" runs every arm
+  c.study.seed = parsed["seed"]  # -1 runs every seed
+
+  c.model = ml_collections.ConfigDict()
+  c.model.kind = "gpt"  # gpt | mlp | cnn | regression
+  c.model.vocab_size = 256
+  c.model.seq_len = 64
+  c.model.n_layer = 2
+  c.model.n_head = 4
+  c.model.d_model = 64
+  c.model.mlp_ratio = 4
+  c.model.positions = "learned"  # learned | rotary
+  c.model.norm = "layernorm"  # layernorm | rmsnorm
+  c.model.parallel_block = False  # NeoX-style parallel attention and MLP
+  c.model.tie_embeddings = True
+  c.model.init_std = 0.02
+  c.model.hidden = (128,)  # mlp hidden widths
+  c.model.channels = (8, 16)  # cnn channels
+  c.model.activation = "gelu"
+
+  c.data = ml_collections.ConfigDict()
+  c.data.name = "builtin_text"  # see experiments/data registry
+  c.data.path = ""  # token-file directory or MNIST directory
+  c.data.batch_size = 16
+  c.data.eval_batches = 4
+  c.data.n_train = 1024  # regression / classification sizes
+  c.data.n_test = 512
+  c.data.d_in = 16
+  c.data.n_features = 64
+  c.data.noise = 0.0
+
+  c.opt = ml_collections.ConfigDict()
+  c.opt.name = "adamw"  # adamw | sgd
+  c.opt.lr = 1e-3
+  c.opt.schedule = "cosine"  # cosine | constant
+  c.opt.warmup_steps = 10
+  c.opt.min_lr_ratio = 0.1
+  c.opt.b1 = 0.9
+  c.opt.b2 = 0.95
+  c.opt.eps = 1e-8
+  c.opt.weight_decay = 0.1
+  c.opt.momentum = 0.0  # sgd
+  c.opt.clip_norm = 1.0  # 0 disables clipping
+
+  c.lowprec = ml_collections.ConfigDict()
+  c.lowprec.writeback = ""  # weight grid format; "" trains in float32
+  c.lowprec.rounding = "nearest"  # nearest | stochastic | deadzone
+  c.lowprec.overflow = "saturate"
+  c.lowprec.int_scale = 0.0  # grid step for intK write-back formats
+  c.lowprec.keep_float32 = ""  # regex of param paths left in float32
+  c.lowprec.trace_targets = ()  # formats predicted by a reference trace
+  c.lowprec.trace_sample = 0  # coordinates whose (w, u) are logged
+  c.lowprec.policy = ""  # backward-state policy string ("" = reference)
+  c.lowprec.fwd_format = "float32"  # rounding of saved forward tensors
+  c.lowprec.fwd_rounding = "nearest"
+  c.lowprec.bwd_format = "float32"  # rounding of incoming gradients
+  c.lowprec.bwd_rounding = "stochastic"
+
+  c.train = ml_collections.ConfigDict()
+  c.train.steps = 100
+  c.train.eval_every_steps = 25
+  c.train.virtual_shards = 16  # fixed-order gradient sum; 0 = plain mean
+  c.train.fsdp = 1  # devices per parameter shard group
+  c.train.seed = 0  # set from study.seed for each run
+
+  c.log = ml_collections.ConfigDict()
+  c.log.results_dir = "results"
+  c.log.progress_every_steps = 10
+
+  c.ckpt = ml_collections.ConfigDict()
+  c.ckpt.every_steps = 50
+  c.ckpt.keep = 2
+  return c

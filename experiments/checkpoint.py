@@ -1,0 +1,79 @@
+"""Orbax checkpoints of the whole training state, with typed PRNG keys.
+
+Orbax stores arrays; typed PRNG keys (inside write-back states) are saved as
+their raw uint32 data and re-wrapped on restore. Saves are finalised by
+orbax with an atomic rename, so a run killed mid-save resumes from the
+previous complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import orbax.checkpoint as ocp
+
+
+def _is_key(x) -> bool:
+  return hasattr(x, "dtype") and jax.dtypes.issubdtype(
+    x.dtype, jax.dtypes.prng_key
+  )
+
+
+def _unwrap(tree):
+  return jax.tree.map(
+    lambda x: jax.random.key_data(x) if _is_key(x) else x, tree
+  )
+
+
+def _abstract(tree):
+  def leaf(x):
+    if _is_key(x):
+      x = jax.random.key_data(x)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+
+  return jax.tree.map(leaf, tree)
+
+
+class Checkpointer:
+  """Saves every `every_steps` steps and at the end; keeps the last `keep`."""
+
+  def __init__(self, directory: str, every_steps: int, keep: int):
+    self.every_steps = every_steps
+    self._mngr = ocp.CheckpointManager(
+      os.path.abspath(directory),
+      options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
+    )
+
+  def latest_step(self) -> int | None:
+    return self._mngr.latest_step()
+
+  def maybe_save(self, step: int, state, *, force: bool = False) -> bool:
+    if not force and (self.every_steps <= 0 or step % self.every_steps):
+      return False
+    if self._mngr.latest_step() == step:
+      return False
+    self._mngr.save(step, args=ocp.args.StandardSave(_unwrap(state)))
+    return True
+
+  def restore(self, step: int, like):
+    """Restores `step` into the structure, dtypes and shardings of `like`."""
+    raw = self._mngr.restore(
+      step, args=ocp.args.StandardRestore(_abstract(like))
+    )
+
+    def rewrap(template, value):
+      if _is_key(template):
+        return jax.random.wrap_key_data(
+          value, impl=jax.random.key_impl(template)
+        )
+      return value
+
+    return jax.tree.map(rewrap, like, raw)
+
+  def wait(self) -> None:
+    self._mngr.wait_until_finished()
+
+  def close(self) -> None:
+    self._mngr.wait_until_finished()
+    self._mngr.close()

@@ -1,0 +1,119 @@
+"""Running a study: every arm x seed in turn, or one of them.
+
+A study config names its arms in `study.arms` (arm name -> nested overrides
+of the config) and its seeds in `study.seeds`. `study.arm` / `study.seed`
+select one (for job arrays). Finished runs (with a summary.json) are skipped,
+unfinished ones resume from their latest checkpoint.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+
+import ml_collections
+
+import lowprec
+from experiments import results, train
+
+ROUNDINGS = ("nearest", "stochastic", "deadzone")
+
+
+def _suggest(name, valid) -> str:
+  close = difflib.get_close_matches(name, list(valid), n=1)
+  return f" Did you mean {close[0]!r}?" if close else ""
+
+
+def arms_of(config) -> list[str]:
+  arms = list(config.study.arms.keys()) or [""]
+  if config.study.arm:
+    if config.study.arm not in arms:
+      raise ValueError(
+        f"arm {config.study.arm!r} is not in study {config.study.name!r}."
+        f"{_suggest(config.study.arm, arms)} Arms: {', '.join(arms)}"
+      )
+    return [config.study.arm]
+  return arms
+
+
+def seeds_of(config) -> list[int]:
+  if config.study.seed >= 0:
+    return [config.study.seed]
+  return list(config.study.seeds)
+
+
+def _drop(overrides: dict, keys: set[str], prefix: str = "") -> dict:
+  """The overrides without the dotted keys given on the command line."""
+  out = {}
+  for k, v in overrides.items():
+    path = prefix + k
+    if path in keys:
+      continue
+    if isinstance(v, (dict, ml_collections.ConfigDict)):
+      out[k] = _drop(dict(v), keys, path + ".")
+    else:
+      out[k] = v
+  return out
+
+
+def resolve(config, arm: str, seed: int, cli_keys=()) -> ml_collections.ConfigDict:
+  """The config of one run: base, then the arm's overrides, then the seed.
+
+  Command-line overrides (`cli_keys`, dotted) win over the arm's.
+  """
+  c = copy.deepcopy(config)
+  c.unlock()
+  c.study.arm = arm
+  c.study.seed = seed
+  c.train.seed = seed
+  c.lock()
+  if arm:
+    overrides = config.study.arms[arm]
+    try:
+      c.update(_drop(overrides.to_dict(), set(cli_keys)))
+    except (KeyError, AttributeError, TypeError) as e:
+      raise ValueError(
+        f"arm {arm!r} of study {config.study.name!r} overrides a key the "
+        f"config does not have: {e}"
+      ) from None
+  validate(c)
+  return c
+
+
+def validate(c) -> None:
+  """Clear errors (naming the fix) for values the code would reject later."""
+  lp = c.lowprec
+  if lp.rounding not in ROUNDINGS:
+    raise ValueError(
+      f"unknown lowprec.rounding {lp.rounding!r}; valid: "
+      f"{', '.join(ROUNDINGS)}.{_suggest(lp.rounding, ROUNDINGS)}"
+    )
+  names = [("lowprec.fwd_format", lp.fwd_format),
+           ("lowprec.bwd_format", lp.bwd_format)]
+  names += [("lowprec.trace_targets", t) for t in lp.trace_targets]
+  if lp.writeback:
+    names.append(("lowprec.writeback", lp.writeback))
+  for field, name in names:
+    try:
+      scale = lp.int_scale if name.startswith("int") else None
+      lowprec.get_format(name, scale=scale)
+    except ValueError as e:
+      raise ValueError(f"{field}: {e}") from None
+  if lp.policy and hasattr(lowprec, "Policy"):
+    lowprec.Policy.parse(lp.policy)
+
+
+def run_study(config, cli_keys=(), overrides: dict | None = None) -> list:
+  """Runs (or resumes, or skips) every selected arm x seed in turn."""
+  summaries = []
+  for arm in arms_of(config):
+    for seed in seeds_of(config):
+      c = resolve(config, arm, seed, cli_keys)
+      path = results.run_dir(c)
+      if results.is_finished(path):
+        print(f"[{c.study.name}/{arm or 'default'}/seed{seed}] finished "
+              f"already ({path}); skipped", flush=True)
+        summaries.append(results.read_json(path + "/summary.json"))
+        continue
+      summaries.append(train.train_and_evaluate(c, overrides))
+  return summaries

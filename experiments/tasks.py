@@ -1,0 +1,137 @@
+"""A task = a model, its loss and its data, built from the config."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from experiments import data as data_lib
+from experiments import models
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+  init: Callable[[jax.Array], Any]  # key -> params
+  loss: Callable[..., tuple[jax.Array, dict]]  # (params, batch, key)
+  data: Any  # .batch(step) and .eval_batches()
+  model: Any
+
+
+def _gpt_cfg(m) -> dict:
+  return {k: m[k] for k in (
+    "vocab_size", "seq_len", "n_layer", "n_head", "d_model", "mlp_ratio",
+    "positions", "norm", "parallel_block", "tie_embeddings", "init_std",
+    "activation")}
+
+
+def gpt_task(config) -> Task:
+  m, d = config.model, config.data
+  model = models.GPT(_gpt_cfg(m))
+  common = dict(seq_len=m.seq_len, batch_size=d.batch_size,
+                seed=config.train.seed, vocab_size=m.vocab_size)
+  if d.name == "tokens":
+    data = data_lib.build("tokens", data_dir=d.path, **common)
+  else:
+    data = data_lib.build(d.name, **common)
+
+  def init(key):
+    return model.init(key, jnp.zeros((1, m.seq_len), jnp.int32))["params"]
+
+  def loss(params, batch, key):
+    del key
+    inputs, targets = batch
+    logits = model.apply({"params": params}, inputs)
+    ce = optax.softmax_cross_entropy_with_integer_labels(
+      logits.astype(jnp.float32), targets)
+    return ce.mean(), {}
+
+  return Task(init, loss, _EvalLimited(data, d.eval_batches), model)
+
+
+def _classifier_task(config, model) -> Task:
+  d = config.data
+  kwargs = dict(batch_size=d.batch_size, seed=config.train.seed)
+  if d.name == "mnist":
+    kwargs["data_dir"] = d.path
+  data = data_lib.build(d.name, **kwargs)
+  example = data.batch(0)[0][:1]
+
+  def init(key):
+    return model.init(key, jnp.asarray(example))["params"]
+
+  def loss(params, batch, key):
+    del key
+    x, y = batch
+    logits = model.apply({"params": params}, x)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    acc = (logits.argmax(-1) == y).mean()
+    return ce, {"accuracy": acc}
+
+  return Task(init, loss, _EvalLimited(data, d.eval_batches), model)
+
+
+def mlp_task(config) -> Task:
+  m = config.model
+  return _classifier_task(
+    config, models.MLP(tuple(m.hidden), 10, activation="relu"))
+
+
+def cnn_task(config) -> Task:
+  return _classifier_task(
+    config, models.CNN(tuple(config.model.channels), 10))
+
+
+def regression_task(config) -> Task:
+  d = config.data
+  data = data_lib.build(
+    "regression", batch_size=d.batch_size, seed=config.train.seed,
+    num_train=d.n_train, num_test=d.n_test, d_in=d.d_in,
+    n_features=d.n_features, noise=d.noise)
+  model = models.Linear()
+
+  def init(key):
+    return model.init(key, jnp.zeros((1, d.n_features)))["params"]
+
+  def loss(params, batch, key):
+    del key
+    x, y = batch
+    return jnp.mean((model.apply({"params": params}, x) - y) ** 2), {}
+
+  return Task(init, loss, _EvalLimited(data, d.eval_batches), model)
+
+
+class _EvalLimited:
+  """A data set whose evaluation uses the config's number of batches."""
+
+  def __init__(self, data, n: int):
+    self._data, self._n = data, n
+
+  def batch(self, step: int):
+    return self._data.batch(step)
+
+  def eval_batches(self):
+    return self._data.eval_batches(self._n)
+
+
+TASKS: dict[str, Callable[[Any], Task]] = {
+  "gpt": gpt_task,
+  "mlp": mlp_task,
+  "cnn": cnn_task,
+  "regression": regression_task,
+}
+
+
+def build(config) -> Task:
+  kind = config.model.kind
+  if kind not in TASKS:
+    close = difflib.get_close_matches(kind, TASKS, n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    raise ValueError(
+      f"unknown model.kind {kind!r}; valid: {', '.join(TASKS)}.{hint}")
+  return TASKS[kind](config)
