@@ -17,8 +17,7 @@ def get_config(arg=None):
   c.study.arms = {
     "fp32_reference": {"lowprec": {"trace_targets": ("bfloat16",)}},
     "rn_bf16": {"lowprec": {"writeback": "bfloat16"}},
-    "sr_bf16": {"lowprec": {"writeback": "bfloat16",
-                            "rounding": "stochastic"}},
+    "sr_bf16": {"lowprec": {"writeback": "bfloat16", "rounding": "stochastic"}},
   }
   c.model.seq_len = 32
   c.model.n_layer = 1

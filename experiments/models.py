@@ -58,8 +58,9 @@ class Attention(nn.Module):
   def __call__(self, x):
     b, t, d = x.shape
     h = self.n_head
-    qkv = nn.Dense(3 * d, kernel_init=_dense_init(self.init_std),
-                   name="c_attn")(x)
+    qkv = nn.Dense(
+      3 * d, kernel_init=_dense_init(self.init_std), name="c_attn"
+    )(x)
     q, k, v = jnp.split(qkv.reshape(b, t, 3 * h, d // h), 3, axis=2)
     if self.positions == "rotary":
       q, k = rotary(q), rotary(k)
@@ -68,8 +69,9 @@ class Attention(nn.Module):
     scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
     probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, d)
-    return nn.Dense(d, kernel_init=_dense_init(self.proj_std),
-                    name="c_proj")(out)
+    return nn.Dense(d, kernel_init=_dense_init(self.proj_std), name="c_proj")(
+      out
+    )
 
 
 class MLPBlock(nn.Module):
@@ -81,11 +83,11 @@ class MLPBlock(nn.Module):
   @nn.compact
   def __call__(self, x):
     d = x.shape[-1]
-    h = nn.Dense(self.ratio * d, kernel_init=_dense_init(self.init_std),
-                 name="c_fc")(x)
+    h = nn.Dense(
+      self.ratio * d, kernel_init=_dense_init(self.init_std), name="c_fc"
+    )(x)
     h = ACTIVATIONS[self.activation](h)
-    return nn.Dense(d, kernel_init=_dense_init(self.proj_std),
-                    name="c_proj")(h)
+    return nn.Dense(d, kernel_init=_dense_init(self.proj_std), name="c_proj")(h)
 
 
 ACTIVATIONS = {
@@ -102,13 +104,18 @@ class Block(nn.Module):
   def __call__(self, x):
     c = self.cfg
     proj_std = c["init_std"] / (2 * c["n_layer"]) ** 0.5
-    attn = Attention(c["n_head"], c["init_std"], proj_std, c["positions"],
-                     name="attn")
-    mlp = MLPBlock(c["mlp_ratio"], c["init_std"], proj_std, c["activation"],
-                   name="mlp")
+    attn = Attention(
+      c["n_head"], c["init_std"], proj_std, c["positions"], name="attn"
+    )
+    mlp = MLPBlock(
+      c["mlp_ratio"], c["init_std"], proj_std, c["activation"], name="mlp"
+    )
     if c["parallel_block"]:
-      return x + attn(Norm(c["norm"], name="ln_1")(x)) + mlp(
-        Norm(c["norm"], name="ln_2")(x))
+      return (
+        x
+        + attn(Norm(c["norm"], name="ln_1")(x))
+        + mlp(Norm(c["norm"], name="ln_2")(x))
+      )
     x = x + attn(Norm(c["norm"], name="ln_1")(x))
     return x + mlp(Norm(c["norm"], name="ln_2")(x))
 
@@ -124,23 +131,33 @@ class GPT(nn.Module):
     b, t = tokens.shape
     if t > c["seq_len"]:
       raise ValueError(f"sequence of {t} tokens exceeds model.seq_len")
-    wte = nn.Embed(c["vocab_size"], c["d_model"],
-                   embedding_init=_dense_init(c["init_std"]), name="wte")
+    wte = nn.Embed(
+      c["vocab_size"],
+      c["d_model"],
+      embedding_init=_dense_init(c["init_std"]),
+      name="wte",
+    )
     x = wte(tokens)
     if c["positions"] == "learned":
-      wpe = self.param("wpe", _dense_init(c["init_std"]),
-                       (c["seq_len"], c["d_model"]))
+      wpe = self.param(
+        "wpe", _dense_init(c["init_std"]), (c["seq_len"], c["d_model"])
+      )
       x = x + wpe[None, :t]
     elif c["positions"] != "rotary":
       raise ValueError(
-        f"unknown model.positions {c['positions']!r}; valid: learned, rotary")
+        f"unknown model.positions {c['positions']!r}; valid: learned, rotary"
+      )
     for i in range(c["n_layer"]):
       x = Block(c, name=f"h_{i}")(x)
     x = Norm(c["norm"], name="ln_f")(x)
     if c["tie_embeddings"]:
       return wte.attend(x)
-    return nn.Dense(c["vocab_size"], use_bias=False,
-                    kernel_init=_dense_init(c["init_std"]), name="lm_head")(x)
+    return nn.Dense(
+      c["vocab_size"],
+      use_bias=False,
+      kernel_init=_dense_init(c["init_std"]),
+      name="lm_head",
+    )(x)
 
 
 class MLP(nn.Module):

@@ -22,8 +22,12 @@ def schedule(opt, steps: int) -> optax.Schedule:
     if warmup == 0:
       return optax.constant_schedule(opt.lr)
     return optax.join_schedules(
-      [optax.linear_schedule(0.0, opt.lr, warmup),
-       optax.constant_schedule(opt.lr)], [warmup])
+      [
+        optax.linear_schedule(0.0, opt.lr, warmup),
+        optax.constant_schedule(opt.lr),
+      ],
+      [warmup],
+    )
   return optax.warmup_cosine_decay_schedule(
     init_value=0.0 if warmup else opt.lr,
     peak_value=opt.lr,
@@ -53,8 +57,11 @@ def build(config, key: jax.Array) -> optax.GradientTransformation:
   if opt.clip_norm > 0:
     parts.append(optax.clip_by_global_norm(opt.clip_norm))
   if opt.name == "adamw":
-    parts.append(optax.adamw(lr, b1=opt.b1, b2=opt.b2, eps=opt.eps,
-                             weight_decay=opt.weight_decay))
+    parts.append(
+      optax.adamw(
+        lr, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay
+      )
+    )
   else:
     parts.append(optax.sgd(lr, momentum=opt.momentum or None))
   fmt = writeback_format(lp)
@@ -64,10 +71,18 @@ def build(config, key: jax.Array) -> optax.GradientTransformation:
     if lp.keep_float32:
       target = [(lp.keep_float32, None), (".*", fmt)]
     needs_key = lp.rounding != "nearest"
-    parts.append(lowprec.writeback(
-      target, lp.rounding, key=wb_key if needs_key else None,
-      overflow=lp.overflow))
+    parts.append(
+      lowprec.writeback(
+        target,
+        lp.rounding,
+        key=wb_key if needs_key else None,
+        overflow=lp.overflow,
+      )
+    )
   if lp.trace_targets:
-    parts.append(lowprec.freeze.reference_trace(
-      list(lp.trace_targets), sample=lp.trace_sample, key=trace_key))
+    parts.append(
+      lowprec.freeze.reference_trace(
+        list(lp.trace_targets), sample=lp.trace_sample, key=trace_key
+      )
+    )
   return optax.chain(*parts)

@@ -1,11 +1,11 @@
 r"""Entry point: `python -m experiments.run --config configs/<study>.py`.
 
-  --config configs/x.py                    every arm x seed, in turn
-  --config configs/x.py:arm=rn_bf16,seed=1 one run (for job arrays)
-  --config configs/x.py:scale=full         the full-scale variant
-  --config.opt.lr=3e-4                     override any field (typos are
-                                           rejected with a suggestion)
-  --multihost                              call jax.distributed.initialize()
+--config configs/x.py                    every arm x seed, in turn
+--config configs/x.py:arm=rn_bf16,seed=1 one run (for job arrays)
+--config configs/x.py:scale=full         the full-scale variant
+--config.opt.lr=3e-4                     override any field (typos are
+                                         rejected with a suggestion)
+--multihost                              call jax.distributed.initialize()
 """
 
 import sys
@@ -26,7 +26,7 @@ def cli_overrides(argv) -> dict:
   out = {}
   for arg in argv:
     if arg.startswith("--config.") and "=" in arg:
-      key, value = arg[len("--config."):].split("=", 1)
+      key, value = arg[len("--config.") :].split("=", 1)
       out[key] = value
   return out
 

@@ -56,7 +56,9 @@ def _drop(overrides: dict, keys: set[str], prefix: str = "") -> dict:
   return out
 
 
-def resolve(config, arm: str, seed: int, cli_keys=()) -> ml_collections.ConfigDict:
+def resolve(
+  config, arm: str, seed: int, cli_keys=()
+) -> ml_collections.ConfigDict:
   """The config of one run: base, then the arm's overrides, then the seed.
 
   Command-line overrides (`cli_keys`, dotted) win over the arm's.
@@ -88,8 +90,10 @@ def validate(c) -> None:
       f"unknown lowprec.rounding {lp.rounding!r}; valid: "
       f"{', '.join(ROUNDINGS)}.{_suggest(lp.rounding, ROUNDINGS)}"
     )
-  names = [("lowprec.fwd_format", lp.fwd_format),
-           ("lowprec.bwd_format", lp.bwd_format)]
+  names = [
+    ("lowprec.fwd_format", lp.fwd_format),
+    ("lowprec.bwd_format", lp.bwd_format),
+  ]
   names += [("lowprec.trace_targets", t) for t in lp.trace_targets]
   if lp.writeback:
     names.append(("lowprec.writeback", lp.writeback))
@@ -111,8 +115,11 @@ def run_study(config, cli_keys=(), overrides: dict | None = None) -> list:
       c = resolve(config, arm, seed, cli_keys)
       path = results.run_dir(c)
       if results.is_finished(path):
-        print(f"[{c.study.name}/{arm or 'default'}/seed{seed}] finished "
-              f"already ({path}); skipped", flush=True)
+        print(
+          f"[{c.study.name}/{arm or 'default'}/seed{seed}] finished "
+          f"already ({path}); skipped",
+          flush=True,
+        )
         summaries.append(results.read_json(path + "/summary.json"))
         continue
       summaries.append(train.train_and_evaluate(c, overrides))

@@ -24,17 +24,34 @@ class Task:
 
 
 def _gpt_cfg(m) -> dict:
-  return {k: m[k] for k in (
-    "vocab_size", "seq_len", "n_layer", "n_head", "d_model", "mlp_ratio",
-    "positions", "norm", "parallel_block", "tie_embeddings", "init_std",
-    "activation")}
+  return {
+    k: m[k]
+    for k in (
+      "vocab_size",
+      "seq_len",
+      "n_layer",
+      "n_head",
+      "d_model",
+      "mlp_ratio",
+      "positions",
+      "norm",
+      "parallel_block",
+      "tie_embeddings",
+      "init_std",
+      "activation",
+    )
+  }
 
 
 def gpt_task(config) -> Task:
   m, d = config.model, config.data
   model = models.GPT(_gpt_cfg(m))
-  common = dict(seq_len=m.seq_len, batch_size=d.batch_size,
-                seed=config.train.seed, vocab_size=m.vocab_size)
+  common = dict(
+    seq_len=m.seq_len,
+    batch_size=d.batch_size,
+    seed=config.train.seed,
+    vocab_size=m.vocab_size,
+  )
   if d.name == "tokens":
     data = data_lib.build("tokens", data_dir=d.path, **common)
   else:
@@ -48,7 +65,8 @@ def gpt_task(config) -> Task:
     inputs, targets = batch
     logits = model.apply({"params": params}, inputs)
     ce = optax.softmax_cross_entropy_with_integer_labels(
-      logits.astype(jnp.float32), targets)
+      logits.astype(jnp.float32), targets
+    )
     return ce.mean(), {}
 
   return Task(init, loss, _EvalLimited(data, d.eval_batches), model)
@@ -79,20 +97,26 @@ def _classifier_task(config, model) -> Task:
 def mlp_task(config) -> Task:
   m = config.model
   return _classifier_task(
-    config, models.MLP(tuple(m.hidden), 10, activation="relu"))
+    config, models.MLP(tuple(m.hidden), 10, activation="relu")
+  )
 
 
 def cnn_task(config) -> Task:
-  return _classifier_task(
-    config, models.CNN(tuple(config.model.channels), 10))
+  return _classifier_task(config, models.CNN(tuple(config.model.channels), 10))
 
 
 def regression_task(config) -> Task:
   d = config.data
   data = data_lib.build(
-    "regression", batch_size=d.batch_size, seed=config.train.seed,
-    num_train=d.n_train, num_test=d.n_test, d_in=d.d_in,
-    n_features=d.n_features, noise=d.noise)
+    "regression",
+    batch_size=d.batch_size,
+    seed=config.train.seed,
+    num_train=d.n_train,
+    num_test=d.n_test,
+    d_in=d.d_in,
+    n_features=d.n_features,
+    noise=d.noise,
+  )
   model = models.Linear()
 
   def init(key):
@@ -133,5 +157,6 @@ def build(config) -> Task:
     close = difflib.get_close_matches(kind, TASKS, n=1)
     hint = f" Did you mean {close[0]!r}?" if close else ""
     raise ValueError(
-      f"unknown model.kind {kind!r}; valid: {', '.join(TASKS)}.{hint}")
+      f"unknown model.kind {kind!r}; valid: {', '.join(TASKS)}.{hint}"
+    )
   return TASKS[kind](config)

@@ -191,14 +191,18 @@ def train_and_evaluate(config, overrides: dict | None = None) -> dict:
   abstract = jax.eval_shape(init_state)
   p_shard = param_sharding(mesh, abstract.params, config.train.fsdp)
   o_shard = jax.tree.map(
-    lambda x: param_sharding(mesh, x, config.train.fsdp)
-    if hasattr(x, "shape") else None,
+    lambda x: (
+      param_sharding(mesh, x, config.train.fsdp)
+      if hasattr(x, "shape")
+      else None
+    ),
     abstract.opt_state,
   )
   state_shard = TrainState(mesh.replicated(), p_shard, o_shard)
   state = jax.jit(init_state, out_shardings=state_shard)()
 
   loss_and_grad = make_loss_and_grad(task, parts)
+
   def train_step(state, batch):
     key = jax.random.fold_in(step_key, state.step)
     (loss, aux), grads = loss_and_grad(state.params, batch, key)
@@ -207,25 +211,33 @@ def train_and_evaluate(config, overrides: dict | None = None) -> dict:
     metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), **aux}
     return TrainState(state.step + 1, params, opt_state), metrics
 
-  step_fn = jax.jit(train_step, donate_argnums=0,
-                    out_shardings=(state_shard, mesh.replicated()))
+  step_fn = jax.jit(
+    train_step, donate_argnums=0, out_shardings=(state_shard, mesh.replicated())
+  )
   eval_fn = jax.jit(make_eval_loss(task, parts))
 
   ckpt = checkpoint.Checkpointer(
-    os.path.join(workdir, "checkpoints"), config.ckpt.every_steps,
-    config.ckpt.keep)
+    os.path.join(workdir, "checkpoints"),
+    config.ckpt.every_steps,
+    config.ckpt.keep,
+  )
   start = ckpt.latest_step() or 0
   if start:
     state = ckpt.restore(start, state)
-    print(f"[{config.study.name}/{config.study.arm}/seed{seed}] resumed from "
-          f"step {start}", flush=True)
+    print(
+      f"[{config.study.name}/{config.study.arm}/seed{seed}] resumed from "
+      f"step {start}",
+      flush=True,
+    )
   metrics_file = results.MetricsWriter(
-    os.path.join(workdir, "metrics.jsonl"), resume_step=start)
+    os.path.join(workdir, "metrics.jsonl"), resume_step=start
+  )
   lr_fn = optim.schedule(config.opt, config.train.steps)
 
   def put(batch):
     return jax.tree.map(
-      lambda x: jax.make_array_from_process_local_data(mesh.batch, x), batch)
+      lambda x: jax.make_array_from_process_local_data(mesh.batch, x), batch
+    )
 
   eval_batches = [put(b) for b in task.data.eval_batches()]
 
@@ -265,9 +277,13 @@ def train_and_evaluate(config, overrides: dict | None = None) -> dict:
         now = time.time()
         rate = (done - s_last) / max(now - t_last, 1e-9)
         t_last, s_last = now, done
-        print(tag, _progress(done, total, record["loss"],
-                             record.get("val_loss"), rate, now - t0),
-              flush=True)
+        print(
+          tag,
+          _progress(
+            done, total, record["loss"], record.get("val_loss"), rate, now - t0
+          ),
+          flush=True,
+        )
   finally:
     metrics_file.close()
     ckpt.close()
@@ -279,8 +295,7 @@ def train_and_evaluate(config, overrides: dict | None = None) -> dict:
     "final_val_loss": last.get("val_loss"),
     "wall_s": time.time() - t0,
     "resumed_from": start,
-    "param_count": int(sum(np.size(x) for x in
-                           jax.tree.leaves(state.params))),
+    "param_count": int(sum(np.size(x) for x in jax.tree.leaves(state.params))),
     "param_digest": params_digest(state.params),
   }
   results.write_json(os.path.join(workdir, "summary.json"), summary)

@@ -1,0 +1,1 @@
+"""Experiment runner: configs, models, data, training loop and results."""
