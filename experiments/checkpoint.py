@@ -1,9 +1,10 @@
 """Orbax checkpoints of the whole training state, with typed PRNG keys.
 
 Orbax stores arrays; typed PRNG keys (inside write-back states) are saved as
-their raw uint32 data and re-wrapped on restore. Saves are finalised by
-orbax with an atomic rename, so a run killed mid-save resumes from the
-previous complete checkpoint.
+their raw uint32 data and re-wrapped on restore, and empty arrays (which
+orbax refuses) are stood in for by a scalar and restored from the template.
+Saves are finalised by orbax with an atomic rename, so a run killed mid-save
+resumes from the previous complete checkpoint.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import os
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 
@@ -20,16 +22,29 @@ def _is_key(x) -> bool:
   )
 
 
+def _empty(x) -> bool:
+  return hasattr(x, "size") and x.size == 0
+
+
 def _unwrap(tree):
-  return jax.tree.map(
-    lambda x: jax.random.key_data(x) if _is_key(x) else x, tree
-  )
+  """Keys as raw data; empty arrays (which orbax refuses) as a scalar."""
+
+  def leaf(x):
+    if _is_key(x):
+      return jax.random.key_data(x)
+    if _empty(x):
+      return jnp.zeros((), x.dtype)
+    return x
+
+  return jax.tree.map(leaf, tree)
 
 
 def _abstract(tree):
   def leaf(x):
     if _is_key(x):
       x = jax.random.key_data(x)
+    if _empty(x):
+      return jax.ShapeDtypeStruct((), x.dtype)
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
 
   return jax.tree.map(leaf, tree)
@@ -63,6 +78,8 @@ class Checkpointer:
     )
 
     def rewrap(template, value):
+      if _empty(template):
+        return template
       if _is_key(template):
         return jax.random.wrap_key_data(
           value, impl=jax.random.key_impl(template)

@@ -67,7 +67,10 @@ class Attention(nn.Module):
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(d // h)
     mask = jnp.tril(jnp.ones((t, t), bool))
     scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
-    probs = jax.nn.softmax(scores, axis=-1)
+    # exp(s - logsumexp(s)) rather than e / sum(e): XLA may rewrite a division
+    # by a broadcast into a reciprocal-multiply in some programs and not in
+    # others, which would change bits between device counts.
+    probs = jnp.exp(scores - jax.nn.logsumexp(scores, axis=-1, keepdims=True))
     out = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, d)
     return nn.Dense(d, kernel_init=_dense_init(self.proj_std), name="c_proj")(
       out

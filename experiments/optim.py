@@ -45,6 +45,15 @@ def writeback_format(lp):
   return lowprec.get_format(lp.writeback, scale=scale)
 
 
+def writeback_target(lp):
+  """The write-back's `fmt` argument: a Format, or rules keeping some paths
+  in float32; None when the run trains in float32."""
+  fmt = writeback_format(lp)
+  if fmt is None or not lp.keep_float32:
+    return fmt
+  return [(lp.keep_float32, None), (".*", fmt)]
+
+
 def build(config, key: jax.Array) -> optax.GradientTransformation:
   """clip -> AdamW/SGD -> write-back (low precision) or trace (float32)."""
   opt, lp = config.opt, config.lowprec
@@ -64,12 +73,9 @@ def build(config, key: jax.Array) -> optax.GradientTransformation:
     )
   else:
     parts.append(optax.sgd(lr, momentum=opt.momentum or None))
-  fmt = writeback_format(lp)
+  target = writeback_target(lp)
   wb_key, trace_key = jax.random.split(key)
-  if fmt is not None:
-    target = fmt
-    if lp.keep_float32:
-      target = [(lp.keep_float32, None), (".*", fmt)]
+  if target is not None:
     needs_key = lp.rounding != "nearest"
     parts.append(
       lowprec.writeback(

@@ -5,11 +5,11 @@ parameters and optimizer state), donated buffers, metrics as JSON lines as
 they happen, progress with steps/s and ETA, orbax checkpoints with resume,
 and a clear stop on a non-finite loss that keeps the last good checkpoint.
 
-Determinism: the global batch is split into `train.virtual_shards` equal
-parts whose gradients are computed side by side and summed in a fixed order,
-so the result does not depend on how many devices hold the parts (bit for
-bit, 1 vs 8 devices, when each device holds at least two parts). Random bits
-for rounding are keyed by (seed, step, part), and data by (seed, step).
+Determinism: the global batch is split into `train.virtual_shards`
+microbatches; each device scans over its own, and the gradients are summed in
+a fixed pairwise tree, so the result does not depend on how many devices
+hold them (bit for bit, 1 vs 8 devices; parameters replicated). Random bits
+for rounding are keyed by (seed, step, microbatch), data by (seed, step).
 """
 
 from __future__ import annotations
@@ -79,69 +79,99 @@ def param_sharding(mesh: Mesh, tree, fsdp: int):
   return jax.tree.map(leaf, tree)
 
 
-def _shard_batch(batch, parts: int):
-  """[B, ...] -> [parts, B/parts, ...] for every array of the batch."""
+def _tree_sum(tree):
+  """Pairwise sum over the leading axis (a power of two), in a fixed tree.
 
-  def split(x):
-    if x.shape[0] % parts:
-      raise ValueError(
-        f"global batch {x.shape[0]} is not divisible by "
-        f"train.virtual_shards={parts}; change one of them"
-      )
-    return x.reshape(parts, x.shape[0] // parts, *x.shape[1:])
-
-  return jax.tree.map(split, batch)
-
-
-def _fixed_order_sum(tree):
-  """Sums the leading axis left to right, whatever the device layout."""
+  Summing aligned blocks first and then the block sums gives the same tree,
+  so devices holding consecutive blocks reproduce the one-device sum.
+  """
 
   def total(x):
-    acc = x[0]
-    for i in range(1, x.shape[0]):
-      acc = acc + x[i]
-    return acc
+    while x.shape[0] > 1:
+      x = x[0::2] + x[1::2]
+    return x[0]
 
   return jax.tree.map(total, tree)
 
 
-def make_loss_and_grad(task, parts: int):
-  """Mean loss and gradient over the global batch, deterministically."""
+def _is_pow2(n: int) -> bool:
+  return n > 0 and n & (n - 1) == 0
+
+
+def _batch_axes():
+  return ("data", "fsdp")
+
+
+def _deterministic(fn, mesh: Mesh, parts: int):
+  """Maps `fn(params, part, key, index)` over `parts` microbatches.
+
+  Each device scans over its consecutive microbatches one at a time (the
+  same program on any device count), sums them in a fixed pairwise tree,
+  gathers the device sums and finishes the same tree: the result is bit
+  for bit independent of the number of devices. Returns the mean.
+  """
+  n_dev = mesh.mesh.size
+  if not (_is_pow2(parts) and _is_pow2(n_dev) and parts % n_dev == 0):
+    raise ValueError(
+      f"train.virtual_shards={parts} must be a power of two and a multiple "
+      f"of the device count {n_dev} (e.g. {max(16, n_dev)}); or 0 to turn "
+      "off the deterministic reduction"
+    )
+  local = parts // n_dev
+
+  def per_device(params, batch, key):
+    first = jax.lax.axis_index(_batch_axes()) * local
+
+    def split(x):
+      if x.shape[0] % local:
+        raise ValueError(
+          f"global batch is not divisible by train.virtual_shards={parts}"
+        )
+      return x.reshape(local, x.shape[0] // local, *x.shape[1:])
+
+    def body(carry, xs):
+      part, i = xs
+      return carry, fn(params, part, key, i)
+
+    _, outs = jax.lax.scan(
+      body, None, (jax.tree.map(split, batch), first + jnp.arange(local))
+    )
+    gathered = jax.lax.all_gather(_tree_sum(outs), _batch_axes())
+    return jax.tree.map(lambda x: x / parts, _tree_sum(gathered))
+
+  return jax.shard_map(
+    per_device,
+    mesh=mesh.mesh,
+    in_specs=(P(), P(_batch_axes()), P()),
+    out_specs=P(),
+    check_vma=False,  # the gathered tree sum is the same on every device
+  )
+
+
+def make_loss_and_grad(task, mesh: Mesh, parts: int):
+  """Mean loss (and aux) and gradient over the global batch.
+
+  With `parts > 0` the reduction is deterministic across device counts
+  (see `_deterministic`); with 0 it is XLA's (faster, order unspecified).
+  """
 
   def per_part(params, batch, key, i):
     return jax.value_and_grad(task.loss, has_aux=True)(
       params, batch, jax.random.fold_in(key, i)
     )
 
-  def loss_and_grad(params, batch, key):
-    if parts == 0:
-      return per_part(params, batch, key, 0)
-    split = _shard_batch(batch, parts)
-    (loss, aux), grads = jax.vmap(per_part, in_axes=(None, 0, None, 0))(
-      params, split, key, jnp.arange(parts)
-    )
-    total = _fixed_order_sum((loss, aux, grads))
-    return jax.tree.map(lambda x: x / parts, total[:2]), jax.tree.map(
-      lambda g: g / parts, total[2]
-    )
-
-  return loss_and_grad
+  if parts == 0:
+    return lambda params, batch, key: per_part(params, batch, key, 0)
+  return _deterministic(per_part, mesh, parts)
 
 
-def make_eval_loss(task, parts: int):
+def make_eval_loss(task, mesh: Mesh, parts: int):
   def per_part(params, batch, key, i):
     return task.loss(params, batch, jax.random.fold_in(key, i))[0]
 
-  def eval_loss(params, batch, key):
-    if parts == 0:
-      return per_part(params, batch, key, 0)
-    split = _shard_batch(batch, parts)
-    losses = jax.vmap(per_part, in_axes=(None, 0, None, 0))(
-      params, split, key, jnp.arange(parts)
-    )
-    return _fixed_order_sum(losses) / parts
-
-  return eval_loss
+  if parts == 0:
+    return lambda params, batch, key: per_part(params, batch, key, 0)
+  return _deterministic(per_part, mesh, parts)
 
 
 def _progress(step, total, loss, val, rate, elapsed):
@@ -151,6 +181,71 @@ def _progress(step, total, loss, val, rate, elapsed):
     f"step {step}/{total} loss {loss:.4f}{val_s} | {rate:.2f} steps/s | "
     f"elapsed {elapsed:.0f}s ETA {eta:.0f}s"
   )
+
+
+@dataclasses.dataclass
+class Run:
+  """Everything one run needs, built from its config (nothing trained)."""
+
+  task: tasks.Task
+  mesh: Mesh
+  state: TrainState
+  step_fn: Any  # jitted (state, batch) -> (state, metrics); donates state
+  eval_fn: Any  # jitted (params, batch, key) -> mean loss
+  eval_key: jax.Array
+
+  def put(self, batch):
+    """A host batch (numpy) as a global array sharded over the mesh."""
+    return jax.tree.map(
+      lambda x: jax.make_array_from_process_local_data(self.mesh.batch, x),
+      batch,
+    )
+
+
+def build_run(config) -> Run:
+  """Builds the task, mesh, optimizer, initial state and jitted step."""
+  task = tasks.build(config)
+  mesh = make_mesh(config)
+  parts = config.train.virtual_shards
+  if parts and config.train.fsdp > 1:
+    raise ValueError(
+      "train.virtual_shards (deterministic reduction) needs replicated "
+      "parameters; set train.virtual_shards=0 to use train.fsdp > 1"
+    )
+  root = jax.random.key(config.train.seed)
+  init_key, opt_key, step_key, eval_key = jax.random.split(root, 4)
+  tx = optim.build(config, opt_key)
+  target = optim.writeback_target(config.lowprec)
+
+  def init_state():
+    params = task.init(init_key)
+    if target is not None:  # write-back starts from weights on the grid
+      params = lowprec.to_grid(params, target)
+    return TrainState(jnp.int32(0), params, tx.init(params))
+
+  abstract = jax.eval_shape(init_state)
+  fsdp = config.train.fsdp
+  state_shard = TrainState(
+    mesh.replicated(),
+    param_sharding(mesh, abstract.params, fsdp),
+    param_sharding(mesh, abstract.opt_state, fsdp),
+  )
+  state = jax.jit(init_state, out_shardings=state_shard)()
+  loss_and_grad = make_loss_and_grad(task, mesh, parts)
+
+  def train_step(state, batch):
+    key = jax.random.fold_in(step_key, state.step)
+    (loss, aux), grads = loss_and_grad(state.params, batch, key)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = lowprec.apply_updates(state.params, updates)
+    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), **aux}
+    return TrainState(state.step + 1, params, opt_state), metrics
+
+  step_fn = jax.jit(
+    train_step, donate_argnums=0, out_shardings=(state_shard, mesh.replicated())
+  )
+  eval_fn = jax.jit(make_eval_loss(task, mesh, parts))
+  return Run(task, mesh, state, step_fn, eval_fn, eval_key)
 
 
 def train_and_evaluate(config, overrides: dict | None = None) -> dict:
@@ -169,53 +264,8 @@ def train_and_evaluate(config, overrides: dict | None = None) -> dict:
   results.write_json(
     os.path.join(workdir, "env.json"), results.environment(overrides or {})
   )
-  task = tasks.build(config)
-  mesh = make_mesh(config)
-  parts = config.train.virtual_shards
-  n_dev = mesh.mesh.size
-  if parts and parts % n_dev:
-    raise ValueError(
-      f"train.virtual_shards={parts} must be a multiple of the device count "
-      f"{n_dev} (set it to {n_dev * max(1, parts // n_dev)} or more)"
-    )
-
-  seed = config.train.seed
-  root = jax.random.key(seed)
-  init_key, opt_key, step_key, eval_key = jax.random.split(root, 4)
-  tx = optim.build(config, opt_key)
-
-  def init_state():
-    params = task.init(init_key)
-    return TrainState(jnp.int32(0), params, tx.init(params))
-
-  abstract = jax.eval_shape(init_state)
-  p_shard = param_sharding(mesh, abstract.params, config.train.fsdp)
-  o_shard = jax.tree.map(
-    lambda x: (
-      param_sharding(mesh, x, config.train.fsdp)
-      if hasattr(x, "shape")
-      else None
-    ),
-    abstract.opt_state,
-  )
-  state_shard = TrainState(mesh.replicated(), p_shard, o_shard)
-  state = jax.jit(init_state, out_shardings=state_shard)()
-
-  loss_and_grad = make_loss_and_grad(task, parts)
-
-  def train_step(state, batch):
-    key = jax.random.fold_in(step_key, state.step)
-    (loss, aux), grads = loss_and_grad(state.params, batch, key)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = lowprec.apply_updates(state.params, updates)
-    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), **aux}
-    return TrainState(state.step + 1, params, opt_state), metrics
-
-  step_fn = jax.jit(
-    train_step, donate_argnums=0, out_shardings=(state_shard, mesh.replicated())
-  )
-  eval_fn = jax.jit(make_eval_loss(task, parts))
-
+  run = build_run(config)
+  state, seed = run.state, config.train.seed
   ckpt = checkpoint.Checkpointer(
     os.path.join(workdir, "checkpoints"),
     config.ckpt.every_steps,
@@ -234,15 +284,10 @@ def train_and_evaluate(config, overrides: dict | None = None) -> dict:
   )
   lr_fn = optim.schedule(config.opt, config.train.steps)
 
-  def put(batch):
-    return jax.tree.map(
-      lambda x: jax.make_array_from_process_local_data(mesh.batch, x), batch
-    )
-
-  eval_batches = [put(b) for b in task.data.eval_batches()]
+  eval_batches = [run.put(b) for b in run.task.data.eval_batches()]
 
   def evaluate(params):
-    losses = [float(eval_fn(params, b, eval_key)) for b in eval_batches]
+    losses = [float(run.eval_fn(params, b, run.eval_key)) for b in eval_batches]
     return float(np.mean(losses))
 
   total = config.train.steps
@@ -254,8 +299,7 @@ def train_and_evaluate(config, overrides: dict | None = None) -> dict:
       val = evaluate(state.params)
       metrics_file.write({"step": 0, "val_loss": val})
     for step in range(start, total):
-      batch = put(task.data.batch(step))
-      state, m = step_fn(state, batch)
+      state, m = run.step_fn(state, run.put(run.task.data.batch(step)))
       record = {"step": step + 1, "lr": float(lr_fn(step))}
       record.update({k: float(v) for k, v in jax.device_get(m).items()})
       record.update(lowprec.telemetry(state.opt_state))

@@ -23,8 +23,8 @@ def _run(tmp, *args, devices=8, wait=True):
     sys.executable,
     "-m",
     "experiments.run",
-    f"--config.log.results_dir={tmp}",
     *args,
+    f"--config.log.results_dir={tmp}",
   ]
   if not wait:
     return subprocess.Popen(
