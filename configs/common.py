@@ -46,6 +46,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.study.scale = parsed["scale"]
   c.study.arms = ml_collections.ConfigDict()  # arm name -> nested overrides
   c.study.seeds = (0,)
+  c.study.reference_arm = ""  # arm whose trace predicts this arm's freeze
+  c.study.cell = ""  # label grouping arms into one table row
   c.study.arm = parsed["arm"]  # "" runs every arm
   c.study.seed = parsed["seed"]  # -1 runs every seed
 

@@ -10,7 +10,7 @@ r"""Entry point: `python -m experiments.run --config configs/<study>.py`.
 
 import sys
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -37,6 +37,7 @@ def main(argv):
 
   from experiments import study
 
+  logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
   if _MULTIHOST.value:
     jax.distributed.initialize()
   overrides = cli_overrides(sys.argv)

@@ -36,10 +36,12 @@ def arms_of(config) -> list[str]:
   return arms
 
 
-def seeds_of(config) -> list[int]:
+def seeds_of(config, arm: str = "") -> list[int]:
+  """The selected seed, else the arm's own `study.seeds`, else the study's."""
   if config.study.seed >= 0:
     return [config.study.seed]
-  return list(config.study.seeds)
+  arm_study = config.study.arms[arm].get("study", {}) if arm else {}
+  return list(arm_study.get("seeds", config.study.seeds))
 
 
 def _drop(overrides: dict, keys: set[str], prefix: str = "") -> dict:
@@ -111,7 +113,7 @@ def run_study(config, cli_keys=(), overrides: dict | None = None) -> list:
   """Runs (or resumes, or skips) every selected arm x seed in turn."""
   summaries = []
   for arm in arms_of(config):
-    for seed in seeds_of(config):
+    for seed in seeds_of(config, arm):
       c = resolve(config, arm, seed, cli_keys)
       path = results.run_dir(c)
       if results.is_finished(path):
