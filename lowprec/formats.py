@@ -165,9 +165,10 @@ class Format:
     """
     x, lay = _bits.carrier(x)
     if not self.is_float:
-      k = x / jnp.float32(self.scale)
-      on = (jnp.round(k) == k) & (jnp.abs(k) <= self.int_max)
-      return on & (jnp.round(k) * jnp.float32(self.scale) == x)
+      # Grid values are float32(k * scale); x / scale need not give k back
+      # exactly when the scale is not a power of two.
+      k = jnp.round(x / jnp.float32(self.scale))
+      return (jnp.abs(k) <= self.int_max) & (k * jnp.float32(self.scale) == x)
     a = _bits.to_bits(x, lay) & _bits.u(lay.sign_mask - 1, lay)
     finite = a <= _bits.u(lay.bits_of(self.max_finite), lay)
     on = finite & (_bits.bracket(a, self, lay).frac == 0)

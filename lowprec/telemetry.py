@@ -40,14 +40,17 @@ def telemetry(opt_state) -> dict[str, float | int]:
   """
   nodes = jax.tree_util.tree_leaves(opt_state, is_leaf=_is_reporter)
   out: dict[str, float | int] = {}
-  count = 0
   for node in nodes:
     if not _is_reporter(node):
       continue
-    suffix = f"#{count}" if count else ""
-    count += 1
     for k, v in node.report().items():
-      out[k + suffix] = _plain(v)
+      # Only colliding keys get a suffix: a write-back and a reference
+      # trace in one chain keep their own plain names.
+      name, n = k, 0
+      while name in out:
+        n += 1
+        name = f"{k}#{n}"
+      out[name] = _plain(v)
   return out
 
 

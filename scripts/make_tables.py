@@ -64,7 +64,7 @@ class Run:
     ]
     if not rows:
       return np.zeros(0, int), np.zeros(0)
-    steps, vals = zip(*rows)
+    steps, vals = zip(*rows, strict=True)
     return np.asarray(steps), np.asarray(vals, float)
 
   def last(self, key: str):
