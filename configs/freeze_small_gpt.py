@@ -28,7 +28,9 @@ def get_config(arg=None):
   c = common.get_config(arg)
   c.study.name = "freeze_small_gpt"
   c.study.arms = {
-    "fp32_reference": {"lowprec": {"trace_targets": ("bfloat16",)}},
+    "fp32_reference": {
+      "lowprec": {"trace_targets": ("bfloat16", "bfloat16:stochastic")}
+    },
     "rn_bf16": {
       "lowprec": {"writeback": "bfloat16"},
       "study": {"reference_arm": "fp32_reference"},
@@ -38,7 +40,7 @@ def get_config(arg=None):
       "study": {"reference_arm": "fp32_reference"},
     },
   }
-  c.opt.lr = 1e-3
+  c.opt.lr = 6.5e-4
   c.opt.min_lr_ratio = 0.0
   c.opt.warmup_steps = 20
   c.train.steps = 400

@@ -45,6 +45,12 @@ def writeback_format(lp):
   return lowprec.get_format(lp.writeback, scale=scale)
 
 
+def trace_target(spec: str):
+  """`"bfloat16"` or `"bfloat16:stochastic"` as a reference-trace target."""
+  name, _, rounding = spec.partition(":")
+  return lowprec.freeze.Target(name, rounding or "nearest")
+
+
 def writeback_target(lp):
   """The write-back's `fmt` argument: a Format, or rules keeping some paths
   in float32; None when the run trains in float32."""
@@ -88,7 +94,9 @@ def build(config, key: jax.Array) -> optax.GradientTransformation:
   if lp.trace_targets:
     parts.append(
       lowprec.freeze.reference_trace(
-        list(lp.trace_targets), sample=lp.trace_sample, key=trace_key
+        [trace_target(t) for t in lp.trace_targets],
+        sample=lp.trace_sample,
+        key=trace_key,
       )
     )
   return optax.chain(*parts)

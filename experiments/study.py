@@ -96,7 +96,9 @@ def validate(c) -> None:
     ("lowprec.fwd_format", lp.fwd_format),
     ("lowprec.bwd_format", lp.bwd_format),
   ]
-  names += [("lowprec.trace_targets", t) for t in lp.trace_targets]
+  names += [
+    ("lowprec.trace_targets", t.partition(":")[0]) for t in lp.trace_targets
+  ]
   if lp.writeback:
     names.append(("lowprec.writeback", lp.writeback))
   for field, name in names:

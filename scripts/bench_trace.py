@@ -4,7 +4,8 @@ The step is a real forward + backward + AdamW update of a decoder-only
 transformer (learned positions, pre-LN, tied embeddings) written in plain
 JAX, a few million parameters; the traced arm appends
 `lowprec.freeze.reference_trace` for three targets (bf16, e4m3fn, e5m2) and,
-in a third arm, a 1024-coordinate sample.
+in a third arm, a 1024-coordinate sample. The last row times the trace's
+update alone on the same gradients.
 """
 
 from __future__ import annotations
@@ -93,18 +94,23 @@ def run(quick: bool = False) -> str:
       adamw, trace(TARGETS, sample=1024, key=jax.random.key(2))
     ),
   }
-  steps = {}
+  calls = {}
   for name, opt in arms.items():
-    step = _step_fn(opt, heads)
-    steps[name] = (step, opt.init(params))
-    jax.block_until_ready(step(params, steps[name][1], tokens))  # compile
+    calls[name] = (_step_fn(opt, heads), (params, opt.init(params), tokens))
+  # The trace's update alone, on this model's gradients: its added cost.
+  alone = trace(TARGETS)
+  grads = jax.jit(jax.grad(_loss), static_argnums=2)(params, tokens, heads)
+  calls["reference_trace update alone (3 targets)"] = (
+    jax.jit(lambda g, s, p: alone.update(g, s, p)[1]),
+    (grads, alone.init(params), params),
+  )
+  for fn, args in calls.values():
+    jax.block_until_ready(fn(*args))  # compile
   # Arms take turns, so drifting load on a shared machine hits all of them.
-  times = {name: [] for name in arms}
+  times = {name: [] for name in calls}
   for _ in range(rounds):
-    for name, (step, state) in steps.items():
-      times[name].append(
-        median_time(step, params, state, tokens, repeats=repeats, warmup=1)
-      )
+    for name, (fn, args) in calls.items():
+      times[name].append(median_time(fn, *args, repeats=repeats, warmup=1))
   rows = [(name, statistics.median(t)) for name, t in times.items()]
   title = (
     f"trace: small GPT float32 step ({n / 1e6:.1f}M params, "

@@ -146,8 +146,17 @@ def freeze_table(runs: list[Run], theta: float = 0.5, tol: float = 0.15):
       )
       cells[f"{row['cell']}/seed{run.seed}"] = (pred[:n], measured[:n])
     elif rounding != "nearest":
-      row["predicted_crossing"] = "never (stochastic)"
-      row["category_agrees"] = m_cat == "never"
+      # No persistent freeze is predicted; compare the per-step probability
+      # that a proposal moves its coordinate, predicted vs measured.
+      row["predicted_crossing"] = "none (stochastic)"
+      suffix = {"stochastic": "_sr", "deadzone": "_dzsr"}[rounding]
+      _, moved = run.curve("moved")
+      _, props = run.curve("proposals")
+      row["measured_move_prob"] = float(np.mean(moved / np.maximum(props, 1)))
+      if ref is not None:
+        _, mp = ref.curve(f"pred/{fmt}{suffix}/move_prob")
+        if mp.size:
+          row["predicted_move_prob"] = float(np.nanmean(mp))
     rows.append(row)
   lines = []
   if cells:
