@@ -96,7 +96,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.lowprec.writeback = ""  # weight grid format; "" trains in float32
   c.lowprec.rounding = "nearest"  # nearest | stochastic | deadzone
   c.lowprec.overflow = "saturate"
-  c.lowprec.int_scale = 0.0  # grid step for intK write-back formats
+  c.lowprec.int_scale = 0.0  # intK grid step; 0: per tensor, from the start
   c.lowprec.keep_float32 = ""  # regex of param paths left in float32
   c.lowprec.trace_targets = ()  # formats predicted by a reference trace
   c.lowprec.trace_sample = 0  # coordinates whose (w, u) are logged
@@ -112,6 +112,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.train.virtual_shards = 16  # fixed-order gradient sum; 0 = plain mean
   c.train.fsdp = 1  # devices per parameter shard group
   c.train.seed = 0  # set from study.seed for each run
+  c.train.init_from_arm = ""  # start from this arm's checkpoint (same seed)
+  c.train.init_from_step = 0  # ... saved at this step (params only)
 
   c.log = ml_collections.ConfigDict()
   c.log.results_dir = "results"

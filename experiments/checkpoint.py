@@ -4,7 +4,8 @@ Orbax stores arrays; typed PRNG keys (inside write-back states) are saved as
 their raw uint32 data and re-wrapped on restore, and empty arrays (which
 orbax refuses) are stood in for by a scalar and restored from the template.
 Saves are finalised by orbax with an atomic rename, so a run killed mid-save
-resumes from the previous complete checkpoint.
+resumes from the previous complete checkpoint. `restore_params` reads only the
+parameters of another run's checkpoint (to start a run from it).
 """
 
 from __future__ import annotations
@@ -94,3 +95,37 @@ class Checkpointer:
   def close(self) -> None:
     self._mngr.wait_until_finished()
     self._mngr.close()
+
+
+def restore_params(directory: str, step: int, like):
+  """The parameters saved at `step` in a run's `checkpoints/` directory.
+
+  Only `params` is read (the saved optimizer state may have another
+  structure), into the structure, dtypes and shardings of `like`.
+
+  Raises:
+    FileNotFoundError: no checkpoint at `step` (the message lists the saved
+      steps).
+  """
+  path = os.path.abspath(directory)
+  steps = []
+  if os.path.isdir(path):
+    mngr = ocp.CheckpointManager(path)
+    steps = list(mngr.all_steps())
+  if step not in steps:
+    raise FileNotFoundError(
+      f"no checkpoint at step {step} in {path} (saved steps: "
+      f"{sorted(steps) or 'none'}); run the source arm first, with "
+      "ckpt.every_steps dividing the step and ckpt.keep large enough"
+    )
+  item = {"params": _abstract(like)}
+  raw = mngr.restore(
+    step,
+    args=ocp.args.PyTreeRestore(
+      item=item,
+      restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+      partial_restore=True,
+    ),
+  )
+  mngr.close()
+  return raw["params"]

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import math
+import re
+
 import jax
+import numpy as np
 import optax
 
 import lowprec
+from lowprec.storage import path_name
 
 OPTIMIZERS = ("adamw", "sgd")
 SCHEDULES = ("cosine", "constant")
@@ -45,23 +50,90 @@ def writeback_format(lp):
   return lowprec.get_format(lp.writeback, scale=scale)
 
 
-def trace_target(spec: str):
-  """`"bfloat16"` or `"bfloat16:stochastic"` as a reference-trace target."""
+def trace_target(spec: str, keep_float32: str = ""):
+  """`"bfloat16"` or `"bfloat16:stochastic"` as a reference-trace target.
+
+  Paths matching `keep_float32` are left out of the prediction, as the
+  write-back leaves them out of the grid.
+  """
   name, _, rounding = spec.partition(":")
-  return lowprec.freeze.Target(name, rounding or "nearest")
+  if not keep_float32:
+    return lowprec.freeze.Target(name, rounding or "nearest")
+  rules = [(keep_float32, None), (".*", name)]
+  return lowprec.freeze.Target(rules, rounding or "nearest")
 
 
-def writeback_target(lp):
+def per_tensor_int(lp, params):
+  """`intK` formats, one per tensor, each scaled to the tensor's values.
+
+  The scale of a tensor is the smallest power of two `s` with
+  `s * (2**(K-1) - 1) >= max |w|`, so rounding the tensor onto its grid clips
+  nothing (a power of two, so that float32 deltas land exactly). Paths
+  matching `lp.keep_float32` get None (left in float32).
+
+  Raises:
+    ValueError: a tensor on the grid that is all zeros (no scale fits it).
+  """
+  bits = int(lp.writeback[3:])
+  top = 2 ** (bits - 1) - 1
+
+  def leaf(path, x):
+    name = path_name(path)
+    if lp.keep_float32 and re.fullmatch(lp.keep_float32, name):
+      return None
+    amax = float(np.max(np.abs(np.asarray(jax.device_get(x)))))
+    if not (amax > 0 and math.isfinite(amax)):
+      raise ValueError(
+        f"parameter {name!r} has max |w| = {amax}: no per-tensor "
+        f"{lp.writeback} scale fits it; set lowprec.int_scale, or leave it "
+        "in float32 with lowprec.keep_float32"
+      )
+    return lowprec.int_format(bits, 2.0 ** math.ceil(math.log2(amax / top)))
+
+  return jax.tree_util.tree_map_with_path(leaf, params)
+
+
+def needs_params(lp) -> bool:
+  """Whether the write-back target depends on the initial parameters."""
+  return lp.writeback.startswith("int") and not lp.int_scale
+
+
+def writeback_target(lp, params=None):
   """The write-back's `fmt` argument: a Format, or rules keeping some paths
-  in float32; None when the run trains in float32."""
+  in float32, or a pytree of per-tensor formats (`needs_params`, computed
+  from `params`); None when the run trains in float32."""
+  if needs_params(lp):
+    if params is None:
+      raise ValueError(
+        f"{lp.writeback} write-back with per-tensor scales "
+        "(lowprec.int_scale=0) needs the initial params"
+      )
+    return per_tensor_int(lp, params)
   fmt = writeback_format(lp)
   if fmt is None or not lp.keep_float32:
     return fmt
   return [(lp.keep_float32, None), (".*", fmt)]
 
 
-def build(config, key: jax.Array) -> optax.GradientTransformation:
-  """clip -> AdamW/SGD -> write-back (low precision) or trace (float32)."""
+def trace_targets(lp):
+  """The reference trace's targets, named as `reference_trace` names them
+  (`bfloat16`, `bfloat16_sr`), over the parameters the write-back rounds."""
+  if not lp.keep_float32:
+    return [trace_target(t) for t in lp.trace_targets]
+  return {
+    trace_target(t).default_name: trace_target(t, lp.keep_float32)
+    for t in lp.trace_targets
+  }
+
+
+def build(
+  config, key: jax.Array, params=None
+) -> optax.GradientTransformation:
+  """clip -> AdamW/SGD -> write-back (low precision) or trace (float32).
+
+  `params` (the initial parameters) are needed only for per-tensor `intK`
+  scales (`needs_params`).
+  """
   opt, lp = config.opt, config.lowprec
   if opt.name not in OPTIMIZERS:
     raise ValueError(
@@ -79,7 +151,7 @@ def build(config, key: jax.Array) -> optax.GradientTransformation:
     )
   else:
     parts.append(optax.sgd(lr, momentum=opt.momentum or None))
-  target = writeback_target(lp)
+  target = writeback_target(lp, params)
   wb_key, trace_key = jax.random.split(key)
   if target is not None:
     needs_key = lp.rounding != "nearest"
@@ -94,7 +166,7 @@ def build(config, key: jax.Array) -> optax.GradientTransformation:
   if lp.trace_targets:
     parts.append(
       lowprec.freeze.reference_trace(
-        [trace_target(t) for t in lp.trace_targets],
+        trace_targets(lp),
         sample=lp.trace_sample,
         key=trace_key,
       )

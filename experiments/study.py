@@ -104,9 +104,23 @@ def validate(c) -> None:
   for field, name in names:
     try:
       scale = lp.int_scale if name.startswith("int") else None
+      if scale == 0 and field == "lowprec.writeback":
+        scale = 1.0  # per-tensor scales, chosen when the run starts
       lowprec.get_format(name, scale=scale)
     except ValueError as e:
       raise ValueError(f"{field}: {e}") from None
+  if bool(c.train.init_from_arm) != (c.train.init_from_step > 0):
+    raise ValueError(
+      "train.init_from_arm and train.init_from_step go together: name the "
+      "arm whose checkpoint starts this run and a step it saved, e.g. "
+      "--config.train.init_from_arm=fp32_reference "
+      "--config.train.init_from_step=100"
+    )
+  if c.train.init_from_arm == c.study.arm and c.study.arm:
+    raise ValueError(
+      f"arm {c.study.arm!r} cannot start from its own checkpoint "
+      "(train.init_from_arm); resuming is automatic"
+    )
   if lp.policy and hasattr(lowprec, "Policy"):
     lowprec.Policy.parse(lp.policy)
 

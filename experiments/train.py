@@ -214,23 +214,38 @@ def build_run(config) -> Run:
     )
   root = jax.random.key(config.train.seed)
   init_key, opt_key, step_key, eval_key = jax.random.split(root, 4)
-  tx = optim.build(config, opt_key)
-  target = optim.writeback_target(config.lowprec)
+  fsdp = config.train.fsdp
+  source = None  # parameters to start from, when not the model's init
+  if config.train.init_from_arm:
+    like = jax.eval_shape(task.init, init_key)
+    source = checkpoint.restore_params(
+      source_checkpoints(config),
+      config.train.init_from_step,
+      jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        like,
+        param_sharding(mesh, like, fsdp),
+      ),
+    )
+  first = source
+  if first is None and optim.needs_params(config.lowprec):
+    first = jax.jit(task.init)(init_key)  # per-tensor scales come from it
+  tx = optim.build(config, opt_key, first)
+  target = optim.writeback_target(config.lowprec, first)
 
-  def init_state():
-    params = task.init(init_key)
+  def init_state(source):
+    params = task.init(init_key) if source is None else source
     if target is not None:  # write-back starts from weights on the grid
       params = lowprec.to_grid(params, target)
     return TrainState(jnp.int32(0), params, tx.init(params))
 
-  abstract = jax.eval_shape(init_state)
-  fsdp = config.train.fsdp
+  abstract = jax.eval_shape(init_state, source)
   state_shard = TrainState(
     mesh.replicated(),
     param_sharding(mesh, abstract.params, fsdp),
     param_sharding(mesh, abstract.opt_state, fsdp),
   )
-  state = jax.jit(init_state, out_shardings=state_shard)()
+  state = jax.jit(init_state, out_shardings=state_shard)(source)
   loss_and_grad = make_loss_and_grad(task, mesh, parts)
 
   def train_step(state, batch):
@@ -246,6 +261,14 @@ def build_run(config) -> Run:
   )
   eval_fn = jax.jit(make_eval_loss(task, mesh, parts))
   return Run(task, mesh, state, step_fn, eval_fn, eval_key)
+
+
+def source_checkpoints(config) -> str:
+  """The checkpoints of `train.init_from_arm` (same study, same seed)."""
+  c = config.copy_and_resolve_references()
+  c.unlock()
+  c.study.arm = config.train.init_from_arm
+  return os.path.join(results.run_dir(c), "checkpoints")
 
 
 def train_and_evaluate(config, overrides: dict | None = None) -> dict:

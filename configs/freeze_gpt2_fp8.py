@@ -1,0 +1,85 @@
+"""GPT-2 with weights on an FP8 grid after every step: freeze at init.
+
+Reproduces: "In a 124M-parameter GPT-2 transformer with weights constrained
+to an 8-bit floating-point grid after every optimizer step, with no master
+weights, the dense weights of both fp8 formats freeze at initialization --
+predicted a priori from the fp32 reference -- and validation loss plateaus
+while full precision keeps improving. Stochastic rounding removes the
+persistent freeze, which the same reference also predicts" (write-back
+freeze paper).
+
+Arms: `fp32_reference` (float32; its trace predicts, for float8_e4m3fn and
+float8_e5m2, the erased fraction under nearest write-back and the move
+probability under stochastic write-back), `rn_e4m3` / `rn_e5m2` (weights on
+the grid in float32 storage, nearest write-back, no master copy) and
+`sr_e4m3` / `sr_e5m2` (stochastic write-back). The dense weights (token and
+position embeddings, every kernel) are on the grid; LayerNorm gains and
+biases (under 1% of the parameters) stay in float32 as in FP8 training
+recipes, and the prediction covers the same parameters
+(`lowprec.keep_float32`). Write-back arms also log the realized trajectory
+of 256 sampled coordinates, which shows which of them never move again.
+Recipe of nanoGPT: init std 0.02, AdamW (lr 6e-4, betas 0.9/0.95, weight
+decay 0.1), linear warmup, cosine to lr/10, gradient clipping at 1.
+
+  python -m experiments.run --config configs/freeze_gpt2_fp8.py
+  python scripts/reproduce.py freeze_gpt2_fp8   # runs, table and figure
+
+CPU scale (default): the same recipe on a 2-layer d=64 GPT (byte-level
+built-in corpus), 300 steps; about 5 minutes on 2 CPU cores. Full scale
+(`:scale=full`): GPT-2 124M (exactly 124,439,808 parameters) on token files
+in data.path (e.g. OpenWebText via scripts/prepare_text.py), batch 512 x
+1024 tokens, 5000 steps.
+Expected (CPU scale): both RN arms cross at step 1 (`at_init`), predicted
+and measured; most sampled coordinates never move under RN and none stay
+frozen under SR; RN validation loss stops improving in the second half
+while fp32 keeps improving; SR tracks fp32.
+"""
+
+from configs import common
+
+FORMATS = {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}
+
+
+def get_config(arg=None):
+  c = common.get_config(arg)
+  c.study.name = "freeze_gpt2_fp8"
+  targets = tuple(FORMATS.values())
+  targets += tuple(f"{f}:stochastic" for f in FORMATS.values())
+  arms = {"fp32_reference": {"lowprec": {"trace_targets": targets}}}
+  for rounding, prefix in (("nearest", "rn"), ("stochastic", "sr")):
+    for short, fmt in FORMATS.items():
+      arms[f"{prefix}_{short}"] = {
+        "lowprec": {
+          "writeback": fmt,
+          "rounding": rounding,
+          "trace_targets": (fmt,),
+          "trace_sample": 256,
+        },
+        "study": {"reference_arm": "fp32_reference", "cell": short},
+      }
+  c.study.arms = arms
+  c.lowprec.keep_float32 = r".*/(bias|scale)"
+  c.model.init_std = 0.02
+  c.opt.update(dict(lr=6e-4, b1=0.9, b2=0.95, weight_decay=0.1))
+  c.opt.update(dict(schedule="cosine", min_lr_ratio=0.1, clip_norm=1.0))
+  c.opt.warmup_steps = 20
+  c.train.steps = 300
+  c.train.eval_every_steps = 25
+  c.ckpt.every_steps = 100
+  c.log.progress_every_steps = 50
+  if c.study.scale == "full":
+    c.model.update(dict(n_layer=12, n_head=12, d_model=768, seq_len=1024))
+    c.model.vocab_size = 50257
+    c.data.update(dict(name="tokens", batch_size=512, eval_batches=20))
+    c.opt.warmup_steps = 500
+    c.train.steps = 5000
+    c.train.eval_every_steps = 250
+    c.ckpt.every_steps = 500
+  if c.study.scale == "smoke":
+    c.model.update(dict(n_layer=1, d_model=32, seq_len=32))
+    c.opt.warmup_steps = 2
+    c.train.steps = 6
+    c.train.eval_every_steps = 3
+    c.ckpt.every_steps = 6
+    c.log.progress_every_steps = 3
+  return c

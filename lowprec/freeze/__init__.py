@@ -1,0 +1,59 @@
+"""Predicting the write-back freeze from a float32 run, and auditing it.
+
+* `reference_trace`: an optax transform, last in a float32 chain, that
+  records online the predicted erased fraction `p_t` for target formats.
+* `crossing`, `compare`, `summarize`: crossing steps and comparisons of
+  predicted against measured curves, per cell and over many cells.
+* `audit_coordinates`: exact erasure events at sampled coordinates of a
+  low-precision run next to the predicted ones.
+
+Definitions (erased, erased fraction, frozen, crossing step, categories)
+follow the freeze paper (`papers/001_*`): a nonzero proposal below half the
+grid gap at `w` is rounded away by nearest write-back.
+"""
+
+from lowprec.freeze.coords import (
+  CoordinateAudit,
+  audit_coordinates,
+  frozen_from,
+  measured_events,
+  predicted_events,
+)
+from lowprec.freeze.curves import (
+  CATEGORIES,
+  CellComparison,
+  Summary,
+  compare,
+  crossing,
+  rmse,
+  summarize,
+)
+from lowprec.freeze.trace import (
+  ROUNDINGS,
+  ReferenceTraceState,
+  Target,
+  TraceLayout,
+  leaf_paths,
+  reference_trace,
+)
+
+__all__ = [
+  "CATEGORIES",
+  "ROUNDINGS",
+  "CellComparison",
+  "CoordinateAudit",
+  "ReferenceTraceState",
+  "Summary",
+  "Target",
+  "TraceLayout",
+  "audit_coordinates",
+  "compare",
+  "crossing",
+  "frozen_from",
+  "leaf_paths",
+  "measured_events",
+  "predicted_events",
+  "reference_trace",
+  "rmse",
+  "summarize",
+]

@@ -1,0 +1,464 @@
+"""The reference-trace recorder: predicted erasure, online, in a float32 run.
+
+`reference_trace` is an optax transform placed last in a float32 chain. It
+leaves the updates unchanged and records, for each target format, which of
+this step's proposals a write-back into that format would erase. The counts
+of the current step live in its state and are read with `lowprec.telemetry`
+after every step; the sequence of logged values is the predicted curve `p_t`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import PartitionSpec as P
+
+from lowprec import rounding, storage
+from lowprec.formats import Format, get_format
+
+ROUNDINGS = ("nearest", "stochastic", "deadzone")
+_SUFFIX = {"nearest": "", "stochastic": "_sr", "deadzone": "_dzsr"}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Target:
+  """A target format to predict for, and the write-back rounding.
+
+  Attributes:
+    fmt: a format specification as `lowprec.to_grid` and the write-back take
+      it: one format (name or `Format`), a pytree of formats shaped like (a
+      prefix of) the params, or ordered `(regex, format or None)` rules
+      matched with `re.fullmatch` against "/"-joined parameter paths. A
+      parameter whose format is None is left out (kept in float32).
+    rounding: the write-back rounding to predict: "nearest" (the erased
+      fraction), "stochastic" or "deadzone" (the per-step move probability;
+      no persistent freeze).
+  """
+
+  fmt: Any
+  rounding: str = "nearest"
+
+  def __post_init__(self):
+    if self.rounding not in ROUNDINGS:
+      raise ValueError(
+        f"unknown rounding {self.rounding!r}; valid: {', '.join(ROUNDINGS)}"
+      )
+    if isinstance(self.fmt, (str, Format)):
+      object.__setattr__(self, "fmt", get_format(self.fmt))
+    object.__setattr__(self, "_lookup", storage.format_lookup(self.fmt))
+
+  @property
+  def default_name(self) -> str | None:
+    if isinstance(self.fmt, Format):
+      return self.fmt.name + _SUFFIX[self.rounding]
+    return None
+
+  def leaf_format(self, path) -> Format | None:
+    """The format of the parameter at key path `path` (None: left out)."""
+    return self._lookup(path)
+
+
+def _parse_targets(targets) -> tuple[tuple[str, Target], ...]:
+  if isinstance(targets, Mapping):
+    items = [(str(k), _as_target(v)) for k, v in targets.items()]
+  else:
+    if isinstance(targets, (str, Format, Target)):
+      targets = [targets]
+    items = []
+    for spec in targets:
+      t = _as_target(spec)
+      if t.default_name is None:
+        raise ValueError(
+          "per-leaf formats need a name: pass targets as a dict, e.g. "
+          "{'fp8_mlp': [('.*mlp.*', 'float8_e4m3fn'), ('.*', None)]}"
+        )
+      items.append((t.default_name, t))
+  if not items:
+    raise ValueError("reference_trace needs at least one target format")
+  names = [n for n, _ in items]
+  dup = sorted({n for n in names if names.count(n) > 1})
+  if dup:
+    raise ValueError(f"duplicate target names {dup}; pass a dict to rename")
+  for n in names:
+    if not n or "/" in n:
+      raise ValueError(f"target name {n!r} must be nonempty and have no '/'")
+  return tuple(items)
+
+
+def _as_target(spec) -> Target:
+  if isinstance(spec, Target):
+    return spec
+  return Target(spec)
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceLayout:
+  """Static facts of a trace: names, leaf formats and leaf offsets.
+
+  Part of the tree structure (no arrays), so it costs nothing under jit.
+  """
+
+  targets: tuple[str, ...]
+  roundings: tuple[str, ...]
+  leaves: tuple[str, ...]
+  formats: tuple[tuple[Format | None, ...], ...]  # [target][leaf]
+  sizes: tuple[int, ...]
+  theta: float
+
+  @property
+  def offsets(self) -> tuple[int, ...]:
+    return tuple(int(x) for x in np.cumsum((0,) + self.sizes)[:-1])
+
+
+jax.tree_util.register_static(TraceLayout)
+
+
+class ReferenceTraceState(NamedTuple):
+  """State of `reference_trace`: this step's counts, never a history."""
+
+  count: jax.Array  # [] int32: updates seen so far.
+  proposals: jax.Array  # [L] int32: this step's proposals u != 0 per leaf.
+  erased: jax.Array  # [T, L] int32: predicted-erased proposals (nearest).
+  move_prob: jax.Array  # [T, L] float32: sum of P(move) (stochastic kinds).
+  run_start: jax.Array  # [T] int32: step since which p_t >= theta, or -1.
+  sample_index: jax.Array  # [N] int32: flat indices of sampled coordinates.
+  sample_w: jax.Array  # [N] float32: their weights w_t at this step.
+  sample_u: jax.Array  # [N] float32: their proposals u_t at this step.
+  layout: TraceLayout  # static: names, formats, sizes (no arrays).
+
+  def report(self) -> dict[str, Any]:
+    """This step's prediction as `{"pred/<target>/...": value}`.
+
+    For a nearest target: `erased`, `proposals`, `erased_fraction` (NaN at a
+    step without proposals), `crossing` (the crossing step of the run so
+    far, -1 for none) and `erased_fraction/<leaf>`. For a stochastic or
+    dead-zone target: `proposals`, `move_prob` (mean probability that a
+    proposal moves its coordinate) and `move_prob/<leaf>`. With a sample:
+    `pred/sample/w` and `pred/sample/u`.
+    """
+    lay = self.layout
+    props = np.asarray(self.proposals, np.int64)
+    erased = np.asarray(self.erased, np.int64)
+    move = np.asarray(self.move_prob, np.float64)
+    run_start = np.asarray(self.run_start)
+    out: dict[str, Any] = {}
+    for j, name in enumerate(lay.targets):
+      pre = f"pred/{name}/"
+      counted = np.array([f is not None for f in lay.formats[j]], bool)
+      n = int(props[counted].sum())
+      out[pre + "proposals"] = n
+      nearest = lay.roundings[j] == "nearest"
+      num = erased[j] if nearest else move[j]
+      key = "erased_fraction" if nearest else "move_prob"
+      if nearest:
+        out[pre + "erased"] = int(num[counted].sum())
+        out[pre + "crossing"] = int(run_start[j])
+      out[pre + key] = _ratio(num[counted].sum(), n)
+      for leaf, c, k, p in zip(lay.leaves, counted, num, props, strict=True):
+        if c:
+          out[f"{pre}{key}/{leaf}"] = _ratio(k, p)
+    if self.sample_index.shape[0]:
+      out["pred/sample/w"] = np.asarray(self.sample_w)
+      out["pred/sample/u"] = np.asarray(self.sample_u)
+    return out
+
+  def sample_positions(self) -> list[tuple[str, int]]:
+    """The sampled coordinates as `(leaf path, flat index in the leaf)`."""
+    offsets = np.array(self.layout.offsets + (np.inf,))
+    out = []
+    for i in np.asarray(self.sample_index).tolist():
+      leaf = int(np.searchsorted(offsets, i, side="right")) - 1
+      out.append((self.layout.leaves[leaf], i - int(offsets[leaf])))
+    return out
+
+
+def _ratio(num, den) -> float:
+  return float(num) / float(den) if den else float("nan")
+
+
+def leaf_paths(tree) -> list[str]:
+  """Leaf paths as `"a/b/c"` strings, in `jax.tree_util` leaf order."""
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+  return [storage.path_name(p) or "params" for p, _ in flat]
+
+
+def _is_float(x) -> bool:
+  return jnp.issubdtype(jnp.result_type(x), jnp.floating)
+
+
+def reference_trace(
+  targets,
+  *,
+  sample: int = 0,
+  key: jax.Array | None = None,
+  theta: float = 0.5,
+) -> optax.GradientTransformation:
+  """Records the predicted erased fraction of each step for target formats.
+
+  Place it last in a float32 chain. For each target format `Q` and each
+  nonzero proposal `u` at float32 weight `w` it evaluates, inside the jitted
+  update, the nearest-rounding write-back rule at the target-grid weight:
+
+    erased(w, u)  <=>  u != 0  and  Q_RN(Q_RN(w) + u) == Q_RN(w)
+
+  with `Q_RN` the library's nearest rounding (ties to even, saturating), so
+  the rule is exact at powers of two, subnormals and the format's maximum.
+  The predicted erased fraction is `p_t = #erased / #(u != 0)`, per leaf and
+  over all counted leaves. For a stochastic target the persistent freeze is
+  predicted to be none; the trace reports instead the mean probability that
+  a proposal moves its coordinate under stochastic rounding,
+  `min(1, |(Q_RN(w) + u) - Q_RN(w)| / gap)` with the gap in the direction of
+  `u` (dead-zone: 1 where nearest rounding would move it).
+
+  The state holds only this step's counts (memory O(params) at most, for the
+  temporaries): log `lowprec.telemetry(state)` every step to build the curve.
+  Updates pass through unchanged, so the float32 run is not perturbed.
+
+  To audit coordinates, `sample=N` keeps N coordinates fixed for the whole
+  run (one uniformly random coordinate in each of N equal slices of the
+  flattened parameter vector, drawn from `key` at init) and reports their
+  `(w_t, u_t)` every step. The same `sample` and `key` pick the same
+  coordinates in a low-precision run: put the trace just before
+  `lowprec.writeback` there to record the realized trajectory.
+
+  Reference: the write-back freezing study, `papers/001_*` (the half-ULP
+  condition, predicted from a high-precision trace and the target format
+  alone, and audited coordinate by coordinate).
+
+  Args:
+    targets: a format name or `Format`, a `Target`, a list of these, or a
+      dict `{name: spec}` where a spec may also be a per-parameter format
+      specification as `lowprec.to_grid` takes it (a pytree of formats, or
+      `[(regex, format or None), ...]` rules). Names default to the format name,
+      with `_sr` / `_dzsr` appended for stochastic / dead-zone targets.
+    sample: number of coordinates to sample for audits (0 for none).
+    key: a PRNG key choosing the sample at init; required when
+      `sample > 0`. No other randomness is drawn.
+    theta: threshold of the online crossing step reported as `crossing`.
+
+  Returns:
+    An `optax.GradientTransformation` whose state is a `ReferenceTraceState`.
+
+  Raises:
+    ValueError: no or duplicate targets, unknown formats or roundings, a leaf
+      matching no rule, `sample > 0` without a key, more samples than
+      coordinates, or a missing `params` argument to `update`.
+
+  Example:
+    >>> opt = optax.chain(
+    ...     optax.adamw(optax.cosine_decay_schedule(1e-3, 1000)),
+    ...     lowprec.freeze.reference_trace(["bfloat16", "float8_e4m3fn"]))
+    >>> state = opt.init(params)
+    >>> updates, state = opt.update(grads, state, params)
+    >>> lowprec.telemetry(state)["pred/bfloat16/erased_fraction"]
+  """
+  parsed = _parse_targets(targets)
+  sample = int(sample)
+  if sample < 0:
+    raise ValueError(f"sample must be >= 0, got {sample}")
+  if sample and key is None:
+    raise ValueError(
+      "sample > 0 needs a key: reference_trace(..., sample=N, "
+      "key=jax.random.key(0))"
+    )
+  if not 0.0 <= theta <= 1.0:
+    raise ValueError(f"theta must lie in [0, 1], got {theta}")
+
+  def make_layout(params) -> TraceLayout:
+    flat, _ = jax.tree_util.tree_flatten_with_path(params)
+    flat = [(p, x) for p, x in flat if _is_float(x)]
+    return TraceLayout(
+      targets=tuple(n for n, _ in parsed),
+      roundings=tuple(t.rounding for _, t in parsed),
+      leaves=tuple(storage.path_name(p) or "params" for p, _ in flat),
+      formats=tuple(
+        tuple(t.leaf_format(p) for p, _ in flat) for _, t in parsed
+      ),
+      sizes=tuple(int(np.size(x)) for _, x in flat),
+      theta=float(theta),
+    )
+
+  def float_leaves(tree) -> list[jax.Array]:
+    return [x for x in jax.tree_util.tree_leaves(tree) if _is_float(x)]
+
+  def init_fn(params):
+    lay = make_layout(params)
+    n_t, n_l = len(lay.targets), len(lay.leaves)
+    total = sum(lay.sizes)
+    if sample > total:
+      raise ValueError(f"sample={sample} exceeds the {total} coordinates")
+    if sample and total >= 2**31:
+      raise ValueError("sample= supports up to 2**31 - 1 coordinates")
+    if sample:
+      # One uniform draw per equal slice: distinct, spread over all leaves.
+      edges = np.arange(sample + 1, dtype=np.int64) * total // sample
+      widths = jnp.asarray(np.diff(edges), jnp.int32)
+      r = jax.random.randint(key, (sample,), 0, widths, dtype=jnp.int32)
+      index = jnp.asarray(edges[:-1], jnp.int32) + r
+    else:
+      index = jnp.zeros((0,), jnp.int32)
+    return ReferenceTraceState(
+      count=jnp.zeros([], jnp.int32),
+      proposals=jnp.zeros([n_l], jnp.int32),
+      erased=jnp.zeros([n_t, n_l], jnp.int32),
+      move_prob=jnp.zeros([n_t, n_l], jnp.float32),
+      run_start=jnp.full([n_t], -1, jnp.int32),
+      sample_index=index,
+      sample_w=jnp.zeros([sample], jnp.float32),
+      sample_u=jnp.zeros([sample], jnp.float32),
+      layout=lay,
+    )
+
+  def update_fn(updates, state, params=None):
+    if params is None:
+      raise ValueError(
+        "reference_trace needs params: call opt.update(updates, state, params)"
+      )
+    lay = state.layout
+    ws, us = float_leaves(params), float_leaves(updates)
+    if len(ws) != len(lay.leaves) or len(us) != len(ws):
+      raise ValueError(
+        "params/updates do not match the tree the trace was initialised with"
+      )
+    ws = [jnp.asarray(w, jnp.float32) for w in ws]
+    us = [jnp.asarray(u, jnp.float32) for u in us]
+    per_leaf = [
+      _leaf_counts(w, u, [f[i] for f in lay.formats], lay.roundings)
+      for i, (w, u) in enumerate(zip(ws, us, strict=True))
+    ]
+    if per_leaf:
+      proposals = jnp.stack([p for p, _, _ in per_leaf])
+      erased_a = jnp.stack([e for _, e, _ in per_leaf], axis=1)
+      move_a = jnp.stack([m for _, _, m in per_leaf], axis=1)
+    else:
+      proposals, erased_a, move_a = (
+        state.proposals,
+        state.erased,
+        state.move_prob,
+      )
+    run_start = _online_crossing(state, proposals, erased_a, lay)
+    sample_w, sample_u = _gather(ws, us, state.sample_index, lay)
+    new = ReferenceTraceState(
+      count=optax.safe_increment(state.count),
+      proposals=proposals,
+      erased=erased_a,
+      move_prob=move_a,
+      run_start=run_start,
+      sample_index=state.sample_index,
+      sample_w=sample_w,
+      sample_u=sample_u,
+      layout=lay,
+    )
+    return updates, new
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _leaf_counts(w, u, formats, kinds):
+  """Proposals, predicted erasures [T] and summed move probabilities [T].
+
+  All 0/1 outcomes of a leaf are packed into one small integer per element
+  and materialised before counting: on CPU, XLA runs a reduction in a single
+  thread, so the roundings must not be fused into it.
+  """
+  zero_f = jnp.zeros([], jnp.float32)
+  proposed = u != 0
+  bits, move = [proposed], []
+  for fmt, kind in zip(formats, kinds, strict=True):
+    if fmt is None:
+      move.append(zero_f)
+      continue
+    q = rounding.round_nearest(w, fmt)
+    x = q + u
+    erased = proposed & (rounding.round_nearest(x, fmt) == q)
+    if kind == "nearest":
+      bits.append(erased)
+      move.append(zero_f)
+      continue
+    gap = jnp.where(x > q, fmt.gap_up(q), fmt.gap_down(q))
+    p = jnp.minimum(jnp.abs(x - q) / gap, 1.0)
+    if kind == "deadzone":
+      p = jnp.where(erased, p, 1.0)
+    p = jax.lax.optimization_barrier(jnp.where(proposed, p, 0.0))
+    move.append(_row_sums(p).sum())
+  counts = []
+  for start in range(0, len(bits), 32):
+    group = bits[start : start + 32]
+    dtype = jnp.uint8 if len(group) <= 8 else jnp.uint32
+    code = jnp.zeros(w.shape, dtype)
+    for i, b in enumerate(group):
+      code = code | (b.astype(dtype) << i)
+    code = jax.lax.optimization_barrier(code)
+    counts += [_count((code >> i) & 1) for i in range(len(group))]
+  counts = iter(counts)
+  proposals = next(counts)
+  zero_i = jnp.zeros([], jnp.int32)
+  erased = [
+    next(counts) if f is not None and k == "nearest" else zero_i
+    for f, k in zip(formats, kinds, strict=True)
+  ]
+  return proposals, jnp.stack(erased), jnp.stack(move)
+
+
+_EXACT = 1 << 24  # float32 counts integers exactly up to here
+
+
+def _row_sums(x) -> jax.Array:
+  """float32 sums over the last axis (all of `x` when it has one axis)."""
+  x = x.astype(jnp.float32)
+  return jnp.sum(x, axis=-1) if x.ndim else x
+
+
+def _count(bits) -> jax.Array:
+  """Exact int32 count of a 0/1 array, summed in float32 where exact."""
+  if bits.ndim and bits.shape[-1] <= _EXACT:
+    if bits.size <= _EXACT:
+      return _row_sums(bits).sum().astype(jnp.int32)
+    return jnp.sum(_row_sums(bits).astype(jnp.int32), dtype=jnp.int32)
+  return jnp.sum(bits, dtype=jnp.int32)
+
+
+def _online_crossing(state, proposals, erased, lay: TraceLayout):
+  """Step since which every step with proposals had p_t >= theta, else -1."""
+  counted = jnp.asarray(
+    [[f is not None for f in row] for row in lay.formats], jnp.int32
+  ).reshape(erased.shape)
+  n = jnp.sum(counted * proposals[None, :], axis=1).astype(jnp.float32)
+  k = jnp.sum(counted * erased, axis=1).astype(jnp.float32)
+  above = k >= jnp.float32(lay.theta) * n
+  start = jnp.where(state.run_start >= 0, state.run_start, state.count)
+  new = jnp.where(above, start, -1)
+  return jnp.where(n > 0, new, state.run_start).astype(jnp.int32)
+
+
+def _gather(ws, us, index, lay: TraceLayout):
+  w_out = jnp.zeros(index.shape, jnp.float32)
+  u_out = jnp.zeros(index.shape, jnp.float32)
+  if not index.shape[0]:
+    return w_out, u_out
+  for w, u, off, size in zip(ws, us, lay.offsets, lay.sizes, strict=True):
+    local = index - off
+    inside = (local >= 0) & (local < size)
+    at = jnp.clip(local, 0, size - 1)
+    w_out = jnp.where(inside, _take(w, at), w_out)
+    u_out = jnp.where(inside, _take(u, at), u_out)
+  return w_out, u_out
+
+
+def _take(x, flat_index):
+  """`x.ravel()[flat_index]`, replicated, also for explicitly sharded x."""
+  if x.ndim == 0:
+    return jnp.broadcast_to(x, flat_index.shape)
+  idx = jnp.unravel_index(flat_index, x.shape)
+  sharding = jax.typeof(x).sharding
+  spec = getattr(sharding, "spec", ())
+  if any(s is not None for s in spec):
+    # Explicit sharding: say where the gathered values go (everywhere).
+    return x.at[idx].get(out_sharding=sharding.update(spec=P()))
+  return x[idx]

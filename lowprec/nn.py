@@ -1,0 +1,254 @@
+"""Flax (linen) modules over `lowprec.ops`, with per-use backward policies.
+
+The modules are the pieces of a pre-norm GPT block: `Dense`, `NormDense` (a
+LayerNorm or RMSNorm fused with the projection it feeds, so that the norm
+output is a saved tensor with per-use reads), `CausalSelfAttention` (pre-norm,
+fused QKV projection, optional rotary embedding) and `MLP` (pre-norm, 4x
+width, GELU). Every module takes one `Numerics`: what the forward rounds, what
+the backward reads per use, and the RNG stream that stochastic rounding draws
+from. With `Numerics()` nothing is rounded and each module computes exactly
+what the plain Flax layers compute (`flax.linen.Dense`, `LayerNorm` with
+`epsilon=1e-5`, softmax attention).
+
+Parameter names follow `flax.linen`: `kernel`/`bias` for dense layers;
+`norm_scale`/`norm_bias` for the norm fused into `NormDense`.
+
+Example (a GPT-2 block with an emulated FP8 forward and backward):
+  >>> num = Numerics.fp8()  # e4m3 SR activations, e4m3 weights, e5m2 SR grads
+  >>> class Block(nn.Module):
+  ...   @nn.compact
+  ...   def __call__(self, x):
+  ...     x = x + CausalSelfAttention(num_heads=12, numerics=num)(x)
+  ...     return x + MLP(numerics=num)(x)
+  >>> params = Block().init(jax.random.key(0), x)
+  >>> y = Block().apply(params, x, rngs={"lowprec": jax.random.key(1)})
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from lowprec import ops
+from lowprec.ops.saved import Rounding
+from lowprec.policy import Policy
+
+Initializer = Callable[..., jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class Numerics:
+  """What `lowprec.nn` modules round, and what their backward reads.
+
+  Attributes:
+    policy: the backward-state policy for every op of the module (a `Policy`
+      or anything `Policy.parse` takes); None reads what the reference
+      gradient reads (`lowprec.ops.REFERENCE`). Start from
+      `ops.REFERENCE.override(...)` to change some uses only.
+    saved: rounding of the activations the forward rounds and keeps: dense
+      inputs, norm outputs, attention probabilities and outputs, activation
+      inputs.
+    weights: rounding of kernels.
+    grads: rounding of gradients entering the backward's matmuls.
+    rng: the Flax RNG stream stochastic roundings draw from; pass
+      `rngs={rng: key}` to `apply`.
+  """
+
+  policy: Policy | str | None = None
+  saved: Rounding | str | None = None
+  weights: Rounding | str | None = None
+  grads: Rounding | str | None = None
+  rng: str = "lowprec"
+
+  def __post_init__(self):
+    policy = ops.REFERENCE if self.policy is None else self.policy
+    object.__setattr__(self, "policy", Policy.parse(policy))
+    for f in ("saved", "weights", "grads"):
+      object.__setattr__(self, f, Rounding.parse(getattr(self, f)))
+
+  @classmethod
+  def fp8(cls, policy=None, *, saved_mode: str = "stochastic", **kw):
+    """Emulated FP8: e4m3 activations (`saved_mode`) and weights (nearest),
+    e5m2 stochastic gradients, all with per-tensor scaling."""
+    return cls(
+      policy=policy,
+      saved=Rounding("float8_e4m3fn", saved_mode),
+      weights=Rounding("float8_e4m3fn", "nearest"),
+      grads=Rounding("float8_e5m2", "stochastic"),
+      **kw,
+    )
+
+
+def _call(module: nn.Module, op: ops.Op, num: Numerics, *args):
+  """Runs `op` with the module's policy and, if it draws, a key."""
+  values = op.resolve(num.policy)
+  key = None
+  if op._needs_forward_key() or op._needs_backward_key(values):
+    if not (module.has_rng(num.rng) or module.is_initializing()):
+      raise ValueError(
+        f"{type(module).__name__} rounds stochastically ({op.name}) and "
+        f"needs the RNG stream {num.rng!r}: call apply(..., "
+        f"rngs={{{num.rng!r}: jax.random.key(seed)}})"
+      )
+    key = module.make_rng(num.rng)
+  return op.apply(values, args, key)
+
+
+class Dense(nn.Module):
+  """`y = x~ W~ + b` (`ops.Dense`); input rounded by `numerics.saved`
+  unless `round_input=False` (an input that is already rounded)."""
+
+  features: int
+  use_bias: bool = True
+  round_input: bool = True
+  numerics: Numerics = Numerics()
+  kernel_init: Initializer = nn.initializers.lecun_normal()
+  bias_init: Initializer = nn.initializers.zeros_init()
+
+  @nn.compact
+  def __call__(self, x):
+    num = self.numerics
+    kernel = self.param(
+      "kernel", self.kernel_init, (x.shape[-1], self.features), jnp.float32
+    )
+    bias = None
+    if self.use_bias:
+      bias = self.param("bias", self.bias_init, (self.features,), jnp.float32)
+    op = ops.Dense(
+      x=num.saved if self.round_input else None,
+      kernel=num.weights,
+      grad=num.grads,
+    )
+    return _call(self, op, num, x, kernel, bias)
+
+
+class NormDense(nn.Module):
+  """LayerNorm/RMSNorm, output rounded and stored, then a dense layer
+  (`ops.NormDense`). Pass `kernel` (shape `[in, features]`) to use an
+  external kernel, e.g. the transposed token embedding of a tied head."""
+
+  features: int
+  norm: str = "layer"
+  epsilon: float = 1e-5
+  use_bias: bool = True
+  use_norm_bias: bool = True  # LayerNorm only
+  numerics: Numerics = Numerics()
+  kernel_init: Initializer = nn.initializers.lecun_normal()
+  bias_init: Initializer = nn.initializers.zeros_init()
+
+  @nn.compact
+  def __call__(self, x, kernel=None):
+    num = self.numerics
+    d = x.shape[-1]
+    gain = self.param("norm_scale", nn.initializers.ones_init(), (d,))
+    shift = None
+    if self.norm == "layer" and self.use_norm_bias:
+      shift = self.param("norm_bias", nn.initializers.zeros_init(), (d,))
+    if kernel is None:
+      kernel = self.param("kernel", self.kernel_init, (d, self.features))
+    bias = None
+    if self.use_bias:
+      bias = self.param("bias", self.bias_init, (self.features,))
+    op = ops.NormDense(
+      norm=self.norm, eps=self.epsilon, out=num.saved, kernel=num.weights,
+      grad=num.grads,
+    )  # fmt: skip
+    return _call(self, op, num, x, gain, shift, kernel, bias)
+
+
+def rotary(x, base: float = 10000.0):
+  """Rotary position embedding of `x[batch, length, heads, head_dim]`.
+
+  Rotates the pairs `(x[..., i], x[..., i + head_dim/2])` by the angle
+  `position * base**(-2i / head_dim)` (the half-split convention of
+  GPT-NeoX and LLaMA).
+  """
+  t, d = x.shape[1], x.shape[-1]
+  if d % 2:
+    raise ValueError(f"rotary embedding needs an even head_dim, got {d}")
+  inv = base ** (-jnp.arange(0, d, 2, dtype=jnp.float32) / d)
+  angle = jnp.arange(t, dtype=jnp.float32)[:, None] * inv[None, :]
+  cos = jnp.cos(angle)[None, :, None, :]
+  sin = jnp.sin(angle)[None, :, None, :]
+  x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+  return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1)
+
+
+class CausalSelfAttention(nn.Module):
+  """Pre-norm causal self-attention: norm + fused QKV projection
+  (`NormDense`), optional rotary embedding, `ops.Attention`, output
+  projection. Input and output are `[batch, length, width]`.
+
+  `norm=None` drops the norm (the QKV projection is then a `Dense`).
+  `out_kernel_init` lets GPT-2 scale its residual projections.
+  """
+
+  num_heads: int
+  norm: str | None = "layer"
+  epsilon: float = 1e-5
+  rotary_base: float | None = None
+  use_bias: bool = True
+  numerics: Numerics = Numerics()
+  kernel_init: Initializer = nn.initializers.lecun_normal()
+  out_kernel_init: Initializer = nn.initializers.lecun_normal()
+
+  @nn.compact
+  def __call__(self, x):
+    num = self.numerics
+    b, t, width = x.shape
+    if width % self.num_heads:
+      raise ValueError(f"width {width} is not a multiple of num_heads")
+    head = width // self.num_heads
+    if self.norm is None:
+      proj = Dense(3 * width, self.use_bias, numerics=num,
+                   kernel_init=self.kernel_init, name="qkv")  # fmt: skip
+    else:
+      proj = NormDense(
+        3 * width, self.norm, self.epsilon, self.use_bias, numerics=num,
+        kernel_init=self.kernel_init, name="qkv",
+      )  # fmt: skip
+    q, k, v = jnp.split(proj(x), 3, axis=-1)
+    q, k, v = (a.reshape(b, t, self.num_heads, head) for a in (q, k, v))
+    if self.rotary_base is not None:
+      q, k = rotary(q, self.rotary_base), rotary(k, self.rotary_base)
+    op = ops.Attention(probs=num.saved, out=num.saved, grad=num.grads)
+    o = _call(self, op, num, q, k, v).reshape(b, t, width)
+    # The attention output is already rounded (by `saved`).
+    return Dense(width, self.use_bias, round_input=False, numerics=num,
+                 kernel_init=self.out_kernel_init, name="out")(o)  # fmt: skip
+
+
+class MLP(nn.Module):
+  """Pre-norm MLP: norm + `hidden`-wide projection (`NormDense`, default
+  4x the input width), activation (`ops.Activation`, input stored rounded),
+  projection back."""
+
+  hidden: int | None = None
+  activation: str = "gelu"
+  norm: str | None = "layer"
+  epsilon: float = 1e-5
+  use_bias: bool = True
+  numerics: Numerics = Numerics()
+  kernel_init: Initializer = nn.initializers.lecun_normal()
+  out_kernel_init: Initializer = nn.initializers.lecun_normal()
+
+  @nn.compact
+  def __call__(self, x):
+    num = self.numerics
+    width = x.shape[-1]
+    hidden = self.hidden or 4 * width
+    if self.norm is None:
+      h = Dense(hidden, self.use_bias, numerics=num,
+                kernel_init=self.kernel_init, name="fc")(x)  # fmt: skip
+    else:
+      h = NormDense(
+        hidden, self.norm, self.epsilon, self.use_bias, numerics=num,
+        kernel_init=self.kernel_init, name="fc",
+      )(x)  # fmt: skip
+    h = _call(self, ops.Activation(self.activation, x=num.saved), num, h)
+    return Dense(width, self.use_bias, numerics=num,
+                 kernel_init=self.out_kernel_init, name="proj")(h)  # fmt: skip

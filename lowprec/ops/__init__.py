@@ -1,0 +1,68 @@
+"""Operators whose backward reads each saved tensor as a policy says.
+
+Each operator is a frozen dataclass configured with one `Rounding` per saved
+tensor (format, nearest or stochastic, per-tensor scaling) and `grad`, the
+rounding of incoming gradients (the emulated FP8 backward: `float8_e5m2`,
+stochastic, scaled). Calling it runs a `jax.custom_vjp` whose forward rounds
+what it rounds and keeps only what the policy's reads need, narrow where it
+can, and whose backward reads per use what the policy says:
+
+  Dense        y = x~ W~ + b                  dense.in@dw, dense.kernel@dx
+  NormDense    z = round(norm(x) g + b) W~ + c
+               norm.out@dgain, norm.out@dw, norm.out@dx, dense.kernel@dx
+  Attention    causal multi-head, P and O rounded
+               attn.probs@dv, attn.probs@dscores, attn.out@delta
+  Activation   h = f(x), x stored rounded     act.in@dact
+
+Each carries its requirements table (`op.requirements`: use -> the value the
+reference gradient reads, with the derivation) and `op.reference`, the forward
+with straight-through roundings whose `jax.grad` is the reference gradient.
+`REFERENCE` is the policy that reads, for every use of every operator, what
+the reference reads.
+
+Example:
+  >>> fp8 = Rounding("float8_e4m3fn", "stochastic")
+  >>> op = Attention(probs=fp8, out=fp8, grad="float8_e5m2:stochastic")
+  >>> o = op(q, k, v, key=jax.random.key(0), policy=REFERENCE)
+"""
+
+from lowprec.ops.activation import ACTIVATIONS, Activation, activation
+from lowprec.ops.attention import Attention, attention
+from lowprec.ops.base import Op
+from lowprec.ops.dense import Dense, dense
+from lowprec.ops.norm_dense import NORMS, NormDense, norm_dense
+from lowprec.ops.requirements import Requirement
+from lowprec.ops.saved import Rounding
+from lowprec.policy import Policy
+
+OPS: dict[str, type[Op]] = {
+  "dense": Dense,
+  "norm_dense": NormDense,
+  "attention": Attention,
+  "activation": Activation,
+}
+
+REFERENCE = Policy(
+  tuple(
+    dict.fromkeys((r.use, r.must_read) for op in OPS.values() for r in op.table)
+  )
+)
+
+__all__ = [
+  "ACTIVATIONS",
+  "NORMS",
+  "OPS",
+  "REFERENCE",
+  "Activation",
+  "Attention",
+  "Dense",
+  "NormDense",
+  "Op",
+  "Policy",
+  "Requirement",
+  "Rounding",
+  "activation",
+  "attention",
+  "dense",
+  "norm_dense",
+]

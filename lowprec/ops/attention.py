@@ -1,0 +1,185 @@
+"""Causal multi-head attention with rounded probabilities and output."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from lowprec.ops import saved
+from lowprec.ops.base import Op
+from lowprec.ops.requirements import Requirement
+from lowprec.ops.saved import Rounding
+
+_TABLE = (
+  Requirement(
+    "attn.probs@dv", "probs", "rounded", True, ("v",),
+    "O = P~ V, so dV = P~^T dO reads the P~ the forward multiplied",
+  ),
+  Requirement(
+    "attn.probs@dscores", "probs", "original", True, ("q", "k"),
+    "P = softmax(S) is evaluated before rounding, so dS = P * (dP - D) "
+    "is the softmax Jacobian at the original P",
+  ),
+  Requirement(
+    "attn.out@delta", "out", "original", True, ("q", "k"),
+    "the row term D = rowsum(dP * P) = rowsum(dO * P V) reads the output "
+    "of the original probabilities, before any rounding",
+  ),
+)  # fmt: skip
+
+
+def _causal(t: int) -> jax.Array:
+  return jnp.tril(jnp.ones((t, t), bool))
+
+
+@dataclasses.dataclass(frozen=True)
+class Attention(Op):
+  """Causal multi-head attention; the backward reads per use.
+
+  Inputs `q, k, v` are `[batch, length, heads, head_dim]`. Forward:
+
+    S = q k^T / sqrt(head_dim) (causal mask),  P = softmax(S),
+    P~ = round(P),  O = P~ V,  O~ = round(O)  (the output).
+
+  Backward, with `dO` the incoming gradient rounded by `grad`:
+
+    dV = P_v^T dO,  dP = dO V^T,  dS = P_s * (dP - D),
+    dq = dS k / sqrt(d),  dk = dS^T q / sqrt(d)  (dS rounded by `grad`),
+
+  where `P_v` is what `attn.probs@dv` reads, `P_s` what `attn.probs@dscores`
+  reads, and the row term `D` is, per `attn.out@delta`: `rowsum(dO * O~)`
+  (`rounded`, the flash-attention form reusing the output), the exact
+  `rowsum(dP * P)` (`original`; equal to `rowsum(dO * P V)`), or
+  `rowsum(dO * Q(P V))` for a `fresh` / `nearest` rounding of `P V`. The
+  original probabilities are recomputed from `q`, `k` and the row
+  log-sum-exp, as flash attention does; only the rounded ones are stored
+  (narrow).
+
+  Requirements table (autodiff of the forward, roundings straight-through):
+
+    attn.probs@dv       must read rounded: O = P~ V, so dV = P~^T dO.
+    attn.probs@dscores  must read original: straight through P~ -> P, the
+                        softmax Jacobian is taken at P: dS = P (dP - D).
+                        Linear in the P read, so `fresh` is admissible;
+                        `rounded` correlates with dO and is biased.
+    attn.out@delta      must read original: D = rowsum(dP P) =
+                        rowsum(dO (P V)), the output of the unrounded
+                        probabilities. Linear, so `fresh` is admissible;
+                        reusing the rounded output is biased.
+
+  Attributes:
+    probs: rounding of the probabilities (per-tensor scale: amax is 1).
+    out: rounding of the output.
+    grad: rounding of `dO` and `dS` (the gradients entering matmuls).
+
+  Example:
+    >>> op = Attention(probs="float8_e4m3fn:stochastic",
+    ...                out="float8_e4m3fn:stochastic")
+    >>> o = op(q, k, v, key=key, policy="attn.probs@dv=rounded,"
+    ...        "attn.probs@dscores=fresh,attn.out@delta=fresh")
+  """
+
+  probs: Rounding | str | None = None
+  out: Rounding | str | None = None
+  grad: Rounding | str | None = None
+
+  name = "attention"
+  args = ("q", "k", "v")
+  tensors = ("probs", "out")
+  table = _TABLE
+
+  def __post_init__(self):
+    self._coerce()
+
+  def kind(self, tensor: str) -> str:
+    own = super().kind(tensor)
+    if tensor == "probs":
+      return own
+    # The rounded output O~ = round(P~ V) carries the probabilities' rounding.
+    probs = super().kind("probs")
+    if probs == "none":
+      return own
+    if "stochastic" in (own, probs):
+      return "stochastic"
+    return "deterministic"
+
+  def _scores(self, q, k):
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
+    return jnp.where(_causal(q.shape[1]), s, -jnp.inf)
+
+  def _forward(self, values, args, keys):
+    q, k, v = args
+    s = self._scores(q, k)
+    m = jax.lax.stop_gradient(jnp.max(s, -1, keepdims=True))
+    e = jnp.exp(s - m)
+    den = jnp.sum(e, -1, keepdims=True)
+    p = e / den
+    if values is None:
+      pr = saved.straight_through(self.probs, p, keys["probs"])
+      o = jnp.einsum("bhqk,bkhd->bqhd", pr, v)
+      return saved.straight_through(self.out, o, keys["out"]), None
+    probs_v, scores_v, delta_v = values
+    reads = {probs_v, scores_v} - {"original", "fresh"}
+    pr, res_p = saved.save(self.probs, p, keys["probs"], reads)
+    res_p.pop("original", None)
+    o = jnp.einsum("bhqk,bkhd->bqhd", pr, v)
+    reads_o = {"rounded"} if delta_v == "rounded" else set()
+    orr, res_o = saved.save(self.out, o, keys["out"], reads_o)
+    if not reads_o:
+      res_o = {}
+    need_p = (
+      self.probs.is_identity
+      or not {probs_v, scores_v} <= {"rounded", "nearest"}
+      or delta_v != "rounded"
+    )
+    lse = (m + jnp.log(den))[..., 0] if need_p else None
+    return orr, dict(q=q, k=k, v=v, lse=lse, probs=res_p, out=res_o)
+
+  def _read_probs(self, value, use, res, p, bkey):
+    if self.probs.is_identity or value == "original":
+      return p
+    if value == "fresh":
+      key = saved.derive(bkey, use)
+      return self.probs.quantize(p, key, mode="stochastic").value()
+    return res["probs"][value].value()
+
+  def _backward(self, values, res, g):
+    probs_v, scores_v, delta_v = values
+    q, k, v, bkey = res["q"], res["k"], res["v"], res["backward_key"]
+    p = None
+    if res["lse"] is not None:
+      s = self._scores(q, k)
+      p = jnp.where(_causal(q.shape[1]), jnp.exp(s - res["lse"][..., None]),
+                    0.0)
+    do = self._round_grad(g, bkey, "do")
+    p_v = self._read_probs(probs_v, "attn.probs@dv", res, p, bkey)
+    dv = jnp.einsum("bhqk,bqhd->bkhd", p_v, do)
+    dp = jnp.einsum("bqhd,bkhd->bhqk", do, v)
+    if delta_v == "rounded":
+      delta = jnp.einsum("bqhd,bqhd->bhq", do, res["out"]["rounded"].value()
+                         if not self.out.is_identity
+                         else res["out"]["original"])
+    elif delta_v == "original" or self.out.is_identity:
+      delta = jnp.sum(dp * p, -1)
+    else:
+      pv = jnp.einsum("bhqk,bkhd->bqhd", p, v)
+      mode = "stochastic" if delta_v == "fresh" else "nearest"
+      key = saved.derive(bkey, "attn.out@delta") if mode == "stochastic" else (
+        None
+      )
+      pv = self.out.quantize(pv, key, mode=mode).value()
+      delta = jnp.einsum("bqhd,bqhd->bhq", do, pv)
+    p_s = self._read_probs(scores_v, "attn.probs@dscores", res, p, bkey)
+    ds = self._round_grad(p_s * (dp - delta[..., None]), bkey, "ds")
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    dq = jnp.einsum("bhqk,bkhd->bqhd", ds, k) * scale
+    dk = jnp.einsum("bhqk,bqhd->bkhd", ds, q) * scale
+    return dq, dk, dv
+
+
+def attention(q, k, v, *, policy=None, key=None, **config):
+  """`Attention(**config)(q, k, v, policy=policy, key=key)`."""
+  return Attention(**config)(q, k, v, policy=policy, key=key)

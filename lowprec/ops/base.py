@@ -1,0 +1,217 @@
+"""The calling convention shared by the operators: policy, keys, custom_vjp.
+
+An operator is a frozen dataclass (hashable, so a static argument) holding one
+`Rounding` per saved tensor plus `grad`, the rounding of incoming gradients
+(the emulated FP8 backward). Calling it resolves the policy against its uses,
+derives keys, and runs a `jax.custom_vjp` whose forward rounds and keeps what
+the policy's reads need, and whose backward reads per use what the policy
+says. `reference` runs the same forward with straight-through roundings, so
+`jax.grad` of it is the reference gradient.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from lowprec import policy as policy_lib
+from lowprec.ops import saved
+from lowprec.ops.requirements import Requirement
+from lowprec.ops.saved import Rounding
+
+_NONE = Rounding()
+
+
+class Op:
+  """Base class of the operators in `lowprec.ops`."""
+
+  name: ClassVar[str]  # a key of `lowprec.policy.USES`
+  args: ClassVar[tuple[str, ...]]  # names of the differentiable inputs
+  tensors: ClassVar[tuple[str, ...]]  # fields holding saved tensors' Rounding
+  table: ClassVar[tuple[Requirement, ...]]
+
+  def _coerce(self):
+    for field in (*self.tensors, "grad"):
+      if hasattr(self, field):
+        object.__setattr__(self, field, Rounding.parse(getattr(self, field)))
+
+  @property
+  def grad_rounding(self) -> Rounding:
+    """Rounding of incoming gradients (no rounding for ops without matmul)."""
+    return getattr(self, "grad", _NONE)
+
+  # ---- static facts -------------------------------------------------------
+
+  @property
+  def uses(self) -> tuple[str, ...]:
+    return policy_lib.USES[self.name]
+
+  @property
+  def requirements(self) -> dict[str, Requirement]:
+    """The requirements table, `{use: Requirement}` (see the class doc)."""
+    return {r.use: r for r in self.table}
+
+  @property
+  def reference_policy(self) -> policy_lib.Policy:
+    """The policy reading, for every use, what the reference reads."""
+    return policy_lib.Policy(tuple((r.use, r.must_read) for r in self.table))
+
+  def unrounded(self) -> Op:
+    """This operator with every rounding (and gradient rounding) off."""
+    off = {t: _NONE for t in self.tensors}
+    if hasattr(self, "grad"):
+      off["grad"] = _NONE
+    return dataclasses.replace(self, **off)
+
+  def kind(self, tensor: str) -> str:
+    """How `tensor`'s rounded value is produced (see `requirements.KINDS`)."""
+    r = getattr(self, tensor)
+    if r.is_identity:
+      return "none"
+    return "stochastic" if r.mode == "stochastic" else "nearest"
+
+  def resolve(self, policy) -> tuple[str, ...]:
+    """The value each use reads, in `self.uses` order (None: reference)."""
+    if policy is None:
+      policy = self.reference_policy
+    values = policy_lib.Policy.parse(policy).resolve(self.name)
+    return tuple(values[u] for u in self.uses)
+
+  def reads(self, values: tuple[str, ...]) -> dict[str, frozenset[str]]:
+    """`{tensor: values its uses read}` for resolved `values`."""
+    out = {t: set() for t in self.tensors}
+    for r, v in zip(self.table, values, strict=True):
+      out[r.tensor].add(v)
+    return {t: frozenset(v) for t, v in out.items()}
+
+  def _needs_forward_key(self) -> bool:
+    return any(getattr(self, t).stochastic for t in self.tensors)
+
+  def _needs_backward_key(self, values) -> bool:
+    fresh = any(
+      v == "fresh" and not getattr(self, r.tensor).is_identity
+      for r, v in zip(self.table, values, strict=True)
+    )
+    return fresh or self.grad_rounding.stochastic
+
+  # ---- calling ------------------------------------------------------------
+
+  def __call__(self, *args, policy=None, key=None, backward_key=None):
+    """Runs the operator; its backward reads what `policy` says per use.
+
+    Args:
+      *args: the inputs named in `self.args` (optional ones may be None).
+      policy: a `Policy` or anything `Policy.parse` takes; None reads the
+        reference values.
+      key: PRNG key for the forward's stochastic roundings; the backward's
+        draws (fresh reads, gradient rounding) use `backward_key`, derived
+        from `key` when not given.
+      backward_key: PRNG key for the backward's draws.
+
+    Raises:
+      ValueError: a use the policy does not cover or an unknown use name; a
+        missing key where a rounding is stochastic.
+    """
+    return self.apply(self.resolve(policy), args, key, backward_key)
+
+  def apply(self, values: tuple[str, ...], args, key, backward_key=None):
+    """`__call__` with the policy already resolved to `values`."""
+    if len(args) != len(self.args):
+      raise TypeError(
+        f"{self.name} takes {len(self.args)} inputs "
+        f"({', '.join(self.args)}), got {len(args)}"
+      )
+    keys = self._keys(values, key, backward_key)
+    dtypes = tuple(None if a is None else jnp.result_type(a) for a in args)
+    return _custom(self, values, dtypes, tuple(args), keys)
+
+  def reference(self, *args, key=None):
+    """The forward with straight-through roundings; `jax.grad` of it is the
+    reference gradient. Same forward draws as `__call__` with the same key."""
+    keys = self._keys(self.resolve(None), key, None)
+    return self._forward(None, tuple(args), keys)[0]
+
+  def _keys(self, values, key, backward_key) -> dict:
+    fwd = self._needs_forward_key()
+    bwd = self._needs_backward_key(values)
+    if key is None and (fwd or (bwd and backward_key is None)):
+      why = [f"{t}: {getattr(self, t)!r}" for t in self.tensors]
+      raise ValueError(
+        f"{self.name} draws random numbers ({', '.join(why)}, grad: "
+        f"{self.grad_rounding!r}, reads: {dict(zip(self.uses, values, strict=True))}) "
+        "but got key=None; pass key=jax.random.key(seed) (in lowprec.nn "
+        "modules: rngs={'lowprec': key} to apply)"
+      )
+    keys = {}
+    for t in self.tensors:
+      keys[t] = saved.derive(key, t) if getattr(self, t).stochastic else None
+    if bwd:
+      keys["backward"] = (
+        backward_key if backward_key is not None
+        else saved.derive(key, "backward")
+      )
+    else:
+      keys["backward"] = None
+    return keys
+
+  # ---- helpers for subclasses ---------------------------------------------
+
+  def _round(self, tensor, x, keys, reads, res):
+    """Rounds `x` for the forward; records residuals unless `reads` is None
+    (straight-through reference forward)."""
+    r = getattr(self, tensor)
+    if reads is None:
+      return saved.straight_through(r, x, keys[tensor])
+    xr, res[tensor] = saved.save(r, x, keys[tensor], reads[tensor])
+    return xr
+
+  def _read(self, values, use, res, bkey):
+    """What `use` reads in the backward."""
+    i = self.uses.index(use)
+    r = self.table[i]
+    fresh_key = None if bkey is None else saved.derive(bkey, use)
+    return saved.read(getattr(self, r.tensor), res[r.tensor], values[i],
+                      fresh_key)
+
+  def _round_grad(self, g, bkey, name):
+    """Incoming-gradient rounding (emulated FP8 backward)."""
+    r = self.grad_rounding
+    if r.is_identity:
+      return g
+    k = None if bkey is None else saved.derive(bkey, "grad:" + name)
+    return r.quantize(g, k).value().astype(g.dtype)
+
+  # ---- implemented by each operator ---------------------------------------
+
+  def _forward(self, values, args, keys):
+    """`(output, residuals)`; `values` None means straight-through."""
+    raise NotImplementedError
+
+  def _backward(self, values, res, g) -> tuple:
+    raise NotImplementedError
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _custom(op: Op, values, dtypes, args, keys):
+  return op._forward(values, args, keys)[0]
+
+
+def _custom_fwd(op: Op, values, dtypes, args, keys):
+  out, res = op._forward(values, args, keys)
+  res["backward_key"] = keys["backward"]
+  return out, res
+
+
+def _custom_bwd(op: Op, values, dtypes, res, g):
+  grads = op._backward(values, res, g)
+  grads = tuple(
+    None if d is None else grads[i].astype(d) for i, d in enumerate(dtypes)
+  )
+  return grads, None
+
+
+_custom.defvjp(_custom_fwd, _custom_bwd)

@@ -1,0 +1,188 @@
+"""Saved tensors: how the forward rounds a tensor and what the backward keeps.
+
+`Rounding` says how one tensor is rounded (format, nearest or stochastic,
+per-tensor scaling). `save` rounds a tensor for the forward and keeps only the
+values the policy's uses will read, narrow where it can; `read` produces, in
+the backward, the value one use asks for. Keys for every draw are derived by
+name (`derive`), so draws are independent and reproducible.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lowprec import rounding as rounding_lib
+from lowprec.formats import Format, get_format
+
+MODES = ("nearest", "stochastic")
+
+# Formats whose native dtype XLA converts to on every backend; others (FP6,
+# FP4) are stored as float32 holding grid values.
+_STORE_NATIVE_BITS = (8, 16)
+
+
+def derive(key, name: str) -> jax.Array:
+  """The key for the draw called `name`: `fold_in(key, crc32(name))`."""
+  return jax.random.fold_in(key, zlib.crc32(name.encode()))
+
+
+@dataclasses.dataclass(frozen=True)
+class Rounding:
+  """How the forward rounds one tensor.
+
+  With per-tensor scaling the tensor is rounded as `Q(x * s) / s` with
+  `s = max_finite / amax(x)`, so its largest magnitude lands on the format's
+  largest value; `s = 1` when `amax` is zero, not finite, or so small that `s`
+  would overflow float32.
+
+  Attributes:
+    format: a format name or `Format`; `"float32"` means no rounding at all.
+    mode: `"nearest"` (ties to even) or `"stochastic"` (unbiased).
+    scaled: per-tensor scaling; default on for float formats of 8 bits or
+      fewer, off otherwise.
+
+  Example:
+    >>> Rounding("float8_e4m3fn", "stochastic")
+    Rounding('float8_e4m3fn:stochastic')
+    >>> Rounding.parse("float8_e5m2:stochastic").scaled
+    True
+  """
+
+  format: Format | str = "float32"
+  mode: str = "nearest"
+  scaled: bool | None = None
+
+  def __post_init__(self):
+    fmt = get_format(self.format)
+    object.__setattr__(self, "format", fmt)
+    if self.mode not in MODES:
+      raise ValueError(
+        f"unknown rounding mode {self.mode!r}; valid: {', '.join(MODES)}"
+      )
+    if self.scaled is None:
+      object.__setattr__(self, "scaled", fmt.is_float and fmt.bits <= 8)
+
+  @classmethod
+  def parse(cls, spec: Rounding | str | None) -> Rounding:
+    """A `Rounding` from itself, `None` (no rounding) or `"format[:mode]"`."""
+    if spec is None:
+      return cls()
+    if isinstance(spec, Rounding):
+      return spec
+    if isinstance(spec, str):
+      fmt, _, mode = spec.partition(":")
+      return cls(fmt, mode or "nearest")
+    raise TypeError(f"expected a Rounding or 'format:mode', got {spec!r}")
+
+  @property
+  def is_identity(self) -> bool:
+    return self.format.name == "float32"
+
+  @property
+  def stochastic(self) -> bool:
+    return not self.is_identity and self.mode == "stochastic"
+
+  def __repr__(self) -> str:
+    if self.is_identity:
+      return "Rounding('float32')"
+    extra = "" if self.scaled == (self.format.bits <= 8) else ", unscaled"
+    return f"Rounding('{self.format.name}:{self.mode}'{extra})"
+
+  def scale(self, x) -> jax.Array | None:
+    """The per-tensor scale of `x` (float32 scalar), or None if unscaled."""
+    if not self.scaled:
+      return None
+    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    tiny = np.float32(self.format.max_finite / np.finfo(np.float32).max)
+    ok = jnp.isfinite(amax) & (amax > tiny)
+    top = jnp.float32(self.format.max_finite)
+    return jnp.where(ok, top / jnp.where(ok, amax, 1.0), jnp.float32(1.0))
+
+  def quantize(self, x, key=None, *, mode: str | None = None) -> Stored:
+    """Rounds `x` (with its scale) and returns the narrow stored form.
+
+    Args:
+      x: float array.
+      key: PRNG key; required when rounding stochastically.
+      mode: overrides `self.mode` (the backward's `fresh` and `nearest`).
+    """
+    mode = mode or self.mode
+    s = self.scale(x)
+    xs = x.astype(jnp.float32) if s is None else x.astype(jnp.float32) * s
+    if mode == "stochastic":
+      if key is None:
+        raise ValueError(
+          f"stochastic rounding to {self.format.name} needs a PRNG key"
+        )
+      q = rounding_lib.round_stochastic(xs, self.format, key)
+    else:
+      q = rounding_lib.round_nearest(xs, self.format)
+    native = self.format.native_dtype
+    if native is not None and native.itemsize * 8 in _STORE_NATIVE_BITS:
+      q = q.astype(native)
+    return Stored(q, s)
+
+
+class Stored(NamedTuple):
+  """A rounded tensor as kept for the backward."""
+
+  data: jax.Array  # grid values of x * scale, native dtype where one exists
+  scale: jax.Array | None  # float32 scalar; None when unscaled
+
+  def value(self) -> jax.Array:
+    v = self.data.astype(jnp.float32)
+    return v if self.scale is None else v / self.scale
+
+
+def save(r: Rounding, x, key, reads) -> tuple[jax.Array, dict]:
+  """Rounds `x` for the forward; keeps what the values in `reads` need.
+
+  Args:
+    r: the tensor's rounding.
+    x: the tensor before rounding.
+    key: the forward draw's key (stochastic rounding only).
+    reads: the policy values the backward will read (a set of `VALUES`).
+
+  Returns:
+    `(x~, residuals)`: the rounded tensor in `x`'s dtype, and a dict holding
+    `"rounded"` / `"nearest"` as `Stored` (narrow) and `"original"` as `x`,
+    only those needed. Without rounding everything is `x` itself.
+  """
+  if r.is_identity:
+    return x, {"original": x}
+  stored = r.quantize(x, key)
+  res = {}
+  if "rounded" in reads:
+    res["rounded"] = stored
+  if "nearest" in reads:
+    res["nearest"] = (
+      stored if r.mode == "nearest" else r.quantize(x, mode="nearest")
+    )
+  if "original" in reads or "fresh" in reads:
+    res["original"] = x
+  return stored.value().astype(x.dtype), res
+
+
+def read(r: Rounding, res: dict, value: str, key) -> jax.Array:
+  """The value a use reads, from what `save` kept (`key`: fresh draws)."""
+  if r.is_identity or value == "original":
+    return res["original"]
+  if value == "fresh":
+    x = res["original"]
+    return r.quantize(x, key, mode="stochastic").value().astype(x.dtype)
+  return res[value].value()
+
+
+def straight_through(r: Rounding, x, key) -> jax.Array:
+  """`x~` in the forward, gradient passed through unchanged."""
+  if r.is_identity:
+    return x
+  xr = r.quantize(x, key).value().astype(x.dtype)
+  # (x - x) is exactly zero, so the value is exactly xr.
+  return (x - jax.lax.stop_gradient(x)) + jax.lax.stop_gradient(xr)

@@ -1,0 +1,301 @@
+"""Where weights on a grid live: formats per parameter, storage, landing.
+
+Weights on a grid are stored either as float32 arrays holding grid values
+exactly (works for every format; the default) or in the format's native
+dtype (`bfloat16`, `float16`, `float8_*`). Both are "no master weights": no
+other copy of the parameters exists.
+
+A format specification assigns a format (or None: leave the parameter alone)
+to every parameter, in one of three forms:
+
+* one format for every parameter: `"float8_e4m3fn"`, `get_format("int3",
+  scale=0.125)`;
+* a pytree of formats shaped like the params, or like a prefix of them:
+  `{"dense": "float8_e4m3fn", "norm": None}`;
+* ordered rules, a list of `(regex, format_or_None)` pairs matched with
+  `re.fullmatch` against "/"-joined parameter paths such as
+  `"params/Dense_0/kernel"`; the first match wins, and a path that matches no
+  rule is an error.
+
+Example:
+  >>> rules = [(r".*(bias|scale)", None), (r".*", "float8_e4m3fn")]
+  >>> params = lowprec.to_grid(params, rules)  # float32 on the e4m3fn grid
+  >>> lowprec.check_on_grid(params, rules)  # raises if a value is off grid
+  >>> fp8 = lowprec.to_grid(params, rules, storage="native")  # for export
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lowprec.formats import Format, get_format
+from lowprec.rounding import round_nearest
+
+STORAGES = ("float32", "native")
+
+# A function from a parameter's key path to its format (None: untouched).
+FormatLookup = Callable[[tuple], Format | None]
+
+
+def path_name(path) -> str:
+  """The "/"-joined name of a pytree key path, e.g. "params/Dense_0/kernel"."""
+  return jax.tree_util.keystr(tuple(path), simple=True, separator="/")
+
+
+def _is_format_leaf(x) -> bool:
+  return x is None or isinstance(x, str | Format | np.dtype | type)
+
+
+def _is_rules(spec) -> bool:
+  return (
+    isinstance(spec, list)
+    and bool(spec)
+    and all(
+      isinstance(r, tuple) and len(r) == 2 and isinstance(r[0], str)
+      for r in spec
+    )
+  )
+
+
+def _as_format(f) -> Format | None:
+  return None if f is None else get_format(f)
+
+
+def format_lookup(spec) -> FormatLookup:
+  """Parses a format specification (see the module docstring).
+
+  Formats are parsed and regexes compiled here, so a bad name fails when the
+  transform is built, not at its first update.
+
+  Raises:
+    ValueError: unknown format names, bad regexes; the returned lookup raises
+      for a parameter path that the specification does not cover.
+  """
+  if _is_rules(spec):
+    rules = []
+    for pattern, f in spec:
+      try:
+        rules.append((re.compile(pattern), _as_format(f)))
+      except re.error as e:
+        raise ValueError(f"bad regex {pattern!r} in format rules: {e}") from e
+
+    def by_rule(path) -> Format | None:
+      name = path_name(path)
+      for regex, f in rules:
+        if regex.fullmatch(name):
+          return f
+      shown = ", ".join(repr(p) for p, _ in spec)
+      raise ValueError(
+        f"no format rule matches parameter {name!r} (rules, matched with "
+        f"re.fullmatch in order: {shown}); add a rule for it, e.g. a last "
+        "catch-all (r'.*', None) to leave the remaining parameters float32"
+      )
+
+    return by_rule
+
+  entries, _ = jax.tree_util.tree_flatten_with_path(
+    spec, is_leaf=_is_format_leaf
+  )
+  table = {_key_names(p): _as_format(f) for p, f in entries}
+
+  def by_tree(path) -> Format | None:
+    keys = _key_names(path)
+    # The longest prefix wins, so a format tree may stop above the leaves.
+    for n in range(len(keys), -1, -1):
+      if keys[:n] in table:
+        return table[keys[:n]]
+    known = sorted("/".join(k) for k in table)
+    shown = ", ".join(repr(k) for k in known[:8])
+    more = f" and {len(known) - 8} more" if len(known) > 8 else ""
+    raise ValueError(
+      f"the format pytree has no entry for parameter {path_name(path)!r} or "
+      f"any prefix of it (entries: {shown}{more}); add one, with None to "
+      "leave it float32"
+    )
+
+  return by_tree
+
+
+def _key_names(path) -> tuple[str, ...]:
+  return tuple(path_name((k,)) for k in path)
+
+
+def check_storage(name: str, dtype, fmt: Format) -> None:
+  """Raises unless `dtype` holds `fmt`'s grid: float32, or the native dtype."""
+  dtype = np.dtype(dtype)
+  if dtype == np.float32 or dtype == fmt.native_dtype:
+    return
+  native = f" or {fmt.native_dtype.name}" if fmt.native_dtype else ""
+  raise ValueError(
+    f"parameter {name!r} is stored as {dtype.name}, which is not a storage "
+    f"of the {fmt} grid (float32{native}); convert it with "
+    f"lowprec.to_grid(params, fmt, storage=...)"
+  )
+
+
+def _leaves(params, lookup: FormatLookup):
+  """(name, leaf, format) for every leaf; formats checked against dtypes."""
+  out = []
+  for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+    fmt = lookup(path)
+    name = path_name(path)
+    if fmt is not None:
+      check_storage(name, x.dtype, fmt)
+    out.append((name, x, fmt))
+  return out
+
+
+def to_grid(params, fmt, *, storage: str = "float32"):
+  """Rounds params to their formats' grids (nearest, saturating).
+
+  `w -> RN(w)`, ties to even, values beyond the largest finite one clipped to
+  it. Rounding is the identity on grid values, so on params already on the
+  grid this is an exact conversion between storages: use it to export
+  float32-on-grid weights to native FP8 and to load them back.
+
+  Args:
+    params: a pytree of float arrays (any float dtype).
+    fmt: a format specification (one format, a pytree of formats, or
+      `(regex, format)` rules; see the module docstring). Parameters whose
+      format is None are returned unchanged.
+    storage: "float32" (every format) or "native" (the format's own dtype,
+      e.g. `float8_e4m3fn`; not available for `eXmY` and `intK`).
+
+  Returns:
+    A pytree like `params` holding grid values in the chosen storage.
+
+  Raises:
+    ValueError: unknown storage, a format without a native dtype under
+      `storage="native"`, or a parameter the specification does not cover.
+
+  Example:
+    >>> w = {"kernel": jnp.array([0.1, 1.06, 500.0])}
+    >>> lowprec.to_grid(w, "float8_e4m3fn")["kernel"]
+    Array([  0.1015625,   1.       , 448.       ], dtype=float32)
+  """
+  if storage not in STORAGES:
+    raise ValueError(
+      f"unknown storage {storage!r}; valid: {', '.join(STORAGES)}"
+    )
+  lookup = format_lookup(fmt)
+  flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+  leaves = [x for _, x in flat]
+  picked, fmts, dtypes = [], [], []
+  for i, (path, _) in enumerate(flat):
+    f = lookup(path)
+    if f is None:
+      continue
+    if storage == "native" and f.native_dtype is None:
+      raise ValueError(
+        f"parameter {path_name(path)!r}: format {f} has no native dtype; "
+        "store it as float32 holding grid values (storage='float32')"
+      )
+    picked.append(i)
+    fmts.append(f)
+    dtypes.append(
+      np.dtype(np.float32) if storage == "float32" else f.native_dtype
+    )
+  rounded = _round_all([leaves[i] for i in picked], tuple(fmts), tuple(dtypes))
+  for i, x in zip(picked, rounded, strict=True):
+    leaves[i] = x
+  return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+# One compiled program per tree and formats, not one dispatch per operation.
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _round_all(xs, fmts, dtypes):
+  return [
+    round_nearest(jnp.asarray(x), f).astype(d)
+    for x, f, d in zip(xs, fmts, dtypes, strict=True)
+  ]
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _off_grid(xs, fmts):
+  """Per leaf: the count of off-grid values and the flat index of the first."""
+  out = []
+  for x, f in zip(xs, fmts, strict=True):
+    off = ~f.is_on_grid(jnp.asarray(x)).reshape(-1)
+    out.append((jnp.sum(off, dtype=jnp.int32), jnp.argmax(off)))
+  return out
+
+
+def check_on_grid(params, fmt) -> None:
+  """Raises if any parameter value is off its format's grid.
+
+  A value is on the grid when the format holds it exactly (zero of either
+  sign, infinities where the format has them; never NaN).
+
+  Args:
+    params: a pytree of concrete arrays (not traced: call it outside jit).
+    fmt: a format specification, as in `to_grid`.
+
+  Raises:
+    ValueError: naming every offending parameter with its count of off-grid
+      values and the first of them, and the fix (`lowprec.to_grid`); also
+      for a storage dtype that cannot hold the grid.
+
+  Example:
+    >>> lowprec.check_on_grid({"w": jnp.array([0.1])}, "bfloat16")
+    ValueError: 1 parameter off its grid: 'w': 1 of 1 values off the
+    bfloat16 grid (first: 0.1); ...
+  """
+  lookup = format_lookup(fmt)
+  leaves = [leaf for leaf in _leaves(params, lookup) if leaf[2] is not None]
+  found = _off_grid([x for _, x, _ in leaves], tuple(f for *_, f in leaves))
+  bad = []
+  for (name, x, f), (count, first) in zip(
+    leaves, jax.device_get(found), strict=True
+  ):
+    if count:
+      value = np.asarray(x, np.float32).reshape(-1)[first]
+      bad.append(
+        f"{name!r}: {int(count)} of {np.size(x)} values off the {f} grid "
+        f"(first: {float(value):.9g})"
+      )
+  if bad:
+    raise ValueError(
+      f"{len(bad)} parameter(s) off their grid: "
+      + "; ".join(bad)
+      + ". Put them on the grid first: params = lowprec.to_grid(params, fmt)"
+    )
+
+
+def apply_updates(params, updates):
+  """`optax.apply_updates` that also takes float8 (and narrower) params.
+
+  `w' = cast(w + u)` to `w`'s dtype, as `optax.apply_updates` does wherever
+  that works (and with the same result there). JAX refuses to add float8 and
+  float32 implicitly, so float8/float6/float4 params are widened to float32
+  first. With the deltas of `lowprec.writeback`, `w + u` is exactly the new
+  grid value, so the final cast is exact for every storage.
+
+  Args:
+    params: a pytree of arrays (None leaves stay None).
+    updates: a pytree of the same structure.
+
+  Returns:
+    The updated params, each leaf in its original dtype.
+
+  Example:
+    >>> w = lowprec.to_grid(w, "float8_e4m3fn", storage="native")
+    >>> updates, state = opt.update(grads, state, w)
+    >>> w = lowprec.apply_updates(w, updates)  # still float8_e4m3fn
+  """
+
+  def one(p: Any, u: Any):
+    if p is None:
+      return None
+    p = jnp.asarray(p)
+    if jnp.issubdtype(p.dtype, jnp.floating) and p.dtype.itemsize == 1:
+      return (p.astype(jnp.float32) + u).astype(p.dtype)
+    return jnp.asarray(p + u).astype(p.dtype)
+
+  return jax.tree.map(one, params, updates, is_leaf=lambda x: x is None)

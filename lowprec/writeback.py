@@ -1,0 +1,379 @@
+"""Write-back without master weights, as an optax transform with telemetry.
+
+Without a float32 master copy, every optimizer step writes `w + u` back to the
+weights' grid: `w' = Q(w + u)`. A nonzero proposal `u` that `Q` rounds away is
+**erased** (`u != 0` and `w' == w`); under nearest rounding that happens
+exactly when `|u|` is below half the grid gap at `w` in the direction of `u`,
+and a coordinate whose proposals are erased at every step is frozen while its
+gradient is not zero. Stochastic rounding keeps `E[w'] = w + u`, so nothing
+freezes for good.
+
+`writeback` goes last in an optax chain, rounds there, and returns the float32
+deltas `w' - w`, which land exactly through `optax.apply_updates` (or
+`lowprec.apply_updates` for float8 storage). Its state keeps a PRNG key and
+per-tensor counts of proposals, erasures and saturations, read with
+`lowprec.telemetry(opt_state)`; it never holds a copy of the parameters.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from lowprec import rng as rng_lib
+from lowprec.formats import Format
+from lowprec.rounding import OVERFLOW_MODES, round_and_flag
+from lowprec.storage import (
+  check_on_grid,
+  check_storage,
+  format_lookup,
+  path_name,
+)
+
+ROUNDINGS = ("nearest", "stochastic", "deadzone")
+
+_COUNTS = ("proposals", "moved", "saturated", "unreachable")
+
+
+class WritebackState(NamedTuple):
+  """State of `writeback`: a PRNG key and the counts of the last update.
+
+  Counts are dicts from parameter path ("params/Dense_0/kernel") to an int32
+  scalar, covering the parameters that have a format; they are None when the
+  transform was built with `telemetry=False`. `erased` is `proposals - moved`.
+  `report()` turns them into plain numbers for `lowprec.telemetry`.
+  """
+
+  count: jax.Array  # int32 []: updates applied so far.
+  key: jax.Array | None  # uint32 [2] key data, split each update; None (RN).
+  proposals: dict[str, jax.Array] | None  # int32 [] per path: u != 0.
+  moved: dict[str, jax.Array] | None  # int32 [] per path: w' != w.
+  saturated: dict[str, jax.Array] | None  # int32 [] per path: past max.
+  unreachable: dict[str, jax.Array] | None  # int32 [] per path: detoured.
+
+  def report(self) -> dict[str, int | float]:
+    """The counts as plain numbers: totals, then `<count>/<path>` per tensor.
+
+    Keys: `steps`, `proposals`, `erased`, `moved`, `saturated`,
+    `unreachable`, `erased_fraction` (erased / proposals, 0.0 without
+    proposals), and the same counts per parameter path.
+    """
+    out: dict[str, int | float] = {"steps": int(jax.device_get(self.count))}
+    if self.proposals is None:
+      return out
+    host = jax.device_get({c: getattr(self, c) for c in _COUNTS})
+    names = list(host["proposals"])
+    per = {n: {c: int(host[c][n]) for c in _COUNTS} for n in names}
+    for n in names:
+      per[n]["erased"] = per[n]["proposals"] - per[n]["moved"]
+    keys = ("proposals", "erased", "moved", "saturated", "unreachable")
+    for k in keys:
+      out[k] = sum(p[k] for p in per.values())
+    out["erased_fraction"] = _fraction(out["erased"], out["proposals"])
+    for n, p in per.items():
+      for k in keys:
+        out[f"{k}/{n}"] = p[k]
+      out[f"erased_fraction/{n}"] = _fraction(p["erased"], p["proposals"])
+    return out
+
+
+def _fraction(num: int, den: int) -> float:
+  return num / den if den else 0.0
+
+
+def writeback(
+  fmt,
+  rounding: str = "nearest",
+  *,
+  key: jax.Array | None = None,
+  overflow: str = "saturate",
+  telemetry: bool = True,
+) -> optax.GradientTransformation:
+  """Rounds `w + u` onto the weights' grid and emits the exact deltas.
+
+  For each parameter `w` (on its format's grid) and proposal `u` (the
+  incoming update, e.g. AdamW's), computed in float32:
+
+    w' = Q(w + u),    delta = w' - w,    fl32(w + delta) == w' exactly,
+
+  with `Q` one of
+
+    nearest:     RN(x), round to nearest, ties to even;
+    stochastic:  SR(x) = hi with probability (x - lo) / (hi - lo), else lo
+                 (lo <= x <= hi the grid neighbours), so E[SR(x)] = x;
+    deadzone:    SR(x) where RN(w + u) == w and u != 0 (nearest would erase
+                 the proposal), RN(x) elsewhere.
+
+  Coordinates with `u == 0` keep their bits. SR uses 32 random bits per
+  element from a counter-based hash of (key, element index), so a sharded
+  run draws the same bits as an unsharded one; the up-probability is exact
+  for targets' normal range (see `lowprec.round_stochastic` for the bias
+  bound in the subnormal range and for `intK`).
+
+  Exact landing. `optax.apply_updates(params, deltas)` computes `w + delta`
+  in float32 and, for bfloat16/float16 storage, casts it: both reproduce `w'`
+  bit for bit (zeros land as +0 unless `w` was already zero). Float32
+  addition to `w` cannot reach every value: for formats with 1 to 11 mantissa
+  bits `m`, only a power of two `2^k` of sign opposite to `w`, with
+  `|w| < 2^(k - m)`, can be out of reach (a weight crossing zero and growing
+  by a factor over `2^m` in one step); wider formats have a few more such
+  cases. There the weight moves to the grid neighbour of `Q(w + u)` toward
+  `w` (or stays, where that is out of reach too), and `unreachable` counts
+  it; the result is the same for every storage. `intK` needs a power-of-two
+  scale for the same reason. Values below 2^-126 in magnitude
+  (only formats with 8 exponent bits have them) are flushed to zero by
+  float32 addition on backends that flush subnormals, such as XLA on CPU.
+
+  Telemetry, per parameter path and in total, for the last update:
+  `proposals` (`u != 0`), `erased` (`u != 0` and `w' == w`), `moved`,
+  `saturated` (`w + u` rounded beyond the largest finite value: clipped
+  under `overflow="saturate"`), `unreachable` (above) and
+  `erased_fraction = erased / proposals`. Read them with
+  `lowprec.telemetry(opt_state)`. The state holds these int32 scalars and a
+  key, never a copy of the parameters.
+
+  Args:
+    fmt: the weights' format: a name (`"float8_e4m3fn"`, `"e8m3"`), a
+      `Format` (e.g. `get_format("int3", scale=0.125)`), a pytree of formats
+      shaped like (a prefix of) the params, or rules `[(regex, fmt), ...]`
+      over "/"-joined parameter paths (`re.fullmatch`, first match wins, no
+      match is an error). None leaves a parameter untouched (its update
+      passes through). See `lowprec.storage`.
+    rounding: "nearest", "stochastic" or "deadzone".
+    key: a JAX PRNG key; required by "stochastic" and "deadzone", ignored by
+      "nearest". It is split at every update.
+    overflow: "saturate" (default) clips to +-max finite; "ieee" overflows to
+      inf, or NaN where the format has no inf, as a cast does.
+    telemetry: keep the counts in the state (one reduction per tensor and
+      step; on XLA:CPU it recomputes the rounding, see the README).
+
+  Returns:
+    An `optax.GradientTransformation` whose `update` needs `params`, stored
+    as float32 holding grid values or as the format's native dtype.
+    Its `init` checks concrete params and raises if any is off the grid.
+
+  Raises:
+    ValueError: unknown rounding or overflow mode or format; a random
+      rounding without `key`; at `init`, params off their grid (call
+      `lowprec.to_grid` first), stored in a dtype that cannot hold the grid,
+      or an `intK` scale that is not a power of two; at `update`, missing
+      `params`.
+
+  Example:
+    >>> params = lowprec.to_grid(params, "bfloat16")  # float32 on the grid
+    >>> opt = optax.chain(
+    ...     optax.adamw(optax.cosine_decay_schedule(1e-3, 1000)),
+    ...     lowprec.writeback("bfloat16", "stochastic", key=jax.random.key(0)),
+    ... )
+    >>> state = opt.init(params)
+    >>> updates, state = opt.update(grads, state, params)
+    >>> params = optax.apply_updates(params, updates)  # still on the grid
+    >>> lowprec.telemetry(state)["erased_fraction"]
+
+  Reference: the write-back freezing study, `papers/001_*` ("Direct
+  low-precision write-back can erase nonzero optimizer proposals").
+  """
+  if rounding not in ROUNDINGS:
+    raise ValueError(
+      f"unknown rounding {rounding!r}; valid: {', '.join(ROUNDINGS)}"
+    )
+  if overflow not in OVERFLOW_MODES:
+    raise ValueError(
+      f"unknown overflow mode {overflow!r}; valid: {', '.join(OVERFLOW_MODES)}"
+    )
+  lookup = format_lookup(fmt)
+  random = rounding != "nearest"
+  impl = None
+  if random:
+    if key is None:
+      raise ValueError(
+        f"writeback(rounding={rounding!r}) draws random bits and needs a "
+        "PRNG key: pass key=jax.random.key(seed)"
+      )
+    if jnp.issubdtype(jnp.asarray(key).dtype, jax.dtypes.prng_key):
+      impl = jax.random.key_impl(key)
+      key = jax.random.key_data(key)
+    key = rng_lib.key_words(key)
+
+  def init_fn(params):
+    names = [
+      path_name(path)
+      for path, w in jax.tree_util.tree_flatten_with_path(params)[0]
+      if _format_of(lookup, path, w) is not None
+    ]
+    if _concrete(params):
+      # Concrete params may still meet init inside a trace (closed over
+      # under jit or vmap): evaluate the check now rather than stage it.
+      with jax.ensure_compile_time_eval():
+        check_on_grid(params, fmt)
+
+    def zeros():
+      return {n: jnp.zeros([], jnp.int32) for n in names} if telemetry else None
+
+    return WritebackState(
+      count=jnp.zeros([], jnp.int32),
+      key=key if random else None,
+      proposals=zeros(),
+      moved=zeros(),
+      saturated=zeros(),
+      unreachable=zeros(),
+    )
+
+  def update_fn(updates, state, params=None):
+    if params is None:
+      raise ValueError(
+        "writeback rounds w + u and needs the current params: call "
+        "opt.update(updates, state, params)"
+      )
+    flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
+    weights = treedef.flatten_up_to(params)
+    new_key = step_key = None
+    if random:
+      pair = jax.random.split(jax.random.wrap_key_data(state.key, impl=impl))
+      new_key, step_key = jax.random.key_data(pair[0]), pair[1]
+    deltas = []
+    counts = {c: {} for c in _COUNTS}
+    for (path, u), w in zip(flat, weights, strict=True):
+      f = _format_of(lookup, path, w)
+      if f is None:
+        deltas.append(u)
+        continue
+      name = path_name(path)
+      bits = None
+      if random:
+        leaf_key = jax.random.fold_in(step_key, _seed(name))
+        bits = rng_lib.random_bits(leaf_key, jnp.shape(w))
+      delta, leaf_counts = _write_leaf(
+        w, u, f, rounding, bits, telemetry, overflow
+      )
+      deltas.append(delta)
+      if telemetry:
+        for c, v in zip(_COUNTS, leaf_counts, strict=True):
+          counts[c][name] = v
+    if not telemetry:
+      counts = dict.fromkeys(_COUNTS)
+    new_state = WritebackState(
+      count=optax.safe_increment(state.count), key=new_key, **counts
+    )
+    return jax.tree_util.tree_unflatten(treedef, deltas), new_state
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _format_of(lookup, path, w) -> Format | None:
+  """The format of the parameter at `path`, checked against its storage."""
+  fmt = lookup(path)
+  if fmt is None:
+    return None
+  check_storage(path_name(path), w.dtype, fmt)
+  if not fmt.is_float and not float(np.log2(fmt.scale)).is_integer():
+    # float32(k * s) - float32(j * s) is not float32-exact for such s, so
+    # no float32 delta lands on most of the grid.
+    pow2 = 2.0 ** round(float(np.log2(fmt.scale)))
+    raise ValueError(
+      f"parameter {path_name(path)!r}: write-back onto {fmt} needs a "
+      f"power-of-two scale to land exactly in float32, got {fmt.scale}; "
+      f"use e.g. get_format({fmt.name!r}, scale={pow2})"
+    )
+  return fmt
+
+
+def _concrete(tree) -> bool:
+  abstract = (jax.core.Tracer, jax.ShapeDtypeStruct)
+  return not any(isinstance(x, abstract) for x in jax.tree.leaves(tree))
+
+
+def _seed(name: str) -> int:
+  # Keyed by path, not position: masking or adding a parameter leaves the
+  # other parameters' random streams unchanged.
+  return zlib.crc32(name.encode()) & 0x7FFFFFFF
+
+
+def _write_leaf(w, u, fmt: Format, rounding: str, bits, telemetry, overflow):
+  """Delta and (proposals, moved, saturated, unreachable) for one tensor."""
+  w = jnp.asarray(w).astype(jnp.float32)
+  u = jnp.asarray(u).astype(jnp.float32)
+  x = w + u
+  sr_bits = bits if rounding == "stochastic" else None
+  q, over = round_and_flag(x, fmt, sr_bits, overflow=overflow)
+  if rounding == "deadzone":
+    q_sr, over_sr = round_and_flag(x, fmt, bits, overflow=overflow)
+    erased = q == w
+    q = jnp.where(erased, q_sr, q)
+    over = jnp.where(erased, over_sr, over)
+  proposed = u != 0
+  # Keeping w itself (not an equal value) preserves the sign of zero.
+  q = jnp.where(proposed & (q != w), q, w)
+  delta, lands = _delta(w, q)
+  # Rarely q is out of reach of float32 addition to w (see `writeback`):
+  # take the grid neighbour of q toward w if that lands, else stay. This is
+  # elementwise, not a `lax.cond`, so that XLA fuses the whole write-back
+  # into the optimizer's update and `apply_updates`.
+  q2 = _toward_zero(q, fmt)
+  delta2, lands2 = _delta(w, q2)
+  detour = ~lands & lands2 & ((q > w) == (q > 0))
+  delta = jnp.where(lands, delta, jnp.where(detour, delta2, -0.0))
+  if not telemetry:
+    return delta, None
+  q = jnp.where(lands, q, jnp.where(detour, q2, w))
+  moved = proposed & (q != w)
+  return delta, _count(proposed, moved, over & proposed, ~lands)
+
+
+def _toward_zero(q, fmt: Format):
+  """The grid value next to q toward zero, where q is normal above the
+  smallest normal; elsewhere (and for intK) q itself, which never lands
+  where q did not."""
+  if not fmt.is_float:
+    return q
+  b = jax.lax.bitcast_convert_type(q, jnp.uint32)
+  # Grid values of a normal binade are float32 patterns whose low 23 - m
+  # mantissa bits are zero, so one step down is one unit of 2**(23 - m).
+  ok = (b & 0x7FFFFFFF) > np.float32(fmt.min_normal).view(np.uint32)
+  ok &= (b & 0x7FFFFFFF) < 0x7F800000
+  step = jnp.uint32(1 << (23 - fmt.man_bits))
+  return jnp.where(ok, jax.lax.bitcast_convert_type(b - step, jnp.float32), q)
+
+
+def _count(*masks):
+  """int32 counts of the True entries of each mask, in one reduction.
+
+  One variadic reduction over the last axis (which XLA:CPU runs in parallel
+  over rows), then a small one over the rest.
+  """
+  ops = tuple(m.astype(jnp.int32) for m in masks)
+  ndim = masks[0].ndim
+  axes = (ndim - 1,) if ndim >= 2 else tuple(range(ndim))
+  zeros = tuple(jnp.zeros([], jnp.int32) for _ in ops)
+
+  def add(a, b):
+    return tuple(x + y for x, y in zip(a, b, strict=True))
+
+  rows = jax.lax.reduce(ops, zeros, add, axes)
+  return tuple(jnp.sum(r, dtype=jnp.int32) for r in rows)
+
+
+def _delta(w, q):
+  """A float32 `d` with `w + d == q` in float32, and where that holds.
+
+  `q - w` rounded is the answer unless its rounding error pushes `w + d` off
+  `q`; then the float32 neighbour of `d` toward the error is the only other
+  candidate: every float that lands lies on one side of `q - w`, and the
+  nearest float there is `d` or that neighbour.
+  """
+  d = q - w
+  r = w + d
+  # One float32 step of d: +1 on the bit pattern grows |d|, -1 shrinks it.
+  grow = (q > r) == (d > 0)
+  b = jax.lax.bitcast_convert_type(d, jnp.uint32)
+  step = jnp.where(grow, jnp.uint32(1), jnp.uint32(0xFFFFFFFF))
+  nudged = jax.lax.bitcast_convert_type(b + step, jnp.float32)
+  d = jnp.where(r == q, d, nudged)
+  # Adding -0 keeps every w bit for bit (+0 + -0 = +0, -0 + -0 = -0).
+  d = jnp.where(q == w, jnp.float32(-0.0), d)
+  return d, (w + d == q) | jnp.isnan(q)
