@@ -112,8 +112,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.train.virtual_shards = 16  # fixed-order gradient sum; 0 = plain mean
   c.train.fsdp = 1  # devices per parameter shard group
   c.train.seed = 0  # set from study.seed for each run
-  c.train.init_from_arm = ""  # start from this arm's checkpoint (same seed)
-  c.train.init_from_step = 0  # ... saved at this step (params only)
+  # Start from the params another arm of the study (same seed) saved at a
+  # step; optimizer state starts fresh, the data stream continues from there.
+  c.train.init_from_arm = ""
+  c.train.init_from_step = 0
 
   c.log = ml_collections.ConfigDict()
   c.log.results_dir = "results"

@@ -126,9 +126,7 @@ def trace_targets(lp):
   }
 
 
-def build(
-  config, key: jax.Array, params=None
-) -> optax.GradientTransformation:
+def build(config, key: jax.Array, params=None) -> optax.GradientTransformation:
   """clip -> AdamW/SGD -> write-back (low precision) or trace (float32).
 
   `params` (the initial parameters) are needed only for per-tensor `intK`

@@ -314,6 +314,8 @@ def train_and_evaluate(config, overrides: dict | None = None) -> dict:
     return float(np.mean(losses))
 
   total = config.train.steps
+  # A run started from another run's checkpoint continues its data stream.
+  data_start = config.train.init_from_step if config.train.init_from_arm else 0
   t0, t_last, s_last = time.time(), time.time(), start
   last = {}
   tag = f"[{config.study.name}/{config.study.arm or 'default'}/seed{seed}]"
@@ -322,7 +324,9 @@ def train_and_evaluate(config, overrides: dict | None = None) -> dict:
       val = evaluate(state.params)
       metrics_file.write({"step": 0, "val_loss": val})
     for step in range(start, total):
-      state, m = run.step_fn(state, run.put(run.task.data.batch(step)))
+      state, m = run.step_fn(
+        state, run.put(run.task.data.batch(data_start + step))
+      )
       record = {"step": step + 1, "lr": float(lr_fn(step))}
       record.update({k: float(v) for k, v in jax.device_get(m).items()})
       record.update(lowprec.telemetry(state.opt_state))

@@ -53,7 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowprec.ops import requirements as req_lib
-from lowprec.ops.base import Op
+from lowprec.ops.base import KEEP_ALL, Op
 from lowprec.ops.saved import Rounding
 from lowprec.policy import VALUES, Policy
 
@@ -332,23 +332,20 @@ def verify(
   n_chunks = -(-n_forward // chunk)
   loss_key, key = jax.random.split(key)
   kfs = jax.random.split(key, n_chunks * chunk).reshape(n_chunks, chunk)
-  run = functools.partial(_program, op, ref_values, table, loss, n_backward)
+  rows = jnp.array([[VALUES.index(v) for v in r] for r in (*table, values)])
   parts = [
-    jax.device_get(run(True, inputs, kfs[c], loss_key))
+    jax.device_get(
+      _program(op, ref_values, loss, n_backward, inputs, kfs[c], loss_key,
+               rows)  # fmt: skip
+    )
     for c in range(n_chunks)
   ]
-  ref, err, diffs = jax.tree.map(
+  ref, err, stacked = jax.tree.map(
     lambda *xs: np.concatenate(xs)[:n_forward], *parts
   )
-  if values in table:
-    total = diffs[table.index(values)]
-  else:
-    run = functools.partial(_program, op, ref_values, (values,), loss)
-    parts = [
-      jax.device_get(run(n_backward, False, inputs, kfs[c], loss_key)[2])
-      for c in range(n_chunks)
-    ]
-    (total,) = jax.tree.map(lambda *xs: np.concatenate(xs)[:n_forward], *parts)
+  # stacked[gradient][forward, row, ...] -> diffs[row][gradient]
+  diffs = [tuple(g[:, j] for g in stacked) for j in range(len(rows))]
+  total = diffs[-1]
 
   names = [n for n, x in zip(op.args, inputs, strict=True) if x is not None]
   scale = [
@@ -414,51 +411,60 @@ def _default_loss(op: Op, values, inputs, key):
   return lambda y: 0.5 * jnp.sum(jnp.square(y - y0)) + jnp.sum(c * y)
 
 
-def _grads(op: Op, values, loss, inputs, kf, kb):
-  fn = lambda args: loss(op.apply(values, args, kf, kb))
-  return tuple(g for g in jax.grad(fn)(inputs) if g is not None)
-
-
-# Compiled once per (operator, variants, loss, ...) and reused across calls:
-# every policy of one operator shares the table program.
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5))
-def _program(op: Op, ref_values, variants, loss, n_backward, check, inputs,
-             kfs, loss_key):  # fmt: skip
+# Compiled once per (operator, loss, sizes) and reused across calls: the
+# variants are data (indices into VALUES), so every policy shares a program.
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _program(op: Op, ref_values, loss, n_backward, inputs, kfs, loss_key,
+             variants):  # fmt: skip
   """Per forward key: reference gradient, its relative deviation from
   autodiff of the straight-through forward (if `check`), and for each
-  variant the mean over backward keys of (gradient - reference)."""
+  variant the mean over backward keys of (gradient - reference).
+
+  The forward runs once per key, keeping the residuals of every policy; each
+  variant's backward then reads them, so the forward is held fixed exactly.
+  """
   ref_op = op
   if hasattr(op, "grad"):
     ref_op = dataclasses.replace(op, grad=Rounding())
   if loss is None:
     loss = _default_loss(op, ref_values, inputs, loss_key)
+  present = [i for i, x in enumerate(inputs) if x is not None]
+  # Every variant runs through one traced backward: the reads are indices
+  # into VALUES (see `ops.base.per_value`), vmapped over the variants. The
+  # reference is the first row when the operator rounds no gradients, so
+  # that a variant reading the same values gives bit-identical gradients.
+  same = ref_op == op
+  if same:
+    ref_index = jnp.array([[VALUES.index(v) for v in ref_values]])
+    variants = jnp.concatenate([ref_index, variants])
+
+  def backward(o: Op, values, res, dy, kb):
+    grads = o._backward(values, dict(res, backward_key=kb), dy)
+    return tuple(grads[i] for i in present)
 
   def one(kf):
-    ref = _grads(ref_op, ref_values, loss, inputs, kf, None)
-    err = jnp.float32(0)
-    if check:
-      auto_fn = lambda args: loss(op.reference(*args, key=kf))
-      auto = [g for g in jax.grad(auto_fn)(inputs) if g is not None]
-      top = jnp.max(jnp.stack([jnp.max(jnp.abs(r)) for r in ref]))
-      err = jnp.max(
-        jnp.stack([jnp.max(jnp.abs(a - r)) for a, r in zip(auto, ref)])
-      )
-      err = err / jnp.where(top > 0, top, 1.0)
-    diffs = []
-    for vals in variants:
-      if (op, vals) == (ref_op, ref_values):
-        diffs.append(tuple(jnp.zeros_like(r) for r in ref))
-        continue
-      if op._needs_backward_key(vals):
-        kbs = jax.random.split(jax.random.fold_in(kf, 1), n_backward)
-        g = jax.vmap(lambda kb, v=vals: _grads(op, v, loss, inputs, kf, kb))(
-          kbs
-        )
-        g = tuple(x.mean(0) for x in g)
-      else:
-        g = _grads(op, vals, loss, inputs, kf, None)
-      diffs.append(tuple(x - r for x, r in zip(g, ref, strict=True)))
-    return ref, err, tuple(diffs)
+    out, res = op._forward(KEEP_ALL, inputs, op._forward_keys(kf))
+    dy = jax.grad(loss)(out)
+    kbs = jax.random.split(jax.random.fold_in(kf, 1), n_backward)
+
+    def row(idx):
+      g = jax.vmap(lambda kb: backward(op, tuple(idx), res, dy, kb))(kbs)
+      return tuple(x.mean(0) for x in g)
+
+    g = jax.vmap(row)(variants)
+    if same:
+      ref = tuple(x[0] for x in g)
+      g = tuple(x[1:] for x in g)
+    else:
+      ref = backward(ref_op, ref_values, res, dy, None)
+    diffs = tuple(x - r[None] for x, r in zip(g, ref, strict=True))
+    auto_fn = lambda args: loss(op.reference(*args, key=kf))
+    auto = [g for g in jax.grad(auto_fn)(inputs) if g is not None]
+    top = jnp.max(jnp.stack([jnp.max(jnp.abs(r)) for r in ref]))
+    err = jnp.max(
+      jnp.stack([jnp.max(jnp.abs(a - r)) for a, r in zip(auto, ref)])
+    )
+    return ref, err / jnp.where(top > 0, top, 1.0), diffs
 
   return jax.vmap(one)(kfs)
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -140,18 +139,6 @@ def check_storage(name: str, dtype, fmt: Format) -> None:
   )
 
 
-def _leaves(params, lookup: FormatLookup):
-  """(name, leaf, format) for every leaf; formats checked against dtypes."""
-  out = []
-  for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
-    fmt = lookup(path)
-    name = path_name(path)
-    if fmt is not None:
-      check_storage(name, x.dtype, fmt)
-    out.append((name, x, fmt))
-  return out
-
-
 def to_grid(params, fmt, *, storage: str = "float32"):
   """Rounds params to their formats' grids (nearest, saturating).
 
@@ -244,11 +231,16 @@ def check_on_grid(params, fmt) -> None:
 
   Example:
     >>> lowprec.check_on_grid({"w": jnp.array([0.1])}, "bfloat16")
-    ValueError: 1 parameter off its grid: 'w': 1 of 1 values off the
-    bfloat16 grid (first: 0.1); ...
+    ValueError: 1 parameter(s) off their grid: 'w': 1 of 1 values off the
+    bfloat16 grid (first: 0.100000001). Put them on the grid first: ...
   """
   lookup = format_lookup(fmt)
-  leaves = [leaf for leaf in _leaves(params, lookup) if leaf[2] is not None]
+  leaves = []
+  for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+    f = lookup(path)
+    if f is not None:
+      check_storage(path_name(path), x.dtype, f)
+      leaves.append((path_name(path), x, f))
   found = _off_grid([x for _, x, _ in leaves], tuple(f for *_, f in leaves))
   bad = []
   for (name, x, f), (count, first) in zip(
@@ -290,7 +282,7 @@ def apply_updates(params, updates):
     >>> w = lowprec.apply_updates(w, updates)  # still float8_e4m3fn
   """
 
-  def one(p: Any, u: Any):
+  def one(p, u):
     if p is None:
       return None
     p = jnp.asarray(p)

@@ -316,12 +316,13 @@ def _write_leaf(w, u, fmt: Format, rounding: str, bits, telemetry, overflow):
   # into the optimizer's update and `apply_updates`.
   q2 = _toward_zero(q, fmt)
   delta2, lands2 = _delta(w, q2)
-  detour = ~lands & lands2 & ((q > w) == (q > 0))
+  toward_w = (q > w) == (q > 0)  # toward zero is toward w, not past it
+  detour = ~lands & lands2 & toward_w
   delta = jnp.where(lands, delta, jnp.where(detour, delta2, -0.0))
   if not telemetry:
     return delta, None
-  q = jnp.where(lands, q, jnp.where(detour, q2, w))
-  moved = proposed & (q != w)
+  # The delta is -0 exactly where the weight stays, nonzero where it moves.
+  moved = proposed & (delta != 0)
   return delta, _count(proposed, moved, over & proposed, ~lands)
 
 

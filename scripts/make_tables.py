@@ -20,8 +20,17 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from lowprec import freeze  # noqa: E402
+from freeze_analyses import (  # noqa: E402
+  audit_table,
+  fp8_table,
+  freeze_table,
+  grid_table,
+  recovery_table,
+  replay_table,
+  transfer_table,
+)
 
 
 class Run:
@@ -87,101 +96,23 @@ def load_runs(results: str, study: str) -> list[Run]:
   return runs
 
 
-def reference_for(run: Run, runs: list[Run]) -> Run | None:
-  """The run of `study.reference_arm`: same seed if there, else the first."""
-  arm = run.config["study"].get("reference_arm", "")
-  if not arm:
-    return None
-  cands = [r for r in runs if r.arm == arm]
-  same = [r for r in cands if r.seed == run.seed]
-  return (same or cands or [None])[0]
-
-
-def _fmt_step(step, cat) -> str:
-  return "never" if step is None else f"{step} ({cat})"
-
-
-def freeze_table(runs: list[Run], theta: float = 0.5, tol: float = 0.15):
-  """Predicted vs measured crossing for every write-back run.
-
-  Returns (rows, summary_lines): one row per low-precision run with the
-  predicted curve taken from its reference arm's trace for the same format.
-  """
-  rows, cells = [], {}
-  for run in runs:
-    lp = run.config["lowprec"]
-    if not lp["writeback"]:
-      continue
-    fmt, rounding = lp["writeback"], lp["rounding"]
-    steps, measured = run.curve("erased_fraction")
-    ref = reference_for(run, runs)
-    row = {
-      "arm": run.arm,
-      "cell": run.config["study"].get("cell") or run.arm,
-      "seed": run.seed,
-      "format": fmt,
-      "rounding": rounding,
-      "final_val_loss": run.last("val_loss"),
-      "reference_val_loss": ref.last("val_loss") if ref else None,
-    }
-    m_step, m_cat = freeze.crossing(measured, theta, steps=steps)
-    row["measured_crossing"] = _fmt_step(m_step, m_cat)
-    pred = None
-    if ref is not None:
-      p_steps, pred = ref.curve(f"pred/{fmt}/erased_fraction")
-      if pred.size == 0:
-        pred = None
-    if pred is not None and rounding == "nearest":
-      n = min(len(pred), len(measured))
-      c = freeze.compare(
-        pred[:n], measured[:n], theta=theta, tol=tol, steps=steps[:n]
-      )
-      row.update(
-        predicted_crossing=_fmt_step(c.predicted_step, c.predicted_category),
-        error_steps=c.error_steps,
-        relative_error=c.relative_error,
-        within_tol=c.within_tol,
-        category_agrees=c.category_agrees,
-        rmse=c.rmse,
-      )
-      cells[f"{row['cell']}/seed{run.seed}"] = (pred[:n], measured[:n])
-    elif rounding != "nearest":
-      # No persistent freeze is predicted; compare the per-step probability
-      # that a proposal moves its coordinate, predicted vs measured.
-      row["predicted_crossing"] = "none (stochastic)"
-      suffix = {"stochastic": "_sr", "deadzone": "_dzsr"}[rounding]
-      _, moved = run.curve("moved")
-      _, props = run.curve("proposals")
-      row["measured_move_prob"] = float(np.mean(moved / np.maximum(props, 1)))
-      if ref is not None:
-        _, mp = ref.curve(f"pred/{fmt}{suffix}/move_prob")
-        if mp.size:
-          row["predicted_move_prob"] = float(np.nanmean(mp))
-    rows.append(row)
-  lines = []
-  if cells:
-    s = freeze.summarize(cells, theta=theta, tol=tol)
-    lines += [
-      f"- post-init crossings within {tol:.0%}: {s.within_tol}",
-      f"- cells whose categories differ: {s.category_disagree}",
-      f"- macro RMSE of predicted vs measured erased fraction: "
-      f"{s.macro_rmse:.5f}",
-    ]
-    if s.skill is not None and np.isfinite(s.skill):
-      lines.append(
-        f"- skill vs leave-one-out average measured curve: {s.skill:.3f}"
-      )
-    lines.append(
-      f"- category confusion (rows measured, columns predicted, order "
-      f"{', '.join(freeze.CATEGORIES)}): {np.asarray(s.confusion).tolist()}"
-    )
-  return rows, lines
-
-
 ANALYSES = {
   "freeze": freeze_table,
+  "grid": grid_table,
+  "transfer": transfer_table,
+  "fp8": fp8_table,
+  "audit": audit_table,
+  "recovery": recovery_table,
+  "replay": replay_table,
 }
-STUDY_ANALYSIS = {}  # study name -> analysis name (default "freeze")
+STUDY_ANALYSIS = {  # study name -> analysis name (default "freeze")
+  "freeze_gpt2_fp8": "fp8",
+  "freeze_grid": "grid",
+  "freeze_transfer": "transfer",
+  "deadzone_vs_sr": "recovery",
+  "int3_replay": "replay",
+  "e4m3_audit": "audit",
+}
 
 
 def to_markdown(title: str, rows: list[dict], lines: list[str]) -> str:

@@ -20,7 +20,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from make_tables import load_runs, reference_for  # noqa: E402
+from freeze_analyses import measured, predicted, reference_for  # noqa: E402
+from make_tables import load_runs  # noqa: E402
 
 from lowprec import freeze  # noqa: E402
 
@@ -46,12 +47,12 @@ def plot(
     lx = axes[2 * (i // cols) + 1][i % cols]
     fmt = run.config["lowprec"]["writeback"]
     rounding = run.config["lowprec"]["rounding"]
-    steps, e = run.curve("erased_fraction")
+    steps, e = measured(run)
     ax.plot(steps, e, lw=1, label=f"measured ({rounding})")
     _mark(ax, e, steps, theta, "C0")
     ref = reference_for(run, runs)
     if ref is not None:
-      ps, p = ref.curve(f"pred/{fmt}/erased_fraction")
+      ps, p = predicted(ref, fmt)
       if p.size:
         ax.plot(ps, p, lw=1, ls="--", color="C1", label="predicted (fp32)")
         _mark(ax, p, ps, theta, "C1")

@@ -21,8 +21,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import make_tables  # noqa: E402
 import plot_freeze  # noqa: E402
+import plot_studies  # noqa: E402
 
-PLOTS = {}  # study -> plot function (results, study, out) -> path
+# study -> plot function (study, results, out=None) -> path of the PNG
+PLOTS = plot_studies.PLOTS
 
 
 def load_config(study: str, arg: str | None):

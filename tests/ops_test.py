@@ -132,7 +132,8 @@ def test_without_rounding_attention_matches_jax_attention_and_fd():
   for g, w in zip(got, want, strict=True):
     np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-6)
   with jax.enable_x64(True):  # finite differences, the operator alone
-    check_grads(op, [a.astype(jnp.float64) for a in args], 1, modes=["rev"])
+    check_grads(jax.jit(op), [a.astype(jnp.float64) for a in args], 1,
+                modes=["rev"])  # fmt: skip
 
 
 # ---- the reference gradient ---------------------------------------------------

@@ -34,8 +34,8 @@ KEY = jax.random.key(7)
 
 def _harness_cases():
   """Every rounding x storage. The default run takes each storage once,
-  cycling through the rounding modes (so each mode meets native and
-  float32 storage); the rest of the product is marked slow."""
+  cycling through the rounding modes; the rest of the product is marked
+  slow (run it with `pytest -m slow`)."""
   for i, storage in enumerate(STORAGES):
     for j, rounding in enumerate(ROUNDINGS):
       marks = () if i % len(ROUNDINGS) == j else pytest.mark.slow
@@ -128,7 +128,7 @@ def _params(fmt, storage):
 
 
 def _proposals(params, t):
-  """Float32 proposals: mostly below a gap at e4m3fn/int3, above at bf16."""
+  """Float32 proposals: some erased, some moving on every grid here."""
   leaves, treedef = jax.tree.flatten(params)
   rng = np.random.default_rng(t)
   out = [

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from lowprec.ops import saved
-from lowprec.ops.base import Op
+from lowprec.ops.base import Op, per_value
 from lowprec.ops.requirements import Requirement
 from lowprec.ops.saved import Rounding
 
@@ -121,58 +121,69 @@ class Attention(Op):
       pr = saved.straight_through(self.probs, p, keys["probs"])
       o = jnp.einsum("bhqk,bkhd->bqhd", pr, v)
       return saved.straight_through(self.out, o, keys["out"]), None
-    probs_v, scores_v, delta_v = values
-    reads = {probs_v, scores_v} - {"original", "fresh"}
-    pr, res_p = saved.save(self.probs, p, keys["probs"], reads)
+    reads = self.reads(values)
+    # The probabilities: keep the narrow copies the reads name; the original
+    # is recomputed from q, k and the log-sum-exp.
+    pr, res_p = saved.save(self.probs, p, keys["probs"], reads["probs"])
     res_p.pop("original", None)
     o = jnp.einsum("bhqk,bkhd->bqhd", pr, v)
-    reads_o = {"rounded"} if delta_v == "rounded" else set()
+    # The output: only a reused O~ is kept; the other reads need P V.
+    reads_o = reads["out"] & {"rounded"}
     orr, res_o = saved.save(self.out, o, keys["out"], reads_o)
     if not reads_o:
       res_o = {}
     need_p = (
       self.probs.is_identity
-      or not {probs_v, scores_v} <= {"rounded", "nearest"}
-      or delta_v != "rounded"
+      or not reads["probs"] <= {"rounded", "nearest"}
+      or not reads["out"] <= {"rounded"}
     )
     lse = (m + jnp.log(den))[..., 0] if need_p else None
     return orr, dict(q=q, k=k, v=v, lse=lse, probs=res_p, out=res_o)
 
-  def _read_probs(self, value, use, res, p, bkey):
-    if self.probs.is_identity or value == "original":
-      return p
-    if value == "fresh":
-      key = saved.derive(bkey, use)
-      return self.probs.quantize(p, key, mode="stochastic").value()
-    return res["probs"][value].value()
+  def _read_probs(self, values, use, res, p, bkey):
+    """The probabilities as `use` reads them."""
+
+    def read(value):
+      if self.probs.is_identity or value == "original":
+        return p
+      if value == "fresh":
+        key = saved.derive(bkey, use)
+        return self.probs.round(p, key, mode="stochastic")[0]
+      return res["probs"][value].value()
+
+    return per_value(values[self.uses.index(use)], read)
+
+  def _row_term(self, values, res, p, do, dp, bkey):
+    """D, per `attn.out@delta`."""
+
+    def read(value):
+      if value == "rounded":
+        out = res["out"]
+        o = out["original"] if self.out.is_identity else out["rounded"].value()
+        return jnp.einsum("bqhd,bqhd->bhq", do, o)
+      if value == "original" or self.out.is_identity:
+        return jnp.sum(dp * p, -1)
+      pv = jnp.einsum("bhqk,bkhd->bqhd", p, res["v"])
+      mode = "stochastic" if value == "fresh" else "nearest"
+      key = saved.derive(bkey, "attn.out@delta") if value == "fresh" else None
+      pv = self.out.round(pv, key, mode=mode)[0]
+      return jnp.einsum("bqhd,bqhd->bhq", do, pv)
+
+    return per_value(values[self.uses.index("attn.out@delta")], read)
 
   def _backward(self, values, res, g):
-    probs_v, scores_v, delta_v = values
     q, k, v, bkey = res["q"], res["k"], res["v"], res["backward_key"]
     p = None
     if res["lse"] is not None:
       s = self._scores(q, k)
-      p = jnp.where(_causal(q.shape[1]), jnp.exp(s - res["lse"][..., None]),
-                    0.0)
+      p = jnp.exp(s - res["lse"][..., None])
+      p = jnp.where(_causal(q.shape[1]), p, 0.0)
     do = self._round_grad(g, bkey, "do")
-    p_v = self._read_probs(probs_v, "attn.probs@dv", res, p, bkey)
+    p_v = self._read_probs(values, "attn.probs@dv", res, p, bkey)
     dv = jnp.einsum("bhqk,bqhd->bkhd", p_v, do)
     dp = jnp.einsum("bqhd,bkhd->bhqk", do, v)
-    if delta_v == "rounded":
-      delta = jnp.einsum("bqhd,bqhd->bhq", do, res["out"]["rounded"].value()
-                         if not self.out.is_identity
-                         else res["out"]["original"])
-    elif delta_v == "original" or self.out.is_identity:
-      delta = jnp.sum(dp * p, -1)
-    else:
-      pv = jnp.einsum("bhqk,bkhd->bqhd", p, v)
-      mode = "stochastic" if delta_v == "fresh" else "nearest"
-      key = saved.derive(bkey, "attn.out@delta") if mode == "stochastic" else (
-        None
-      )
-      pv = self.out.quantize(pv, key, mode=mode).value()
-      delta = jnp.einsum("bqhd,bqhd->bhq", do, pv)
-    p_s = self._read_probs(scores_v, "attn.probs@dscores", res, p, bkey)
+    delta = self._row_term(values, res, p, do, dp, bkey)
+    p_s = self._read_probs(values, "attn.probs@dscores", res, p, bkey)
     ds = self._round_grad(p_s * (dp - delta[..., None]), bkey, "ds")
     scale = 1.0 / math.sqrt(q.shape[-1])
     dq = jnp.einsum("bhqk,bkhd->bqhd", ds, k) * scale

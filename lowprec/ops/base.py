@@ -25,6 +25,10 @@ from lowprec.ops.saved import Rounding
 
 _NONE = Rounding()
 
+# `_forward(KEEP_ALL, ...)` keeps the residuals of every policy; `_backward`
+# can then run any policy on them with the forward held fixed (lowprec.audit).
+KEEP_ALL = ("<keep all>",)
+
 
 class Op:
   """Base class of the operators in `lowprec.ops`."""
@@ -81,8 +85,11 @@ class Op:
     values = policy_lib.Policy.parse(policy).resolve(self.name)
     return tuple(values[u] for u in self.uses)
 
-  def reads(self, values: tuple[str, ...]) -> dict[str, frozenset[str]]:
-    """`{tensor: values its uses read}` for resolved `values`."""
+  def reads(self, values) -> dict[str, frozenset[str]]:
+    """`{tensor: values its uses read}` for resolved `values` (`KEEP_ALL`:
+    every value, so one forward serves every policy's backward)."""
+    if values is KEEP_ALL:
+      return {t: frozenset(policy_lib.VALUES) for t in self.tensors}
     out = {t: set() for t in self.tensors}
     for r, v in zip(self.table, values, strict=True):
       out[r.tensor].add(v)
@@ -146,9 +153,7 @@ class Op:
         "but got key=None; pass key=jax.random.key(seed) (in lowprec.nn "
         "modules: rngs={'lowprec': key} to apply)"
       )
-    keys = {}
-    for t in self.tensors:
-      keys[t] = saved.derive(key, t) if getattr(self, t).stochastic else None
+    keys = self._forward_keys(key)
     if bwd:
       keys["backward"] = (
         backward_key if backward_key is not None
@@ -157,6 +162,13 @@ class Op:
     else:
       keys["backward"] = None
     return keys
+
+  def _forward_keys(self, key) -> dict:
+    """`{tensor: key of its forward draw}` (None where nothing is drawn)."""
+    return {
+      t: saved.derive(key, t) if getattr(self, t).stochastic else None
+      for t in self.tensors
+    }
 
   # ---- helpers for subclasses ---------------------------------------------
 
@@ -174,8 +186,11 @@ class Op:
     i = self.uses.index(use)
     r = self.table[i]
     fresh_key = None if bkey is None else saved.derive(bkey, use)
-    return saved.read(getattr(self, r.tensor), res[r.tensor], values[i],
-                      fresh_key)
+    return per_value(
+      values[i],
+      lambda v: saved.read(getattr(self, r.tensor), res[r.tensor], v,
+                           fresh_key),
+    )  # fmt: skip
 
   def _round_grad(self, g, bkey, name):
     """Incoming-gradient rounding (emulated FP8 backward)."""
@@ -183,7 +198,7 @@ class Op:
     if r.is_identity:
       return g
     k = None if bkey is None else saved.derive(bkey, "grad:" + name)
-    return r.quantize(g, k).value().astype(g.dtype)
+    return r.round(g, k)[0]
 
   # ---- implemented by each operator ---------------------------------------
 
@@ -193,6 +208,17 @@ class Op:
 
   def _backward(self, values, res, g) -> tuple:
     raise NotImplementedError
+
+
+def per_value(value, fn):
+  """`fn(value)`; for a traced index into `VALUES` instead of a name, every
+  value's `fn` is computed and the indexed one selected, so one traced
+  backward serves every policy (used by `lowprec.audit`)."""
+  if isinstance(value, str):
+    return fn(value)
+  outs = [fn(v) for v in policy_lib.VALUES]
+  which = [value == i for i in range(len(outs))]
+  return jax.tree.map(lambda *c: jnp.select(which, c), *outs)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from lowprec.ops import saved
-from lowprec.ops.base import Op
+from lowprec.ops.base import Op, per_value
 from lowprec.ops.requirements import Requirement
 from lowprec.ops.saved import Rounding
 
@@ -145,26 +145,25 @@ class NormDense(Op):
     return z, res
 
   def _read_y(self, values, use, res, bkey, draw=""):
-    """The norm output `y` as `use` reads it (`draw` names a fresh copy)."""
-    value = values[self.uses.index(use)]
+    """`(y, n)` as `use` reads the norm output (`draw` names a fresh copy)."""
+    key = None if bkey is None else saved.derive(bkey, use + draw)
+    return per_value(
+      values[self.uses.index(use)], lambda v: self._read_y_as(v, res, key)
+    )
+
+  def _read_y_as(self, value, res, key):
+    x, mu, gain, shift = res["x"], res["mu"], res["gain"], res["shift"]
     if value in ("original", "fresh") or self.out.is_identity:
-      n = (res["x"] if res["mu"] is None else res["x"] - res["mu"]) * res[
-        "rstd"
-      ]
-      y = n * res["gain"] if res["shift"] is None else n * res[
-        "gain"
-      ] + res["shift"]
+      n = (x if mu is None else x - mu) * res["rstd"]
+      y = n * gain if shift is None else n * gain + shift
       if value != "fresh" or self.out.is_identity:
         return y, n
-      key = saved.derive(bkey, use + draw)
-      y = self.out.quantize(y, key, mode="stochastic")
-      y = y.value()
+      y = self.out.round(y, key, mode="stochastic")[0]
     else:
       y = res["out"][value].value()
-    shifted = y if res["shift"] is None else y - res["shift"]
-    g = res["gain"]
-    safe = jnp.where(g == 0, 1.0, g)
-    return y, jnp.where(g == 0, 0.0, shifted / safe)
+    shifted = y if shift is None else y - shift
+    safe = jnp.where(gain == 0, 1.0, gain)
+    return y, jnp.where(gain == 0, 0.0, shifted / safe)
 
   def _backward(self, values, res, g):
     bkey = res["backward_key"]

@@ -104,13 +104,18 @@ class Rounding:
     top = jnp.float32(self.format.max_finite)
     return jnp.where(ok, top / jnp.where(ok, amax, 1.0), jnp.float32(1.0))
 
-  def quantize(self, x, key=None, *, mode: str | None = None) -> Stored:
-    """Rounds `x` (with its scale) and returns the narrow stored form.
+  def round(self, x, key=None, *, mode: str | None = None):
+    """Rounds `x` (with its scale).
 
     Args:
       x: float array.
       key: PRNG key; required when rounding stochastically.
       mode: overrides `self.mode` (the backward's `fresh` and `nearest`).
+
+    Returns:
+      `(value, stored)`: the rounded tensor in `x`'s dtype, and its narrow
+      form for the backward (computed only if used: converting to a float8
+      dtype costs more than the rounding on CPU).
     """
     mode = mode or self.mode
     s = self.scale(x)
@@ -123,10 +128,18 @@ class Rounding:
       q = rounding_lib.round_stochastic(xs, self.format, key)
     else:
       q = rounding_lib.round_nearest(xs, self.format)
+    # Materialise the grid values once: otherwise XLA fuses the rounding
+    # (random bits included) into each consumer and computes it again.
+    q = jax.lax.optimization_barrier(q)
+    value = q if s is None else q / s
     native = self.format.native_dtype
     if native is not None and native.itemsize * 8 in _STORE_NATIVE_BITS:
       q = q.astype(native)
-    return Stored(q, s)
+    return value.astype(x.dtype), Stored(q, s)
+
+  def quantize(self, x, key=None, *, mode: str | None = None) -> Stored:
+    """The narrow stored form of `round(x, key, mode=mode)`."""
+    return self.round(x, key, mode=mode)[1]
 
 
 class Stored(NamedTuple):
@@ -156,7 +169,7 @@ def save(r: Rounding, x, key, reads) -> tuple[jax.Array, dict]:
   """
   if r.is_identity:
     return x, {"original": x}
-  stored = r.quantize(x, key)
+  value, stored = r.round(x, key)
   res = {}
   if "rounded" in reads:
     res["rounded"] = stored
@@ -166,7 +179,7 @@ def save(r: Rounding, x, key, reads) -> tuple[jax.Array, dict]:
     )
   if "original" in reads or "fresh" in reads:
     res["original"] = x
-  return stored.value().astype(x.dtype), res
+  return value, res
 
 
 def read(r: Rounding, res: dict, value: str, key) -> jax.Array:
@@ -174,8 +187,7 @@ def read(r: Rounding, res: dict, value: str, key) -> jax.Array:
   if r.is_identity or value == "original":
     return res["original"]
   if value == "fresh":
-    x = res["original"]
-    return r.quantize(x, key, mode="stochastic").value().astype(x.dtype)
+    return r.round(res["original"], key, mode="stochastic")[0]
   return res[value].value()
 
 
@@ -183,6 +195,6 @@ def straight_through(r: Rounding, x, key) -> jax.Array:
   """`x~` in the forward, gradient passed through unchanged."""
   if r.is_identity:
     return x
-  xr = r.quantize(x, key).value().astype(x.dtype)
+  xr = r.round(x, key)[0]
   # (x - x) is exactly zero, so the value is exactly xr.
   return (x - jax.lax.stop_gradient(x)) + jax.lax.stop_gradient(xr)

@@ -1,0 +1,462 @@
+"""Analyses of the freeze studies: result runs -> (rows, summary lines).
+
+Each analysis takes the runs of one study (objects with `arm`, `seed`,
+`config`, `curve(key)` and `last(key)`, as `make_tables.Run` reads them from
+the result files) and returns table rows (dicts) and summary lines
+(Markdown bullets). `make_tables.ANALYSES` names them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from lowprec import freeze
+
+THETA, TOL = 0.5, 0.15
+SUFFIX = {"nearest": "", "stochastic": "_sr", "deadzone": "_dzsr"}
+
+
+def reference_for(run, runs):
+  """The run of `study.reference_arm`: same seed if there, else the first."""
+  arm = run.config["study"].get("reference_arm", "")
+  if not arm:
+    return None
+  cands = [r for r in runs if r.arm == arm]
+  same = [r for r in cands if r.seed == run.seed]
+  return (same or cands or [None])[0]
+
+
+def measured(run, key: str = "erased_fraction"):
+  """(steps, values) of a write-back count ratio; NaN at steps without
+  proposals (e.g. a warmup step with lr 0), as the reference trace logs."""
+  steps, values = run.curve(key)
+  s_p, props = run.curve(_with_prefix("proposals", key))
+  if s_p.size == steps.size and steps.size:
+    values = np.where(props > 0, values, np.nan)
+  return steps, values
+
+
+def _with_prefix(count: str, key: str) -> str:
+  """`proposals` for `erased_fraction`, `proposals/<leaf>` for a leaf."""
+  _, sep, leaf = key.partition("/")
+  return count + sep + leaf
+
+
+def move_prob(run):
+  """(steps, moved / proposals) of a write-back run (NaN without any)."""
+  steps, moved = run.curve("moved")
+  _, props = run.curve("proposals")
+  with np.errstate(invalid="ignore", divide="ignore"):
+    return steps, np.where(props > 0, moved / np.maximum(props, 1), np.nan)
+
+
+def predicted(ref, fmt: str, rounding: str = "nearest"):
+  """(steps, values) of the reference's prediction for a format."""
+  if ref is None:
+    return np.zeros(0, int), np.zeros(0)
+  key = "erased_fraction" if rounding == "nearest" else "move_prob"
+  return ref.curve(f"pred/{fmt}{SUFFIX[rounding]}/{key}")
+
+
+def fmt_step(step, cat) -> str:
+  return "never" if step is None else f"{step} ({cat})"
+
+
+def _cell(run) -> str:
+  return run.config["study"].get("cell") or run.arm
+
+
+def _val_at(run, step: int):
+  """Validation loss logged at `step` (None if not logged there)."""
+  steps, vals = run.curve("val_loss")
+  if step == 0:
+    first = [r for r in run.metrics if r.get("step") == 0 and "val_loss" in r]
+    return first[0]["val_loss"] if first else None
+  hit = np.flatnonzero(steps == step)
+  return float(vals[hit[0]]) if hit.size else None
+
+
+def freeze_table(runs, theta: float = THETA, tol: float = TOL):
+  """Predicted vs measured crossing for every write-back run.
+
+  Returns (rows, summary_lines): one row per low-precision run with the
+  predicted curve taken from its reference arm's trace for the same format.
+  Stochastic and dead-zone runs get the mean per-step probability that a
+  proposal moves its coordinate, predicted and measured, instead.
+  """
+  rows, cells = _freeze_rows(runs, theta, tol)
+  return rows, _summary_lines(cells, theta, tol)
+
+
+def _freeze_rows(runs, theta, tol):
+  rows, cells = [], {}
+  for run in runs:
+    lp = run.config["lowprec"]
+    if not lp["writeback"]:
+      continue
+    fmt, rounding = lp["writeback"], lp["rounding"]
+    steps, meas = measured(run)
+    ref = reference_for(run, runs)
+    row = {
+      "arm": run.arm,
+      "cell": _cell(run),
+      "seed": run.seed,
+      "format": fmt,
+      "rounding": rounding,
+      "final_val_loss": run.last("val_loss"),
+      "reference_val_loss": ref.last("val_loss") if ref else None,
+    }
+    m_step, m_cat = freeze.crossing(meas, theta, steps=steps)
+    row["measured_crossing"] = fmt_step(m_step, m_cat)
+    _, pred = predicted(ref, fmt)
+    if pred.size and rounding == "nearest":
+      n = min(len(pred), len(meas))
+      c = freeze.compare(
+        pred[:n], meas[:n], theta=theta, tol=tol, steps=steps[:n]
+      )
+      row.update(
+        predicted_crossing=fmt_step(c.predicted_step, c.predicted_category),
+        error_steps=c.error_steps,
+        relative_error=c.relative_error,
+        within_tol=c.within_tol,
+        category_agrees=c.category_agrees,
+        rmse=c.rmse,
+      )
+      cells[f"{row['cell']}/seed{run.seed}"] = (pred[:n], meas[:n])
+    elif rounding != "nearest":
+      # No persistent freeze is predicted; compare the per-step probability
+      # that a proposal moves its coordinate, predicted vs measured.
+      row["predicted_crossing"] = "none (stochastic)"
+      row["measured_move_prob"] = float(np.nanmean(move_prob(run)[1]))
+      _, mp = predicted(ref, fmt, rounding)
+      if mp.size:
+        row["predicted_move_prob"] = float(np.nanmean(mp))
+    rows.append(row)
+  return rows, cells
+
+
+def _summary_lines(cells, theta, tol, skill_label="leave-one-out average"):
+  if not cells:
+    return []
+  s = freeze.summarize(cells, theta=theta, tol=tol)
+  lines = [
+    f"- post-init crossings within {tol:.0%}: {s.within_tol}",
+    f"- cells whose categories differ: {s.category_disagree}",
+    "- macro RMSE of predicted vs measured erased fraction: "
+    f"{s.macro_rmse:.5f}",
+  ]
+  if s.skill is not None and np.isfinite(s.skill):
+    lines.append(f"- skill vs {skill_label} measured curve: {s.skill:.3f}")
+  lines.append(
+    "- category confusion (rows measured, columns predicted, order "
+    f"{', '.join(freeze.CATEGORIES)}): {np.asarray(s.confusion).tolist()}"
+  )
+  return lines
+
+
+def _post_init_span(rows) -> str | None:
+  """`384x (step 2 to 768)`: spread of the measured post-init crossings
+  of the cells where both crossings are post-init."""
+  steps = [
+    int(r["measured_crossing"].split()[0])
+    for r in rows
+    if r.get("within_tol") is not None
+  ]
+  if not steps:
+    return None
+  lo, hi = min(steps), max(steps)
+  return f"{hi / lo:.0f}x (step {lo} to {hi})"
+
+
+def grid_table(runs, theta: float = THETA, tol: float = TOL):
+  """The controlled grid: one row per cell (write-back run), predicted vs
+  measured crossing; totals as the paper gives them (cells with post-init
+  crossings, their span, within 15%, category disagreements, confusion,
+  macro RMSE)."""
+  rows, cells = _freeze_rows(runs, theta, tol)
+  configs = {(r.arm, r.seed): r.config for r in runs}
+  for r in rows:
+    c = configs[r["arm"], r["seed"]]
+    r.update(
+      width=c["model"]["hidden"][0],
+      lr=c["opt"]["lr"],
+      schedule=c["opt"]["schedule"],
+    )
+  post = sum(r.get("within_tol") is not None for r in rows)
+  lines = [
+    f"- cells with predicted and measured post-init crossings: "
+    f"{post}/{len(rows)}"
+  ]
+  span = _post_init_span(rows)
+  if span:
+    lines.append(f"- their measured crossing steps span {span}")
+  lines += _summary_lines(cells, theta, tol)
+  return rows, lines
+
+
+def transfer_table(runs, theta: float = THETA, tol: float = TOL):
+  """Mantissa sweep per task: one row per (task, format); totals per task
+  and over all cells."""
+  rows, cells = _freeze_rows(runs, theta, tol)
+  tasks = list(dict.fromkeys(r["cell"].split("/")[0] for r in rows))
+  lines = []
+  for task in tasks:
+    mine = {k: v for k, v in cells.items() if k.split("/")[0] == task}
+    if not mine:
+      continue
+    s = freeze.summarize(mine, theta=theta, tol=tol)
+    lines.append(
+      f"- {task}: categories agree in {len(mine) - s.n_category_disagree}/"
+      f"{len(mine)} cells, post-init crossings within {tol:.0%}: "
+      f"{s.within_tol}, macro RMSE {s.macro_rmse:.5f}"
+    )
+  lines += ["- all tasks:"] + [
+    "  " + x for x in _summary_lines(cells, theta, tol)
+  ]
+  return rows, lines
+
+
+def fp8_table(runs, theta: float = THETA, tol: float = TOL):
+  """FP8 write-back without master weights: crossings, coordinates that
+  never move, and validation loss at mid-run and at the end, per arm.
+
+  The fp32 reference gets a row too (validation loss only). `frozen_*` come
+  from the realized trajectories of the sampled coordinates
+  (`pred/sample/u` of a write-back run, whose trace sits after the
+  write-back): the share that never moved at all, and that did not move in
+  the second half of the run.
+  """
+  rows, _ = _freeze_rows(runs, theta, tol)
+  by_arm = {r["arm"]: r for r in rows}
+  out, lines = [], []
+  total = max(r.config["train"]["steps"] for r in runs)
+  half = _eval_step_near(runs[0], total // 2)
+  for run in runs:
+    lp = run.config["lowprec"]
+    row = {
+      "arm": run.arm,
+      "seed": run.seed,
+      "format": lp["writeback"] or "float32",
+      "rounding": lp["rounding"] if lp["writeback"] else "",
+    }
+    base = by_arm.get(run.arm, {})
+    for k in ("predicted_crossing", "measured_crossing", "rmse"):
+      if k in base:
+        row[k] = base[k]
+    if lp["writeback"]:
+      ref = reference_for(run, runs)
+      _, pe = predicted(ref, lp["writeback"])
+      _, me = measured(run)
+      row["predicted_mean_erased"] = _nanmean(pe)
+      row["measured_mean_erased"] = _nanmean(me)
+      if lp["rounding"] != "nearest":
+        row["predicted_move_prob"] = base.get("predicted_move_prob")
+        row["measured_move_prob"] = base.get("measured_move_prob")
+      never, late = frozen_shares(run, half)
+      row["frozen_whole_run"] = never
+      row["frozen_second_half"] = late
+    v_half, v_end = _val_at(run, half), run.last("val_loss")
+    row[f"val_loss@{half}"] = v_half
+    row["final_val_loss"] = v_end
+    row["second_half_change"] = (
+      None if v_half is None or v_end is None else v_end - v_half
+    )
+    out.append(row)
+  lines += _fp8_claims(out)
+  return out, lines
+
+
+def _nanmean(x) -> float | None:
+  x = np.asarray(x, float)
+  return float(np.nanmean(x)) if np.isfinite(x).any() else None
+
+
+def _eval_step_near(run, step: int) -> int:
+  steps, _ = run.curve("val_loss")
+  if not steps.size:
+    return step
+  return int(steps[np.argmin(np.abs(steps - step))])
+
+
+def frozen_shares(run, half: int):
+  """Shares of the sampled coordinates whose realized update is zero at
+  every step of the run, and at every step after `half` (None without a
+  sample)."""
+  steps, u = _sample(run)
+  if u is None:
+    return None, None
+  moved = u != 0
+  never = float(np.mean(~moved.any(0)))
+  late = float(np.mean(~moved[steps > half].any(0)))
+  return never, late
+
+
+def _sample(run):
+  rows = [
+    (r["step"], r["pred/sample/u"])
+    for r in run.metrics
+    if r.get("step", 0) >= 1 and "pred/sample/u" in r
+  ]
+  if not rows:
+    return None, None
+  steps, u = zip(*rows, strict=True)
+  return np.asarray(steps), np.asarray(u, float)
+
+
+def _fp8_claims(rows) -> list[str]:
+  lines = []
+  fp32 = [r for r in rows if r["format"] == "float32"]
+  for r in rows:
+    if r["rounding"] == "nearest":
+      lines.append(
+        f"- {r['arm']} ({r['format']}): predicted crossing "
+        f"{r.get('predicted_crossing')}, measured {r['measured_crossing']}; "
+        f"mean erased fraction predicted {_f(r['predicted_mean_erased'])}, "
+        f"measured {_f(r['measured_mean_erased'])}; sampled coordinates "
+        f"never moved: {_pct(r['frozen_whole_run'])}, not moved in the "
+        f"second half: {_pct(r['frozen_second_half'])}"
+      )
+    elif r["rounding"]:
+      lines.append(
+        f"- {r['arm']} ({r['format']}): no persistent freeze predicted; "
+        f"move probability per step predicted "
+        f"{_f(r.get('predicted_move_prob'))}, measured "
+        f"{_f(r.get('measured_move_prob'))}; sampled coordinates never "
+        f"moved: {_pct(r['frozen_whole_run'])}, not moved in the second "
+        f"half: {_pct(r['frozen_second_half'])}"
+      )
+  for r in fp32 + [r for r in rows if r["rounding"]]:
+    lines.append(
+      f"- validation loss {r['arm']}: {_f(r['final_val_loss'])} at the end, "
+      f"change over the second half {_f(r['second_half_change'], '+.4f')}"
+    )
+  return lines
+
+
+def _f(x, spec: str = ".4f") -> str:
+  return "n/a" if x is None else format(x, spec)
+
+
+def _pct(x) -> str:
+  return "n/a" if x is None else f"{x:.1%}"
+
+
+def audit_table(runs, theta: float = THETA, tol: float = TOL):
+  """One fp32 trace reused across unseen seeds: per-seed RMSE of the
+  prediction, of a naive flat baseline (the trace's own time-averaged
+  prediction) and of a template (the mean measured curve of the other
+  seeds); macro RMSEs and skill `1 - RMSE_pred / RMSE_naive`."""
+  rows, cells = _freeze_rows(runs, theta, tol)
+  if not cells:
+    return rows, []
+  s = freeze.summarize(cells, theta=theta, tol=tol)
+  naive = []
+  for row, (pred, meas) in zip(rows, cells.values(), strict=True):
+    flat = np.full_like(pred, np.nanmean(pred))
+    row["naive_rmse"] = freeze.rmse(flat, meas)
+    row["reference_seed"] = _reference_seed(row, runs)
+    naive.append(row["naive_rmse"])
+  naive_macro = float(np.mean(naive))
+  lines = [
+    f"- macro RMSE, one fp32 trace (seed "
+    f"{rows[0]['reference_seed']}) vs {len(cells)} unseen seeds: "
+    f"{s.macro_rmse:.5f}",
+    f"- naive flat baseline (the trace's mean prediction): macro RMSE "
+    f"{naive_macro:.5f}; skill 1 - RMSE/RMSE_naive = "
+    f"{1 - s.macro_rmse / naive_macro:.3f}",
+    f"- template (mean measured curve of the other seeds): macro RMSE "
+    f"{s.baseline_rmse:.5f}",
+    f"- categories agree in {len(cells) - s.n_category_disagree}/"
+    f"{len(cells)} seeds",
+  ]
+  return rows, lines
+
+
+def _reference_seed(row, runs):
+  run = next(r for r in runs if r.arm == row["arm"] and r.seed == row["seed"])
+  ref = reference_for(run, runs)
+  return ref.seed if ref else None
+
+
+def recovery_table(runs):
+  """Recovery of the nearest-rounding loss gap, per seed:
+  `(L_RN - L_x) / (L_RN - L_fp32)` for full and dead-zone stochastic
+  write-back, with L the final validation loss; means and their ratio."""
+  by_seed: dict[int, dict[str, float]] = {}
+  for run in runs:
+    lp = run.config["lowprec"]
+    kind = lp["rounding"] if lp["writeback"] else "fp32"
+    by_seed.setdefault(run.seed, {})[kind] = run.last("val_loss")
+  rows = []
+  for seed in sorted(by_seed):
+    loss = by_seed[seed]
+    row = {"seed": seed}
+    for k in ("fp32", "nearest", "stochastic", "deadzone"):
+      row[f"val_loss_{k}"] = loss.get(k)
+    if all(loss.get(k) is not None for k in ("fp32", "nearest")):
+      gap = loss["nearest"] - loss["fp32"]
+      row["rn_gap"] = gap
+      for k, name in (("stochastic", "full_sr"), ("deadzone", "deadzone_sr")):
+        if loss.get(k) is not None and gap:
+          row[f"recovery_{name}"] = (loss["nearest"] - loss[k]) / gap
+    rows.append(row)
+  full = [r["recovery_full_sr"] for r in rows if "recovery_full_sr" in r]
+  dz = [r["recovery_deadzone_sr"] for r in rows if "recovery_deadzone_sr" in r]
+  lines = []
+  if full and dz:
+    mf, md = float(np.mean(full)), float(np.mean(dz))
+    gaps = [r["rn_gap"] for r in rows if "rn_gap" in r]
+    lines = [
+      f"- nearest-rounding loss gap L_RN - L_fp32: mean {np.mean(gaps):.4f} "
+      f"nats over {len(gaps)} seeds",
+      f"- mean recovery, full SR / dead-zone SR: {mf:.4f} / {md:.4f}",
+      f"- ratio dead-zone / full: {md / mf:.4f} (full / dead-zone "
+      f"{mf / md:.4f})",
+    ]
+  return rows, lines
+
+
+def replay_table(runs):
+  """Write-back replayed from a reference's checkpoints: per replay, the
+  validation loss of the reference at the checkpoint, right after putting
+  the weights on the grid (replay step 0), at the end of the replay, and
+  the change; and the reference's own loss at the same data step."""
+  rows = []
+  for run in runs:
+    tr = run.config["train"]
+    if not tr.get("init_from_arm"):
+      continue
+    src = next(
+      (r for r in runs if r.arm == tr["init_from_arm"] and r.seed == run.seed),
+      None,
+    )
+    start, steps = tr["init_from_step"], tr["steps"]
+    v0, v1 = _val_at(run, 0), run.last("val_loss")
+    row = {
+      "arm": run.arm,
+      "seed": run.seed,
+      "checkpoint": start,
+      "format": run.config["lowprec"]["writeback"],
+      "rounding": run.config["lowprec"]["rounding"],
+      "fp32_at_checkpoint": _val_at(src, start) if src else None,
+      "after_quantizing": v0,
+      f"after_{steps}_steps": v1,
+      "change": None if None in (v0, v1) else v1 - v0,
+      "change_pct": None if None in (v0, v1) or not v0 else (v1 - v0) / v0,
+      "fp32_same_data_step": _val_at(src, start + steps) if src else None,
+    }
+    rows.append(row)
+  rows.sort(key=lambda r: (r["rounding"] != "stochastic", r["checkpoint"]))
+  lines = []
+  for rounding in dict.fromkeys(r["rounding"] for r in rows):
+    ch = [r["change"] for r in rows if r["rounding"] == rounding]
+    ch = [c for c in ch if c is not None]
+    if not ch:
+      continue
+    pct = [r["change_pct"] for r in rows if r["rounding"] == rounding]
+    lines.append(
+      f"- {rounding} write-back, {len(ch)} checkpoint(s): validation-loss "
+      f"change {min(ch):+.4f} to {max(ch):+.4f} nats (mean {np.mean(ch):+.4f},"
+      f" {np.mean([p for p in pct if p is not None]):+.2%})"
+    )
+  return rows, lines

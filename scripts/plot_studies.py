@@ -1,0 +1,260 @@
+"""Figures of the freeze studies that a per-run panel does not show (PNG).
+
+  python scripts/plot_studies.py <study> [--results results] [--out DIR]
+
+`PLOTS` maps a study to its figure: crossing scatter (predicted vs
+measured, log-log) for the grid and the mantissa sweep, validation loss for
+the dead-zone study and the int3 replays, erased fraction and loss for the
+FP8 study, and the one-trace-many-seeds curves of the E4M3 audit. Studies
+without an entry use `plot_freeze.plot`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import freeze_analyses as fa  # noqa: E402
+import plot_freeze  # noqa: E402
+from make_tables import load_runs  # noqa: E402
+
+from lowprec import freeze  # noqa: E402
+
+
+def _save(fig, study, results, out) -> str:
+  fig.tight_layout()
+  out = out or os.path.join(results, study, "tables")
+  os.makedirs(out, exist_ok=True)
+  path = os.path.join(out, f"{study}.png")
+  fig.savefig(path, dpi=90)
+  plt.close(fig)
+  return path
+
+
+def _crossings(runs, group):
+  """(group, predicted step, measured step) of cells with both post-init."""
+  rows, _ = fa.freeze_table(runs)
+  pts = []
+  for r in rows:
+    if r.get("within_tol") is None:
+      continue
+    p = int(r["predicted_crossing"].split()[0])
+    m = int(r["measured_crossing"].split()[0])
+    pts.append((group(r), p, m))
+  return rows, pts
+
+
+def crossing_scatter(study, results="results", out=None, group=None) -> str:
+  """Predicted vs measured post-init crossing step per cell, log-log."""
+  runs = load_runs(results, study)
+  group = group or (lambda r: r["format"])
+  rows, pts = _crossings(runs, group)
+  fig, ax = plt.subplots(figsize=(5, 4.6))
+  if pts:
+    lo = min(min(p, m) for _, p, m in pts) / 1.5
+    hi = max(max(p, m) for _, p, m in pts) * 1.5
+    xs = np.geomspace(lo, hi, 50)
+    ax.plot(xs, xs, color="grey", lw=0.8)
+    ax.fill_between(xs, xs / 1.15, xs * 1.15, color="grey", alpha=0.15)
+    for i, g in enumerate(dict.fromkeys(g for g, _, _ in pts)):
+      mine = [(p, m) for gg, p, m in pts if gg == g]
+      ax.scatter(
+        [m for _, m in mine], [p for p, _ in mine], s=14, color=f"C{i}", label=g
+      )
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.legend(fontsize=7)
+  cats = [r.get("category_agrees") for r in rows]
+  ax.set_title(
+    f"{study}: {len(pts)}/{len(rows)} cells post-init in both; "
+    f"{sum(not c for c in cats if c is not None)} categories differ",
+    fontsize=8,
+  )
+  ax.set_xlabel("measured crossing step")
+  ax.set_ylabel("predicted crossing step (fp32 trace)")
+  return _save(fig, study, results, out)
+
+
+def transfer_scatter(study, results="results", out=None) -> str:
+  return crossing_scatter(
+    study, results, out, group=lambda r: r["cell"].split("/")[0]
+  )
+
+
+def val_curves(study, results="results", out=None) -> str:
+  """Validation loss vs step of every arm (one colour per arm, a line per
+  seed)."""
+  runs = load_runs(results, study)
+  arms = list(dict.fromkeys(r.arm for r in runs))
+  fig, ax = plt.subplots(figsize=(6, 4))
+  for i, arm in enumerate(arms):
+    for j, run in enumerate(r for r in runs if r.arm == arm):
+      s, v = _val(run)
+      ax.plot(s, v, color=f"C{i}", lw=1, label=arm if j == 0 else None)
+  ax.set_xlabel("step")
+  ax.set_ylabel("validation loss")
+  _zoom(ax, [_val(r)[1] for r in runs])
+  ax.legend(fontsize=8)
+  ax.set_title(study, fontsize=9)
+  return _save(fig, study, results, out)
+
+
+def _val(run):
+  pts = [(r["step"], r["val_loss"]) for r in run.metrics if "val_loss" in r]
+  s, v = zip(*pts, strict=True) if pts else ((), ())
+  return np.asarray(s), np.asarray(v, float)
+
+
+def _zoom(ax, curves):
+  """Leaves out the initial loss, so the late differences are visible."""
+  late = np.concatenate([c[1:] for c in curves if c.size > 1] or [[0.0]])
+  lo, hi = float(np.min(late)), float(np.max(late))
+  pad = 0.05 * (hi - lo or 1.0)
+  ax.set_ylim(lo - pad, hi + pad)
+
+
+def replay_curves(study, results="results", out=None) -> str:
+  """The reference's validation loss, and each replay's from its
+  checkpoint on (step 0 of a replay drawn at its checkpoint step)."""
+  runs = load_runs(results, study)
+  fig, ax = plt.subplots(figsize=(6.5, 4))
+  curves = []
+  for run in runs:
+    tr = run.config["train"]
+    s, v = _val(run)
+    curves.append(v)
+    if not tr.get("init_from_arm"):
+      ax.plot(s, v, color="k", lw=1.2, label=f"{run.arm} (fp32)")
+      continue
+    rn = run.config["lowprec"]["rounding"] == "nearest"
+    ax.plot(
+      tr["init_from_step"] + s,
+      v,
+      color="C3" if rn else "C0",
+      lw=1,
+      ls="--" if rn else "-",
+      marker=".",
+      ms=3,
+      label=None,
+    )
+  ax.plot([], [], color="C0", label="int3 stochastic replay")
+  ax.plot([], [], color="C3", ls="--", label="int3 nearest replay")
+  _zoom(ax, curves)
+  ax.set_xlabel("data step")
+  ax.set_ylabel("validation loss")
+  ax.legend(fontsize=8)
+  ax.set_title(study, fontsize=9)
+  return _save(fig, study, results, out)
+
+
+def fp8_panels(study, results="results", out=None) -> str:
+  """Per format: erased fraction predicted and measured under nearest,
+  move probability predicted and measured under stochastic; below, the
+  validation loss of every arm."""
+  runs = load_runs(results, study)
+  low = [r for r in runs if r.config["lowprec"]["writeback"]]
+  formats = list(dict.fromkeys(r.config["lowprec"]["writeback"] for r in low))
+  fig, axes = plt.subplots(
+    2, max(len(formats), 1), figsize=(4.6 * len(formats), 7), squeeze=False
+  )
+  for i, fmt in enumerate(formats):
+    ax = axes[0][i]
+    for run in (r for r in low if r.config["lowprec"]["writeback"] == fmt):
+      ref = fa.reference_for(run, runs)
+      if run.config["lowprec"]["rounding"] == "nearest":
+        s, e = fa.measured(run)
+        ax.plot(s, e, color="C0", lw=1, label="erased, measured (RN)")
+        ps, p = fa.predicted(ref, fmt)
+        ax.plot(ps, p, color="C1", ls="--", lw=1, label="erased, predicted")
+      else:
+        s, mp = fa.move_prob(run)
+        ax.plot(s, mp, color="C2", lw=1, label="moved, measured (SR)")
+        ps, p = fa.predicted(ref, fmt, "stochastic")
+        ax.plot(ps, p, color="C3", ls="--", lw=1, label="moved, predicted")
+    ax.axhline(0.5, color="grey", lw=0.5)
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title(f"{fmt}: share of proposals per step", fontsize=9)
+    ax.set_xlabel("step")
+    ax.legend(fontsize=7)
+    lx = axes[1][i]
+    curves = []
+    for j, run in enumerate(runs):
+      lp = run.config["lowprec"]
+      if lp["writeback"] not in ("", fmt):
+        continue
+      s, v = _val(run)
+      curves.append(v)
+      lx.plot(s, v, lw=1, color=f"C{j}", label=run.arm)
+    _zoom(lx, curves)
+    lx.set_xlabel("step")
+    lx.set_ylabel("validation loss")
+    lx.legend(fontsize=7)
+  return _save(fig, study, results, out)
+
+
+def audit_curves(study, results="results", out=None) -> str:
+  """The one reference prediction against each unseen seed's measured
+  erased fraction, and their differences."""
+  runs = load_runs(results, study)
+  low = [r for r in runs if r.config["lowprec"]["writeback"]]
+  fig, (ax, dx) = plt.subplots(2, 1, figsize=(6, 6), sharex=True)
+  ref = None
+  for i, run in enumerate(low):
+    ref = fa.reference_for(run, runs)
+    s, e = fa.measured(run)
+    ax.plot(s, e, lw=0.8, color=f"C{i}", label=f"measured, seed {run.seed}")
+    ps, p = fa.predicted(ref, run.config["lowprec"]["writeback"])
+    n = min(len(p), len(e))
+    dx.plot(s[:n], e[:n] - p[:n], lw=0.8, color=f"C{i}")
+    step, _ = freeze.crossing(e, steps=s)
+    if step is not None:
+      ax.axvline(step, color=f"C{i}", lw=0.6, ls=":")
+  if ref is not None and low:
+    ps, p = fa.predicted(ref, low[0].config["lowprec"]["writeback"])
+    ax.plot(
+      ps, p, color="k", ls="--", lw=1, label=f"predicted, seed {ref.seed}"
+    )
+  ax.set_ylabel("erased fraction")
+  ax.legend(fontsize=7)
+  ax.set_title(study, fontsize=9)
+  dx.axhline(0, color="grey", lw=0.5)
+  dx.set_ylabel("measured - predicted")
+  dx.set_xlabel("step")
+  return _save(fig, study, results, out)
+
+
+PLOTS = {
+  "freeze_gpt2_fp8": fp8_panels,
+  "freeze_grid": crossing_scatter,
+  "freeze_transfer": transfer_scatter,
+  "deadzone_vs_sr": val_curves,
+  "int3_replay": replay_curves,
+  "e4m3_audit": audit_curves,
+}
+
+
+def plot(study: str, results: str = "results", out: str | None = None) -> str:
+  return PLOTS.get(study, plot_freeze.plot)(study, results, out)
+
+
+def main(argv=None) -> None:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("study")
+  ap.add_argument("--results", default="results")
+  ap.add_argument("--out", default=None)
+  args = ap.parse_args(argv)
+  print(plot(args.study, args.results, args.out))
+
+
+if __name__ == "__main__":
+  main()

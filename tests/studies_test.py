@@ -1,0 +1,491 @@
+"""Study configs, their smoke variants end to end, and the study tables.
+
+The table code is checked on hand-made result files whose answers are
+known; every shipped config is loaded at every scale and resolved for every
+arm and seed; the smoke variant of each study runs through the runner and
+produces its table and figure.
+"""
+
+import importlib
+import json
+import math
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import common
+from experiments import checkpoint, models, optim, study, tasks, train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+import make_tables  # noqa: E402
+import plot_studies  # noqa: E402
+
+CONFIGS = sorted(
+  f[:-3]
+  for f in os.listdir(os.path.join(ROOT, "configs"))
+  if f.endswith(".py") and f not in ("__init__.py", "common.py")
+)
+STUDIES = [
+  "freeze_gpt2_fp8",
+  "freeze_grid",
+  "freeze_transfer",
+  "deadzone_vs_sr",
+  "int3_replay",
+  "e4m3_audit",
+]
+
+
+def _load(name, arg=None):
+  return importlib.import_module(f"configs.{name}").get_config(arg)
+
+
+# ----------------------------------------------------------------- configs
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("scale", common.SCALES)
+def test_every_config_loads_and_resolves_every_arm(name, scale):
+  c = _load(name, f"scale={scale}")
+  assert c.study.scale == scale
+  doc = importlib.import_module(f"configs.{name}").__doc__
+  assert f"configs/{name}.py" in doc, "the docstring gives the command"
+  for arm in study.arms_of(c):
+    for seed in study.seeds_of(c, arm):
+      r = study.resolve(c, arm, seed)
+      ref = r.study.reference_arm
+      assert not ref or ref in c.study.arms, (arm, ref)
+      src = r.train.init_from_arm
+      assert not src or src in c.study.arms, (arm, src)
+
+
+@pytest.mark.parametrize("name", STUDIES)
+def test_study_configs_default_to_cpu_scale(name):
+  assert _load(name).study.scale == "cpu"
+
+
+def test_fp8_full_scale_is_gpt2_small():
+  c = _load("freeze_gpt2_fp8", "scale=full")
+  n_layer, n_head, d, vocab, seq = models.PRESETS["gpt2_124m"]
+  m = c.model
+  assert (m.n_layer, m.n_head, m.d_model, m.vocab_size, m.seq_len) == (
+    n_layer,
+    n_head,
+    d,
+    vocab,
+    seq,
+  )
+  shapes = jax.eval_shape(
+    models.GPT(tasks._gpt_cfg(m)).init,
+    jax.random.key(0),
+    jax.ShapeDtypeStruct((1, seq), jnp.int32),
+  )
+  assert sum(x.size for x in jax.tree.leaves(shapes)) == 124_439_808
+  assert c.data.name == "tokens"
+  assert (c.opt.lr, c.opt.b1, c.opt.b2, c.opt.weight_decay) == (
+    6e-4,
+    0.9,
+    0.95,
+    0.1,
+  )
+
+
+def test_grid_has_72_cells_and_a_reference_for_each():
+  c = _load("freeze_grid")
+  cells = [a for a, o in c.study.arms.items() if "writeback" in o.lowprec]
+  assert len(cells) == 72
+  assert len({c.study.arms[a].study.cell for a in cells}) == 72
+
+
+def test_per_tensor_int_scales_are_powers_of_two_covering_the_tensor():
+  c = _load("int3_replay")
+  params = {
+    "a": {"kernel": jnp.array([0.3, -0.1]), "bias": jnp.array([0.01])},
+    "b": jnp.array([[-2.0, 1.0]]),
+  }
+  fmts = optim.per_tensor_int(c.lowprec, params)
+  assert fmts["a"]["kernel"].scale == 0.125  # 0.3 / 3 = 0.1 -> 0.125
+  assert fmts["a"]["bias"].scale == 2.0**-8  # 0.01 / 3 -> 2^-8
+  assert fmts["b"].scale == 1.0  # 2 / 3 -> 1
+  c.lowprec.keep_float32 = r".*bias"
+  assert optim.per_tensor_int(c.lowprec, params)["a"]["bias"] is None
+  with pytest.raises(ValueError, match="keep_float32"):
+    optim.per_tensor_int(c.lowprec, {"z": jnp.zeros(3)})
+
+
+def test_init_from_arm_needs_a_step():
+  c = _load("int3_replay", "scale=smoke")
+  c.train.init_from_arm = "fp32_reference"
+  with pytest.raises(ValueError, match="go together"):
+    study.resolve(c, "int3_from_2", 0)
+
+
+# ----------------------------------------------------- hand-made results
+
+
+def _run_dir(root, study_name, arm, seed, config, metrics):
+  d = os.path.join(root, study_name, arm, f"seed{seed}")
+  os.makedirs(d)
+  base = {
+    "study": {"reference_arm": "", "cell": ""},
+    "lowprec": {"writeback": "", "rounding": "nearest"},
+    "train": {"steps": len(metrics), "init_from_arm": "", "init_from_step": 0},
+    "model": {"hidden": [8]},
+    "opt": {"lr": 0.1, "schedule": "cosine"},
+  }
+  for k, v in config.items():
+    base[k] = {**base.get(k, {}), **v}
+  with open(os.path.join(d, "config.json"), "w") as f:
+    json.dump(base, f)
+  with open(os.path.join(d, "metrics.jsonl"), "w") as f:
+    for rec in metrics:
+      f.write(json.dumps(rec) + "\n")
+
+
+def _reference(root, name, fmt, pred, seed=0, arm="ref", extra=None):
+  recs = [{"step": 0, "val_loss": 3.0}]
+  for i, p in enumerate(pred):
+    rec = {"step": i + 1, f"pred/{fmt}/erased_fraction": p}
+    recs.append({**rec, **(extra or {}).get(i + 1, {})})
+  _run_dir(root, name, arm, seed, {}, recs)
+
+
+def _lowprec(root, name, arm, fmt, erased, seed=0, props=None, cell="", **cfg):
+  recs = [{"step": 0, "val_loss": 3.0}]
+  for i, e in enumerate(erased):
+    n = 100 if props is None else props[i]
+    recs.append(
+      {
+        "step": i + 1,
+        "erased_fraction": e,
+        "proposals": n,
+        "moved": round(n * (1 - e)),
+      }
+    )
+  config = {
+    "lowprec": {"writeback": fmt, "rounding": "nearest"},
+    "study": {"reference_arm": "ref", "cell": cell or arm},
+  }
+  for k, v in cfg.items():
+    config[k] = {**config.get(k, {}), **v}
+  _run_dir(root, name, arm, seed, config, recs)
+
+
+def _curve(n, cross):
+  """0.1 before step `cross` (1-based), 0.9 from it on."""
+  return [0.9 if s >= cross else 0.1 for s in range(1, n + 1)]
+
+
+def test_step_without_proposals_does_not_count_as_unfrozen(tmp_path):
+  # Warmup from lr 0: no proposals at step 1. The write-back reports 0.0,
+  # the trace NaN; both are "no value", so both cross at init.
+  root = str(tmp_path)
+  _reference(root, "s", "e8m3", [float("nan"), 0.8, 0.9, 0.9])
+  _lowprec(root, "s", "rn", "e8m3", [0.0, 0.8, 0.9, 0.95], props=[0, 9, 9, 9])
+  rows, _ = make_tables.freeze_table(make_tables.load_runs(root, "s"))
+  assert rows[0]["predicted_crossing"] == "2 (at_init)"
+  assert rows[0]["measured_crossing"] == "2 (at_init)"
+  assert rows[0]["category_agrees"] is True
+
+
+def test_grid_table_counts_crossings_span_and_categories(tmp_path):
+  root = str(tmp_path)
+  n = 40
+  # (predicted crossing, measured crossing): within 15%, outside, and a
+  # category disagreement (at_init predicted, post-init measured).
+  cells = {"a": (10, 11), "b": (20, 30), "c": (1, 4)}
+  for i, (name, (p, m)) in enumerate(cells.items()):
+    arm = f"ref_{name}"
+    _reference(root, "g", "e8m3", _curve(n, p), arm=arm)
+    _lowprec(
+      root,
+      "g",
+      name,
+      "e8m3",
+      _curve(n, m),
+      cell=name,
+      study={"reference_arm": arm, "cell": name},
+      model={"hidden": [8 * (i + 1)]},
+    )
+  rows, lines = make_tables.ANALYSES["grid"](make_tables.load_runs(root, "g"))
+  text = "\n".join(lines)
+  assert [r["width"] for r in rows] == [8, 16, 24]
+  assert "post-init crossings: 2/3" in text
+  assert "span 3x (step 11 to 30)" in text
+  assert "within 15%: 1/2" in text
+  assert "categories differ: 1/3" in text
+  by = {r["cell"]: r for r in rows}
+  assert by["a"]["error_steps"] == -1 and by["a"]["within_tol"]
+  assert by["b"]["error_steps"] == -10 and not by["b"]["within_tol"]
+  assert by["c"]["predicted_crossing"] == "1 (at_init)"
+
+
+def test_transfer_table_summarizes_each_task(tmp_path):
+  root = str(tmp_path)
+  for task, m in (("reg", 10), ("mlp", 20)):
+    _reference(root, "t", "e8m3", _curve(30, 10), arm=f"{task}_fp32")
+    _lowprec(
+      root,
+      "t",
+      f"{task}_e8m3",
+      "e8m3",
+      _curve(30, m),
+      study={"reference_arm": f"{task}_fp32", "cell": f"{task}/e8m3"},
+    )
+  _, lines = make_tables.ANALYSES["transfer"](make_tables.load_runs(root, "t"))
+  text = "\n".join(lines)
+  assert "- reg: categories agree in 1/1 cells" in text
+  assert "reg: categories agree in 1/1 cells, post-init crossings within " in text
+  assert "within 15%: 1/1, macro RMSE 0.00000" in text
+  assert "- mlp: categories agree in 1/1 cells, post-init crossings within " \
+    "15%: 0/1" in text
+
+
+def test_recovery_table_per_seed_means_and_ratio(tmp_path):
+  root = str(tmp_path)
+  losses = {  # seed: fp32, nearest, stochastic, deadzone
+    0: (2.0, 3.0, 2.1, 2.2),
+    1: (2.0, 2.5, 2.1, 2.0),
+  }
+  for seed, ls in losses.items():
+    for arm, rounding, loss in zip(
+      ("fp32", "rn", "sr", "dzsr"),
+      ("nearest", "nearest", "stochastic", "deadzone"),
+      ls,
+      strict=True,
+    ):
+      wb = "" if arm == "fp32" else "e8m4"
+      _run_dir(
+        root,
+        "d",
+        arm,
+        seed,
+        {"lowprec": {"writeback": wb, "rounding": rounding}},
+        [{"step": 0, "val_loss": 5.0}, {"step": 1, "val_loss": loss}],
+      )
+  rows, lines = make_tables.ANALYSES["recovery"](
+    make_tables.load_runs(root, "d")
+  )
+  assert rows[0]["recovery_full_sr"] == pytest.approx(0.9)
+  assert rows[0]["recovery_deadzone_sr"] == pytest.approx(0.8)
+  assert rows[1]["recovery_full_sr"] == pytest.approx(0.8)
+  assert rows[1]["recovery_deadzone_sr"] == pytest.approx(1.0)
+  text = "\n".join(lines)
+  assert "full SR / dead-zone SR: 0.8500 / 0.9000" in text
+  assert "ratio dead-zone / full: 1.0588" in text
+  assert "mean 0.7500 nats over 2 seeds" in text
+
+
+def test_replay_table_losses_per_checkpoint(tmp_path):
+  root = str(tmp_path)
+  ref = [{"step": s, "val_loss": 5.0 - s / 10} for s in range(0, 11)]
+  _run_dir(root, "r", "fp32_reference", 0, {}, ref)
+  for start, rounding, (v0, v1) in (
+    (2, "stochastic", (6.0, 4.5)),
+    (4, "stochastic", (5.0, 4.0)),
+    (4, "nearest", (5.0, 5.0)),
+  ):
+    arm = f"{rounding}_{start}"
+    _run_dir(
+      root,
+      "r",
+      arm,
+      0,
+      {
+        "lowprec": {"writeback": "int3", "rounding": rounding},
+        "train": {
+          "steps": 3,
+          "init_from_arm": "fp32_reference",
+          "init_from_step": start,
+        },
+      },
+      [{"step": 0, "val_loss": v0}, {"step": 3, "val_loss": v1}],
+    )
+  rows, lines = make_tables.ANALYSES["replay"](make_tables.load_runs(root, "r"))
+  assert [(r["checkpoint"], r["rounding"]) for r in rows] == [
+    (2, "stochastic"),
+    (4, "stochastic"),
+    (4, "nearest"),
+  ]
+  first = rows[0]
+  assert first["fp32_at_checkpoint"] == pytest.approx(4.8)
+  assert first["after_quantizing"] == 6.0 and first["after_3_steps"] == 4.5
+  assert first["change"] == pytest.approx(-1.5)
+  assert first["change_pct"] == pytest.approx(-0.25)
+  assert first["fp32_same_data_step"] == pytest.approx(4.5)
+  assert rows[2]["change"] == 0
+  text = "\n".join(lines)
+  assert "stochastic write-back, 2 checkpoint(s): validation-loss change " \
+    "-1.5000 to -1.0000 nats (mean -1.2500, -22.50%)" in text
+  assert "nearest write-back, 1 checkpoint(s)" in text
+
+
+def test_audit_table_rmse_skill_and_template(tmp_path):
+  root = str(tmp_path)
+  pred = [0.5, 0.7]
+  _reference(root, "a", "float8_e4m3fn", pred, seed=0)
+  for seed, meas in ((1, [0.5, 0.7]), (2, [0.6, 0.8])):
+    _lowprec(root, "a", "rn", "float8_e4m3fn", meas, seed=seed)
+  rows, lines = make_tables.ANALYSES["audit"](make_tables.load_runs(root, "a"))
+  assert [r["seed"] for r in rows] == [1, 2]
+  assert all(r["reference_seed"] == 0 for r in rows)
+  assert rows[0]["rmse"] == pytest.approx(0.0)
+  assert rows[1]["rmse"] == pytest.approx(0.1)
+  assert rows[0]["naive_rmse"] == pytest.approx(0.1)
+  assert rows[1]["naive_rmse"] == pytest.approx(math.sqrt(0.02))
+  naive = (0.1 + math.sqrt(0.02)) / 2
+  text = "\n".join(lines)
+  assert "vs 2 unseen seeds: 0.05000" in text
+  assert f"macro RMSE {naive:.5f}; skill" in text
+  assert f"= {1 - 0.05 / naive:.3f}" in text
+  # Template: each seed predicted by the other's measured curve.
+  assert "template (mean measured curve of the other seeds): macro RMSE " \
+    "0.10000" in text
+
+
+def test_fp8_table_frozen_coordinates_and_loss_change(tmp_path):
+  root = str(tmp_path)
+  n = 4
+  _reference(
+    root,
+    "f",
+    "float8_e4m3fn",
+    [0.9] * n,
+    extra={s: {"pred/float8_e4m3fn_sr/move_prob": 0.2} for s in range(1, 5)},
+  )
+  # the reference's val loss improves; the RN run's does not
+  with open(os.path.join(root, "f", "ref", "seed0", "metrics.jsonl"), "a") as f:
+    f.write(json.dumps({"step": 2, "val_loss": 2.5}) + "\n")
+    f.write(json.dumps({"step": 4, "val_loss": 2.0}) + "\n")
+  # three sampled coordinates: one never moves, one moves only early
+  u = [[0, 1, 1], [0, 0, 1], [0, 0, 1], [0, 0, 0]]
+  recs = [{"step": 0, "val_loss": 3.0}]
+  for s in range(1, n + 1):
+    recs.append(
+      {
+        "step": s,
+        "erased_fraction": 0.95,
+        "proposals": 100,
+        "moved": 5,
+        "pred/sample/u": u[s - 1],
+        **({"val_loss": 2.9} if s in (2, 4) else {}),
+      }
+    )
+  _run_dir(
+    root,
+    "f",
+    "rn_e4m3",
+    0,
+    {
+      "lowprec": {"writeback": "float8_e4m3fn", "rounding": "nearest"},
+      "study": {"reference_arm": "ref", "cell": "e4m3"},
+    },
+    recs,
+  )
+  rows, lines = make_tables.ANALYSES["fp8"](make_tables.load_runs(root, "f"))
+  rn = next(r for r in rows if r["arm"] == "rn_e4m3")
+  assert rn["predicted_crossing"] == rn["measured_crossing"] == "1 (at_init)"
+  assert rn["frozen_whole_run"] == pytest.approx(1 / 3)
+  assert rn["frozen_second_half"] == pytest.approx(2 / 3)
+  assert rn["second_half_change"] == pytest.approx(0.0)
+  ref = next(r for r in rows if r["arm"] == "ref")
+  assert ref["second_half_change"] == pytest.approx(-0.5)
+  assert rn["measured_mean_erased"] == pytest.approx(0.95)
+  assert any("never moved: 33.3%" in x for x in lines)
+
+
+# -------------------------------------------------------- smoke, end to end
+
+
+def _smoke(name, tmp_path):
+  c = _load(name, "scale=smoke")
+  c.log.results_dir = str(tmp_path)
+  c.lock()
+  summaries = study.run_study(c)
+  assert all(s["status"] == "finished" for s in summaries)
+  md = make_tables.make(name, str(tmp_path))
+  png = plot_studies.plot(name, str(tmp_path))
+  assert os.path.getsize(png) > 1000
+  assert os.path.exists(os.path.join(tmp_path, name, "tables", f"{name}.csv"))
+  return c, md
+
+
+def test_int3_replay_smoke_restores_checkpoints_and_tabulates(tmp_path):
+  c, md = _smoke("int3_replay", tmp_path)
+  assert "stochastic write-back, 2 checkpoint(s)" in md
+  assert "nearest write-back, 1 checkpoint(s): validation-loss change " \
+    "+0.0000 to +0.0000" in md
+  # The parameters a replay starts from are the reference's, bit for bit.
+  ref = study.resolve(c, "fp32_reference", 0)
+  run = train.build_run(ref)
+  d = os.path.join(tmp_path, "int3_replay", "fp32_reference", "seed0")
+  params = checkpoint.restore_params(
+    os.path.join(d, "checkpoints"), ref.train.steps, run.state.params
+  )
+  with open(os.path.join(d, "summary.json")) as f:
+    assert train.params_digest(params) == json.load(f)["param_digest"]
+  with pytest.raises(FileNotFoundError, match="saved steps"):
+    checkpoint.restore_params(
+      os.path.join(d, "checkpoints"), 3, run.state.params
+    )
+  # The replay's weights are on their per-tensor int3 grids.
+  rep = study.resolve(c, "int3_from_2", 0)
+  state = train.build_run(rep).state
+  for x in jax.tree.leaves(state.params):
+    x = np.asarray(x)
+    scale = 2.0 ** math.ceil(math.log2(np.abs(x).max() / 3))
+    assert np.all(np.abs(x / scale - np.round(x / scale)) == 0)
+    assert np.abs(x / scale).max() <= 3
+
+
+@pytest.mark.parametrize("name", ["freeze_grid", "e4m3_audit"])
+def test_smoke_study_makes_its_table(name, tmp_path):
+  _, md = _smoke(name, tmp_path)
+  expect = {
+    "freeze_grid": "cells with predicted and measured post-init crossings",
+    "e4m3_audit": "macro RMSE, one fp32 trace (seed 0) vs 1 unseen seeds",
+  }[name]
+  assert expect in md
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+  "name", ["freeze_gpt2_fp8", "freeze_transfer", "deadzone_vs_sr"]
+)
+def test_slow_smoke_study_makes_its_table(name, tmp_path):
+  _, md = _smoke(name, tmp_path)
+  expect = {
+    "freeze_gpt2_fp8": "validation loss fp32_reference",
+    "freeze_transfer": "- all tasks:",
+    "deadzone_vs_sr": "mean recovery, full SR / dead-zone SR",
+  }[name]
+  assert expect in md
+
+
+def test_reproduce_runs_a_study_through_the_entry_point(tmp_path):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  out = subprocess.run(
+    [
+      sys.executable,
+      "scripts/reproduce.py",
+      "e4m3_audit",
+      "--arg",
+      "scale=smoke",
+      "--results",
+      str(tmp_path),
+    ],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert out.returncode == 0, out.stdout + out.stderr
+  assert "macro RMSE" in out.stdout
+  assert (tmp_path / "e4m3_audit" / "tables" / "e4m3_audit.png").exists()
