@@ -60,8 +60,9 @@ class WritebackState(NamedTuple):
     """The counts as plain numbers: totals, then `<count>/<path>` per tensor.
 
     Keys: `steps`, `proposals`, `erased`, `moved`, `saturated`,
-    `unreachable`, `erased_fraction` (erased / proposals, 0.0 without
-    proposals), and the same counts per parameter path.
+    `unreachable`, `erased_fraction` (erased / proposals; NaN at a step
+    without proposals, as in `lowprec.freeze`, whose curve functions skip
+    such steps), and the same counts per parameter path.
     """
     out: dict[str, int | float] = {"steps": int(jax.device_get(self.count))}
     if self.proposals is None:
@@ -83,7 +84,7 @@ class WritebackState(NamedTuple):
 
 
 def _fraction(num: int, den: int) -> float:
-  return num / den if den else 0.0
+  return num / den if den else float("nan")
 
 
 def writeback(
