@@ -103,6 +103,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.lowprec.policy = ""  # backward-state policy string ("" = reference)
   c.lowprec.fwd_format = "float32"  # rounding of saved forward tensors
   c.lowprec.fwd_rounding = "nearest"
+  c.lowprec.weight_format = "float32"  # forward rounding of kernels
   c.lowprec.bwd_format = "float32"  # rounding of incoming gradients
   c.lowprec.bwd_rounding = "stochastic"
 

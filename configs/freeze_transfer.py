@@ -30,7 +30,7 @@ TASKS = {
   "regression": {
     "model": {"kind": "regression"},
     "data": {"name": "regression", "batch_size": 32},
-    "opt": {"name": "sgd", "lr": 0.05, "weight_decay": 0.0},
+    "opt": {"name": "sgd", "lr": 0.01, "weight_decay": 0.0},
   },
   "mlp": {
     "model": {"kind": "mlp", "hidden": (64,)},

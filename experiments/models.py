@@ -1,9 +1,11 @@
 """Models of the studies (Flax linen).
 
-* `GPT`: decoder with GPT-2 options (pre-LN, learned positions, tied
-  embeddings, GELU MLP, scaled residual init) and NeoX-style options (rotary
-  positions, parallel attention and MLP, untied embeddings, RMSNorm). The
-  124M preset has exactly GPT-2 small's 124,439,808 parameters.
+* `GPT`: decoder built on `lowprec.nn` (per-use backward policies, rounded
+  saved tensors, emulated FP8) with GPT-2 options (pre-LN, learned
+  positions, tied embeddings, GELU MLP, scaled residual init) and NeoX-style
+  options (rotary positions, parallel attention and MLP, untied embeddings,
+  RMSNorm). The 124M preset has exactly GPT-2 small's 124,439,808
+  parameters.
 * `MLP`: a two-layer (or deeper) perceptron classifier.
 * `CNN`: a small convolutional classifier.
 * `Linear`: linear regression on frozen random features.
@@ -13,7 +15,8 @@ from __future__ import annotations
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
+
+from lowprec import nn as lpnn
 
 PRESETS = {
   # name: (n_layer, n_head, d_model, vocab_size, seq_len)
@@ -26,107 +29,83 @@ def _dense_init(std):
   return nn.initializers.normal(stddev=std)
 
 
-def rotary(x: jax.Array, base: float = 10000.0) -> jax.Array:
-  """Rotary position embedding on [B, T, H, D] (D even), half-split form."""
-  t, d = x.shape[1], x.shape[-1]
-  inv = base ** (-jnp.arange(0, d, 2, dtype=jnp.float32) / d)
-  ang = jnp.arange(t, dtype=jnp.float32)[:, None] * inv[None, :]
-  cos, sin = jnp.cos(ang)[None, :, None, :], jnp.sin(ang)[None, :, None, :]
-  x1, x2 = x[..., : d // 2], x[..., d // 2 :]
-  return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1)
+NORMS = {"layernorm": "layer", "rmsnorm": "rms"}
 
 
-class Norm(nn.Module):
-  kind: str = "layernorm"
+def numerics_from(lp) -> lpnn.Numerics:
+  """The `lowprec.nn.Numerics` of a config's `lowprec` section.
 
-  @nn.compact
-  def __call__(self, x):
-    if self.kind == "layernorm":
-      return nn.LayerNorm(epsilon=1e-5)(x)
-    if self.kind == "rmsnorm":
-      return nn.RMSNorm(epsilon=1e-6)(x)
-    raise ValueError(f"unknown norm {self.kind!r}; valid: layernorm, rmsnorm")
+  `fwd_format:fwd_rounding` rounds the saved activations (dense inputs, norm
+  outputs, attention probabilities and outputs, activation inputs),
+  `weight_format` the kernels (nearest), `bwd_format:bwd_rounding` the
+  gradients entering the backward's matmuls; `policy` says what each
+  backward use reads ("" = what the reference gradient reads).
+  """
 
+  def rounding(fmt, mode):
+    return None if fmt == "float32" else lpnn.Rounding(fmt, mode)
 
-class Attention(nn.Module):
-  n_head: int
-  init_std: float
-  proj_std: float
-  positions: str
-
-  @nn.compact
-  def __call__(self, x):
-    b, t, d = x.shape
-    h = self.n_head
-    qkv = nn.Dense(
-      3 * d, kernel_init=_dense_init(self.init_std), name="c_attn"
-    )(x)
-    q, k, v = jnp.split(qkv.reshape(b, t, 3 * h, d // h), 3, axis=2)
-    if self.positions == "rotary":
-      q, k = rotary(q), rotary(k)
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(d // h)
-    mask = jnp.tril(jnp.ones((t, t), bool))
-    scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
-    # exp(s - logsumexp(s)) rather than e / sum(e): XLA may rewrite a division
-    # by a broadcast into a reciprocal-multiply in some programs and not in
-    # others, which would change bits between device counts.
-    probs = jnp.exp(scores - jax.nn.logsumexp(scores, axis=-1, keepdims=True))
-    out = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, d)
-    return nn.Dense(d, kernel_init=_dense_init(self.proj_std), name="c_proj")(
-      out
-    )
-
-
-class MLPBlock(nn.Module):
-  ratio: int
-  init_std: float
-  proj_std: float
-  activation: str = "gelu"
-
-  @nn.compact
-  def __call__(self, x):
-    d = x.shape[-1]
-    h = nn.Dense(
-      self.ratio * d, kernel_init=_dense_init(self.init_std), name="c_fc"
-    )(x)
-    h = ACTIVATIONS[self.activation](h)
-    return nn.Dense(d, kernel_init=_dense_init(self.proj_std), name="c_proj")(h)
-
-
-ACTIVATIONS = {
-  "gelu": lambda x: jax.nn.gelu(x, approximate=True),
-  "silu": jax.nn.silu,
-  "relu": jax.nn.relu,
-}
+  return lpnn.Numerics(
+    policy=lp.policy or None,
+    saved=rounding(lp.fwd_format, lp.fwd_rounding),
+    weights=rounding(lp.weight_format, "nearest"),
+    grads=rounding(lp.bwd_format, lp.bwd_rounding),
+  )
 
 
 class Block(nn.Module):
+  """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); or, with
+  `parallel_block`, x + attn(norm1(x)) + mlp(norm2(x)) (GPT-NeoX)."""
+
   cfg: dict
+  numerics: lpnn.Numerics
 
   @nn.compact
   def __call__(self, x):
     c = self.cfg
-    proj_std = c["init_std"] / (2 * c["n_layer"]) ** 0.5
-    attn = Attention(
-      c["n_head"], c["init_std"], proj_std, c["positions"], name="attn"
+    init = _dense_init(c["init_std"])
+    proj = _dense_init(c["init_std"] / (2 * c["n_layer"]) ** 0.5)
+    norm = _norm(c["norm"])
+    attn = lpnn.CausalSelfAttention(
+      c["n_head"],
+      norm=norm,
+      rotary_base=10000.0 if c["positions"] == "rotary" else None,
+      numerics=self.numerics,
+      kernel_init=init,
+      out_kernel_init=proj,
+      name="attn",
     )
-    mlp = MLPBlock(
-      c["mlp_ratio"], c["init_std"], proj_std, c["activation"], name="mlp"
+    mlp = lpnn.MLP(
+      c["mlp_ratio"] * x.shape[-1],
+      c["activation"],
+      norm=norm,
+      numerics=self.numerics,
+      kernel_init=init,
+      out_kernel_init=proj,
+      name="mlp",
     )
     if c["parallel_block"]:
-      return (
-        x
-        + attn(Norm(c["norm"], name="ln_1")(x))
-        + mlp(Norm(c["norm"], name="ln_2")(x))
-      )
-    x = x + attn(Norm(c["norm"], name="ln_1")(x))
-    return x + mlp(Norm(c["norm"], name="ln_2")(x))
+      return x + attn(x) + mlp(x)
+    x = x + attn(x)
+    return x + mlp(x)
+
+
+def _norm(name: str) -> str:
+  if name not in NORMS:
+    raise ValueError(f"unknown model.norm {name!r}; valid: {', '.join(NORMS)}")
+  return NORMS[name]
 
 
 class GPT(nn.Module):
-  """Decoder-only transformer; `cfg` is the config's `model` section."""
+  """Decoder-only transformer; `cfg` is the config's `model` section.
+
+  Built on `lowprec.nn`, so every rounded tensor and backward read comes
+  from `numerics`; with the default `Numerics()` it is the plain float32
+  model.
+  """
 
   cfg: dict
+  numerics: lpnn.Numerics = lpnn.Numerics()
 
   @nn.compact
   def __call__(self, tokens):
@@ -151,16 +130,23 @@ class GPT(nn.Module):
         f"unknown model.positions {c['positions']!r}; valid: learned, rotary"
       )
     for i in range(c["n_layer"]):
-      x = Block(c, name=f"h_{i}")(x)
-    x = Norm(c["norm"], name="ln_f")(x)
-    if c["tie_embeddings"]:
-      return wte.attend(x)
-    return nn.Dense(
+      x = Block(c, self.numerics, name=f"h_{i}")(x)
+    # Final norm and the head as one NormDense: its output is a saved
+    # tensor read by the head's weight gradient and the norm's gain gradient.
+    head = lpnn.NormDense(
       c["vocab_size"],
+      _norm(c["norm"]),
       use_bias=False,
+      numerics=self.numerics,
       kernel_init=_dense_init(c["init_std"]),
-      name="lm_head",
-    )(x)
+      name="ln_f",
+    )
+    if c["tie_embeddings"]:
+      return head(x, kernel=wte.embedding.T)
+    return head(x)
+
+
+ACTIVATIONS = {"relu": jax.nn.relu, "gelu": jax.nn.gelu, "silu": jax.nn.silu}
 
 
 class MLP(nn.Module):

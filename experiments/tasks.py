@@ -45,7 +45,7 @@ def _gpt_cfg(m) -> dict:
 
 def gpt_task(config) -> Task:
   m, d = config.model, config.data
-  model = models.GPT(_gpt_cfg(m))
+  model = models.GPT(_gpt_cfg(m), models.numerics_from(config.lowprec))
   common = dict(
     seq_len=m.seq_len,
     batch_size=d.batch_size,
@@ -61,9 +61,8 @@ def gpt_task(config) -> Task:
     return model.init(key, jnp.zeros((1, m.seq_len), jnp.int32))["params"]
 
   def loss(params, batch, key):
-    del key
     inputs, targets = batch
-    logits = model.apply({"params": params}, inputs)
+    logits = model.apply({"params": params}, inputs, rngs={"lowprec": key})
     ce = optax.softmax_cross_entropy_with_integer_labels(
       logits.astype(jnp.float32), targets
     )

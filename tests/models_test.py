@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from configs import common
+from lowprec import nn as lpnn
 from experiments import models, tasks
 
 
@@ -71,18 +72,18 @@ def test_gpt_forward_shapes_and_causality(kw):
   y2 = model.apply({"params": params}, x2)
   np.testing.assert_array_equal(np.asarray(y[:, :10]), np.asarray(y2[:, :10]))
   assert not np.allclose(np.asarray(y[:, 10:]), np.asarray(y2[:, 10:]))
-  assert ("lm_head" in params) == (not cfg["tie_embeddings"])
+  assert ("kernel" in params["ln_f"]) == (not cfg["tie_embeddings"])
 
 
 def test_rotary_preserves_norms_and_relative_positions():
   x = jax.random.normal(jax.random.key(0), (1, 8, 2, 16))
-  r = models.rotary(x)
+  r = lpnn.rotary(x)
   np.testing.assert_allclose(
     jnp.linalg.norm(r, axis=-1), jnp.linalg.norm(x, axis=-1), rtol=1e-5
   )
   # Same vector at every position: dot products depend on the offset only.
   v = jnp.broadcast_to(x[:, :1], x.shape)
-  rv = models.rotary(v)[0, :, 0]
+  rv = lpnn.rotary(v)[0, :, 0]
   dots = rv @ rv.T
   np.testing.assert_allclose(dots[0, 2], dots[3, 5], rtol=1e-4)
 
