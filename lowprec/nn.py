@@ -154,9 +154,12 @@ class NormDense(nn.Module):
     if self.use_bias:
       bias = self.param("bias", self.bias_init, (self.features,))
     op = ops.NormDense(
-      norm=self.norm, eps=self.epsilon, out=num.saved, kernel=num.weights,
+      norm=self.norm,
+      eps=self.epsilon,
+      out=num.saved,
+      kernel=num.weights,
       grad=num.grads,
-    )  # fmt: skip
+    )
     return _call(self, op, num, x, gain, shift, kernel, bias)
 
 
@@ -204,13 +207,23 @@ class CausalSelfAttention(nn.Module):
       raise ValueError(f"width {width} is not a multiple of num_heads")
     head = width // self.num_heads
     if self.norm is None:
-      proj = Dense(3 * width, self.use_bias, numerics=num,
-                   kernel_init=self.kernel_init, name="qkv")  # fmt: skip
+      proj = Dense(
+        3 * width,
+        self.use_bias,
+        numerics=num,
+        kernel_init=self.kernel_init,
+        name="qkv",
+      )
     else:
       proj = NormDense(
-        3 * width, self.norm, self.epsilon, self.use_bias, numerics=num,
-        kernel_init=self.kernel_init, name="qkv",
-      )  # fmt: skip
+        3 * width,
+        self.norm,
+        self.epsilon,
+        self.use_bias,
+        numerics=num,
+        kernel_init=self.kernel_init,
+        name="qkv",
+      )
     q, k, v = jnp.split(proj(x), 3, axis=-1)
     q, k, v = (a.reshape(b, t, self.num_heads, head) for a in (q, k, v))
     if self.rotary_base is not None:
@@ -218,8 +231,14 @@ class CausalSelfAttention(nn.Module):
     op = ops.Attention(probs=num.saved, out=num.saved, grad=num.grads)
     o = _call(self, op, num, q, k, v).reshape(b, t, width)
     # The attention output is already rounded (by `saved`).
-    return Dense(width, self.use_bias, round_input=False, numerics=num,
-                 kernel_init=self.out_kernel_init, name="out")(o)  # fmt: skip
+    return Dense(
+      width,
+      self.use_bias,
+      round_input=False,
+      numerics=num,
+      kernel_init=self.out_kernel_init,
+      name="out",
+    )(o)
 
 
 class MLP(nn.Module):
@@ -242,13 +261,28 @@ class MLP(nn.Module):
     width = x.shape[-1]
     hidden = self.hidden or 4 * width
     if self.norm is None:
-      h = Dense(hidden, self.use_bias, numerics=num,
-                kernel_init=self.kernel_init, name="fc")(x)  # fmt: skip
+      h = Dense(
+        hidden,
+        self.use_bias,
+        numerics=num,
+        kernel_init=self.kernel_init,
+        name="fc",
+      )(x)
     else:
       h = NormDense(
-        hidden, self.norm, self.epsilon, self.use_bias, numerics=num,
-        kernel_init=self.kernel_init, name="fc",
-      )(x)  # fmt: skip
+        hidden,
+        self.norm,
+        self.epsilon,
+        self.use_bias,
+        numerics=num,
+        kernel_init=self.kernel_init,
+        name="fc",
+      )(x)
     h = _call(self, ops.Activation(self.activation, x=num.saved), num, h)
-    return Dense(width, self.use_bias, numerics=num,
-                 kernel_init=self.out_kernel_init, name="proj")(h)  # fmt: skip
+    return Dense(
+      width,
+      self.use_bias,
+      numerics=num,
+      kernel_init=self.out_kernel_init,
+      name="proj",
+    )(h)

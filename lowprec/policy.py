@@ -23,7 +23,7 @@ admissible is the operators' business: see the requirements tables in
 `lowprec.ops` and `lowprec.audit.predict`.
 
 Example:
-  >>> p = Policy.parse("attn.probs@dv=rounded,attn\\.(probs@dscores|out@.*)=fresh")
+  >>> p = Policy.parse("attn.probs@dv=rounded,attn.(probs@ds.*|out@.*)=fresh")
   >>> p.resolve("attention")
   {'attn.probs@dv': 'rounded', 'attn.probs@dscores': 'fresh',
    'attn.out@delta': 'fresh'}
@@ -56,7 +56,9 @@ USES: dict[str, tuple[str, ...]] = {
   "activation": ("act.in@dact",),
 }
 
-ALL_USES: tuple[str, ...] = tuple(dict.fromkeys(u for v in USES.values() for u in v))
+ALL_USES: tuple[str, ...] = tuple(
+  dict.fromkeys(u for v in USES.values() for u in v)
+)
 
 # Characters the string form uses as separators.
 _RESERVED = (",", "=")

@@ -11,6 +11,8 @@ off (plain float32).
 
 from __future__ import annotations
 
+import statistics
+
 import flax.linen as fnn
 import jax
 import jax.numpy as jnp
@@ -54,7 +56,7 @@ def _step(numerics, x):
 
 def run(quick: bool = False) -> str:
   batch, length, width = (2, 64, 128) if quick else (8, 128, 256)
-  repeats = 3 if quick else 11
+  rounds = 5 if quick else 21
   x = jax.random.normal(jax.random.key(0), (batch, length, width))
   params = jax.jit(Block(nn.Numerics()).init)(jax.random.key(1), x)
   key = jax.random.key(2)
@@ -63,13 +65,19 @@ def run(quick: bool = False) -> str:
     cases[f"FP8 e4m3 SR / e5m2 SR grads, {name} reads"] = nn.Numerics.fp8(
       policy
     )
-  rows = [
-    (name, median_time(_step(num, x), params, x, key, repeats=repeats))
-    for name, num in cases.items()
-  ]
+  steps = {name: _step(num, x) for name, num in cases.items()}
+  args = (params, x, key)
+  for step in steps.values():
+    median_time(step, *args, repeats=1, warmup=2)
+  # Round robin, so that a change in the machine's load hits every case.
+  times = {name: [] for name in steps}
+  for _ in range(rounds):
+    for name, step in steps.items():
+      times[name].append(median_time(step, *args, repeats=1, warmup=0))
+  rows = [(name, statistics.median(ts)) for name, ts in times.items()]
   return table(
     f"ops: GPT block fwd+bwd (batch {batch}, length {length}, width "
-    f"{width}, 4 heads), CPU",
+    f"{width}, 4 heads), CPU, median of {rounds} round-robin runs",
     rows,
     "float32 (no rounding)",
   )

@@ -182,6 +182,7 @@ def grid_table(runs, theta: float = THETA, tol: float = TOL):
       lr=c["opt"]["lr"],
       schedule=c["opt"]["schedule"],
     )
+  rows.sort(key=lambda r: (r["format"], r["schedule"], r["width"], r["lr"]))
   post = sum(r.get("within_tol") is not None for r in rows)
   lines = [
     f"- cells with predicted and measured post-init crossings: "
@@ -198,6 +199,7 @@ def transfer_table(runs, theta: float = THETA, tol: float = TOL):
   """Mantissa sweep per task: one row per (task, format); totals per task
   and over all cells."""
   rows, cells = _freeze_rows(runs, theta, tol)
+  rows.sort(key=lambda r: (r["cell"].split("/")[0], _mantissa(r["format"])))
   tasks = list(dict.fromkeys(r["cell"].split("/")[0] for r in rows))
   lines = []
   for task in tasks:
@@ -214,6 +216,12 @@ def transfer_table(runs, theta: float = THETA, tol: float = TOL):
     "  " + x for x in _summary_lines(cells, theta, tol)
   ]
   return rows, lines
+
+
+def _mantissa(fmt: str) -> int:
+  """Explicit mantissa bits of an `eXmY` name (0 for other names)."""
+  _, sep, m = fmt.partition("m")
+  return int(m) if sep and m.isdigit() else 0
 
 
 def fp8_table(runs, theta: float = THETA, tol: float = TOL):
@@ -245,13 +253,14 @@ def fp8_table(runs, theta: float = THETA, tol: float = TOL):
         row[k] = base[k]
     if lp["writeback"]:
       ref = reference_for(run, runs)
-      _, pe = predicted(ref, lp["writeback"])
       _, me = measured(run)
-      row["predicted_mean_erased"] = _nanmean(pe)
+      if lp["rounding"] == "nearest":
+        _, pe = predicted(ref, lp["writeback"])
+        row["predicted_mean_erased"] = _nanmean(pe)
+      else:  # not moved, predicted as 1 - P(move) under stochastic rounding
+        _, mp = predicted(ref, lp["writeback"], lp["rounding"])
+        row["predicted_mean_erased"] = _nanmean(1 - mp)
       row["measured_mean_erased"] = _nanmean(me)
-      if lp["rounding"] != "nearest":
-        row["predicted_move_prob"] = base.get("predicted_move_prob")
-        row["measured_move_prob"] = base.get("measured_move_prob")
       never, late = frozen_shares(run, half)
       row["frozen_whole_run"] = never
       row["frozen_second_half"] = late
@@ -319,9 +328,9 @@ def _fp8_claims(rows) -> list[str]:
     elif r["rounding"]:
       lines.append(
         f"- {r['arm']} ({r['format']}): no persistent freeze predicted; "
-        f"move probability per step predicted "
-        f"{_f(r.get('predicted_move_prob'))}, measured "
-        f"{_f(r.get('measured_move_prob'))}; sampled coordinates never "
+        f"mean share of proposals not moved per step predicted "
+        f"{_f(r['predicted_mean_erased'])}, measured "
+        f"{_f(r['measured_mean_erased'])}; sampled coordinates never "
         f"moved: {_pct(r['frozen_whole_run'])}, not moved in the second "
         f"half: {_pct(r['frozen_second_half'])}"
       )

@@ -42,20 +42,24 @@ NORM_IN = (
 DENSE = ops.Dense(x=SR8, kernel=RN8)
 DENSE_IN = (_normal(0, (8, 16)), _normal(3, (16, 8), 0.25), None)
 
-REUSE = "attn.probs@dv=rounded,attn.probs@dscores=rounded,attn.out@delta=rounded"
+REUSE = (
+  "attn.probs@dv=rounded,attn.probs@dscores=rounded,attn.out@delta=rounded"
+)
 FRESH = "attn.probs@dv=rounded,attn.probs@dscores=fresh,attn.out@delta=fresh"
 NORM_ORIGINAL = "norm.out@.*=original,dense.kernel@dx=rounded"
 NORM_ROUNDED = (
   "norm.out@(dgain|dw)=rounded,norm.out@dx=original,dense.kernel@dx=rounded"
 )
-NORM_PER_USE = "norm.out@dw=rounded,norm.out@.*=original,dense.kernel@dx=rounded"
+NORM_PER_USE = (
+  "norm.out@dw=rounded,norm.out@.*=original,dense.kernel@dx=rounded"
+)
 
 
 def _verdicts(p):
   return {u.use: u.verdict for u in p.uses}
 
 
-# ---- predictions ---------------------------------------------------------------
+# ---- predictions -------------------------------------------------------------
 
 
 def test_predict_attention():
@@ -106,7 +110,7 @@ def test_predict_depends_on_how_the_tensor_was_rounded():
   assert p["attn.out@delta"].admissible == ("original", "fresh", "nearest")
 
 
-# ---- verification of the canonical cases --------------------------------------
+# ---- verification of the canonical cases -------------------------------------
 
 
 def _check(v, expected):
@@ -126,8 +130,14 @@ def _check(v, expected):
 def test_attention_reusing_rounded_probs_or_output_is_biased():
   # 2048 forward draws x 1 backward draw (e5m2 gradient rounding).
   v = audit.verify(ATTN, REUSE, ATTN_IN, 2048, 1, jax.random.key(0))
-  _check(v, {"attn.probs@dscores": "biased", "attn.out@delta": "biased",
-             "attn.probs@dv": "unbiased"})  # fmt: skip
+  _check(
+    v,
+    {
+      "attn.probs@dscores": "biased",
+      "attn.out@delta": "biased",
+      "attn.probs@dv": "unbiased",
+    },
+  )
   assert v.total_verdict == "biased"
   # Reuse vs an independent copy from the same distribution: differs on
   # average for all three uses, as predicted.
@@ -183,8 +193,14 @@ def test_verify_catches_a_wrong_requirements_table():
   class WrongDense(ops.Dense):
     table = (wrong, DENSE.table[1])
 
-  v = audit.verify(WrongDense(x=SR8, kernel=RN8), ".*=rounded", DENSE_IN, 64,
-                   1, jax.random.key(3))  # fmt: skip
+  v = audit.verify(
+    WrongDense(x=SR8, kernel=RN8),
+    ".*=rounded",
+    DENSE_IN,
+    64,
+    1,
+    jax.random.key(3),
+  )
   assert v.reference_error > 1e-3
 
 
@@ -192,8 +208,14 @@ def test_verify_catches_a_wrong_requirements_table():
 def test_activation_storage_only_rounding():
   # 8192 forward draws: the Jensen bias of f'(x~) is small.
   op = ops.Activation("gelu", x=SR8)
-  v = audit.verify(op, "act.in@dact=fresh", (_normal(0, (8, 16), 2.0),),
-                   8192, 1, jax.random.key(4))  # fmt: skip
+  v = audit.verify(
+    op,
+    "act.in@dact=fresh",
+    (_normal(0, (8, 16), 2.0),),
+    8192,
+    1,
+    jax.random.key(4),
+  )
   assert v.agrees, str(v)
   assert v["act.in@dact"].verdict == "biased"
   assert v["act.in@dact"].reuse_verdict is False

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from configs import common
-from lowprec import nn as lpnn
 from experiments import models, tasks
+from lowprec import nn as lpnn
 
 
 def _gpt_config(preset=None, **kw):

@@ -8,8 +8,9 @@ import pytest
 
 from lowprec import nn, ops
 
-X = jnp.asarray(np.random.default_rng(0).standard_normal((2, 8, 32)),
-                jnp.float32)  # fmt: skip
+X = jnp.asarray(
+  np.random.default_rng(0).standard_normal((2, 8, 32)), jnp.float32
+)
 
 
 def _loss(y):
@@ -23,9 +24,12 @@ def _both(ours, plain, params, plain_params, x=X):
   def run(p, q, x):
     fa = lambda x: ours.apply(p, x)
     fb = lambda x: plain.apply(q, x)
-    return fa(x), fb(x), jax.grad(lambda x: _loss(fa(x)))(x), jax.grad(
-      lambda x: _loss(fb(x))
-    )(x)
+    return (
+      fa(x),
+      fb(x),
+      jax.grad(lambda x: _loss(fa(x)))(x),
+      jax.grad(lambda x: _loss(fb(x)))(x),
+    )
 
   return run(params, plain_params, x)
 
@@ -70,8 +74,9 @@ def _plain_norm_params(p, prefix=""):
 def test_norm_dense_is_flax_norm_then_dense(norm):
   ours = nn.NormDense(24, norm=norm)
   p = ours.init(jax.random.key(0), X)
-  p = jax.tree.map(lambda a: a + 0.1 * jnp.cos(jnp.arange(a.size)).reshape(
-    a.shape), p)  # fmt: skip  (non-trivial gains and biases)
+  p = jax.tree.map(
+    lambda a: a + 0.1 * jnp.cos(jnp.arange(a.size)).reshape(a.shape), p
+  )
   q = {"params": _plain_norm_params(p)}
   y, y_plain, g, g_plain = _both(ours, _PlainNormDense(24, norm), p, q)
   _close(y, y_plain, 2e-6)
@@ -109,8 +114,9 @@ def test_attention_is_plain_pre_norm_attention(rotary):
   ours = nn.CausalSelfAttention(4, rotary_base=10000.0 if rotary else None)
   p = ours.init(jax.random.key(0), X)
   pp = p["params"]
-  q = {"params": {**_plain_norm_params({"params": pp["qkv"]}), "out": pp[
-    "out"]}}  # fmt: skip
+  q = {
+    "params": {**_plain_norm_params({"params": pp["qkv"]}), "out": pp["out"]}
+  }
   q["params"]["qkv"] = q["params"].pop("dense")
   y, y_plain, g, g_plain = _both(ours, _PlainAttention(4, rotary), p, q)
   _close(y, y_plain, 1e-5)
@@ -128,8 +134,9 @@ def test_mlp_is_plain_pre_norm_gelu_mlp():
   ours = nn.MLP()
   p = ours.init(jax.random.key(0), X)
   pp = p["params"]
-  q = {"params": {**_plain_norm_params({"params": pp["fc"]}),
-                  "proj": pp["proj"]}}  # fmt: skip
+  q = {
+    "params": {**_plain_norm_params({"params": pp["fc"]}), "proj": pp["proj"]}
+  }
   q["params"]["fc"] = q["params"].pop("dense")
   y, y_plain, g, g_plain = _both(ours, _PlainMLP(), p, q)
   _close(y, y_plain, 1e-5)
@@ -157,8 +164,11 @@ def test_fp8_block_draws_from_its_rng_stream():
     f = lambda p: block.apply(p, X, rngs={"lowprec": key})
     y, vjp = jax.vjp(f, params)
     plain = _Block(nn.Numerics()).apply(params, X)
-    return _loss(y), vjp(jnp.cos(y))[0], jnp.linalg.norm(y - plain) / (
-      jnp.linalg.norm(plain))  # fmt: skip
+    return (
+      _loss(y),
+      vjp(jnp.cos(y))[0],
+      jnp.linalg.norm(y - plain) / (jnp.linalg.norm(plain)),
+    )
 
   (l1, g1, rel), (l2, g2, _), (l3, _, _) = (
     step(params, jax.random.key(k)) for k in (1, 1, 2)

@@ -37,7 +37,7 @@ def _layer_norm(x, eps, rms=False):
   return (x - mu) / jnp.sqrt(var + eps)
 
 
-# ---- plain operators and their inputs -----------------------------------------
+# ---- plain operators and their inputs ----------------------------------------
 
 
 def _attention(q, k, v):
@@ -70,8 +70,10 @@ def _case(name, dtype=jnp.float32):
     args = tuple(_normal(i, (2, 6, 2, 4)) for i in range(3))
     return ops.Attention(), _attention, args
   fn = name.split("_", 1)[1]
-  plain = {"gelu": lambda x: jax.nn.gelu(x, approximate=True),
-           "silu": jax.nn.silu}[fn]  # fmt: skip
+  plain = {
+    "gelu": lambda x: jax.nn.gelu(x, approximate=True),
+    "silu": jax.nn.silu,
+  }[fn]
   return ops.Activation(fn), plain, (_normal(0, (3, 7), 2.0),)
 
 
@@ -132,11 +134,12 @@ def test_without_rounding_attention_matches_jax_attention_and_fd():
   for g, w in zip(got, want, strict=True):
     np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-6)
   with jax.enable_x64(True):  # finite differences, the operator alone
-    check_grads(jax.jit(op), [a.astype(jnp.float64) for a in args], 1,
-                modes=["rev"])  # fmt: skip
+    check_grads(
+      jax.jit(op), [a.astype(jnp.float64) for a in args], 1, modes=["rev"]
+    )
 
 
-# ---- the reference gradient ---------------------------------------------------
+# ---- the reference gradient --------------------------------------------------
 
 
 def _st(r, x, key):
@@ -202,7 +205,7 @@ def test_reference_policy_gives_autodiff_of_straight_through_forward(name):
     np.testing.assert_allclose(g_lib, w, rtol=0, atol=2e-5 * scale)
 
 
-# ---- each use reads what the policy says ---------------------------------------
+# ---- each use reads what the policy says -------------------------------------
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -214,8 +217,9 @@ def _dense_dw(value, backward_key=None):
   pol = f"dense.in@dw={value},dense.kernel@dx=rounded"
   _, vjp = jax.vjp(
     lambda x, w: op(x, w, b, policy=pol, key=KEY, backward_key=backward_key),
-    x, w,
-  )  # fmt: skip
+    x,
+    w,
+  )
   return vjp(dy)[1], x, dy
 
 
@@ -227,7 +231,9 @@ def _dense_x_copies():
 
 
 def test_dense_kernel_gradient_reads_the_value_the_policy_names():
-  copies = dict(zip(("rounded", "nearest", "original"), _dense_x_copies()))
+  copies = dict(
+    zip(("rounded", "nearest", "original"), _dense_x_copies(), strict=True)
+  )
   for value, xv in copies.items():
     dw, _, dy = _dense_dw(value)
     want = xv.reshape(-1, 8).T @ dy.reshape(-1, 5)
@@ -306,7 +312,7 @@ def test_gradient_rounding_rounds_incoming_gradients_to_e5m2():
   assert not np.allclose(db, dy.reshape(-1, 5).sum(0), rtol=1e-3)
 
 
-# ---- residuals: what the backward keeps ----------------------------------------
+# ---- residuals: what the backward keeps --------------------------------------
 
 
 def _residuals(f, *args):
@@ -361,7 +367,7 @@ def test_dense_keeps_the_rounded_input_narrow_and_bf16_as_bf16():
   assert ("float32", x.shape) in res  # fresh draws need the original
 
 
-# ---- bad input -----------------------------------------------------------------
+# ---- bad input ---------------------------------------------------------------
 
 
 def test_missing_key_for_a_stochastic_op_is_an_error():

@@ -21,12 +21,16 @@ ACTIVATIONS = {
 
 _TABLE = (
   Requirement(
-    "act.in@dact", "x", "original", False, ("x",),
+    "act.in@dact",
+    "x",
+    "original",
+    False,
+    ("x",),
     "h = f(x) is computed from the original x (x~ is kept for the backward "
     "only), so dx = f'(x) dh; f' is nonlinear",
     storage_only=True,
   ),
-)  # fmt: skip
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,20 +15,32 @@ from lowprec.ops.saved import Rounding
 
 _TABLE = (
   Requirement(
-    "attn.probs@dv", "probs", "rounded", True, ("v",),
+    "attn.probs@dv",
+    "probs",
+    "rounded",
+    True,
+    ("v",),
     "O = P~ V, so dV = P~^T dO reads the P~ the forward multiplied",
   ),
   Requirement(
-    "attn.probs@dscores", "probs", "original", True, ("q", "k"),
+    "attn.probs@dscores",
+    "probs",
+    "original",
+    True,
+    ("q", "k"),
     "P = softmax(S) is evaluated before rounding, so dS = P * (dP - D) "
     "is the softmax Jacobian at the original P",
   ),
   Requirement(
-    "attn.out@delta", "out", "original", True, ("q", "k"),
+    "attn.out@delta",
+    "out",
+    "original",
+    True,
+    ("q", "k"),
     "the row term D = rowsum(dP * P) = rowsum(dO * P V) reads the output "
     "of the original probabilities, before any rounding",
   ),
-)  # fmt: skip
+)
 
 
 def _causal(t: int) -> jax.Array:
@@ -123,8 +135,9 @@ class Attention(Op):
       return saved.straight_through(self.out, o, keys["out"]), None
     reads = self.reads(values)
     # The probabilities: keep the narrow copies the reads name; the original
-    # is recomputed from q, k and the log-sum-exp.
-    pr, res_p = saved.save(self.probs, p, keys["probs"], reads["probs"])
+    # (and fresh draws of it) is recomputed from q, k and the log-sum-exp.
+    narrow = reads["probs"] & {"rounded", "nearest"}
+    pr, res_p = saved.save(self.probs, p, keys["probs"], narrow)
     res_p.pop("original", None)
     o = jnp.einsum("bhqk,bkhd->bqhd", pr, v)
     # The output: only a reused O~ is kept; the other reads need P V.
@@ -134,8 +147,8 @@ class Attention(Op):
       res_o = {}
     need_p = (
       self.probs.is_identity
-      or not reads["probs"] <= {"rounded", "nearest"}
-      or not reads["out"] <= {"rounded"}
+      or reads["probs"] != narrow
+      or reads["out"] != reads_o
     )
     lse = (m + jnp.log(den))[..., 0] if need_p else None
     return orr, dict(q=q, k=k, v=v, lse=lse, probs=res_p, out=res_o)

@@ -139,24 +139,29 @@ class Op:
   def reference(self, *args, key=None):
     """The forward with straight-through roundings; `jax.grad` of it is the
     reference gradient. Same forward draws as `__call__` with the same key."""
-    keys = self._keys(self.resolve(None), key, None)
+    if key is None and self._needs_forward_key():
+      raise ValueError(f"{self.name} rounds stochastically: pass key=...")
+    keys = dict(self._forward_keys(key), backward=None)
     return self._forward(None, tuple(args), keys)[0]
 
   def _keys(self, values, key, backward_key) -> dict:
     fwd = self._needs_forward_key()
     bwd = self._needs_backward_key(values)
     if key is None and (fwd or (bwd and backward_key is None)):
-      why = [f"{t}: {getattr(self, t)!r}" for t in self.tensors]
+      why = [f"{t}={getattr(self, t)!r}" for t in self.tensors]
+      why.append(f"grad={self.grad_rounding!r}")
+      if any(v == "fresh" for v in values):
+        why.append("fresh reads")
       raise ValueError(
-        f"{self.name} draws random numbers ({', '.join(why)}, grad: "
-        f"{self.grad_rounding!r}, reads: {dict(zip(self.uses, values, strict=True))}) "
-        "but got key=None; pass key=jax.random.key(seed) (in lowprec.nn "
-        "modules: rngs={'lowprec': key} to apply)"
+        f"{self.name} draws random numbers ({', '.join(why)}) but got "
+        "key=None; pass key=jax.random.key(seed) (lowprec.nn modules: "
+        "apply(..., rngs={'lowprec': key}))"
       )
     keys = self._forward_keys(key)
     if bwd:
       keys["backward"] = (
-        backward_key if backward_key is not None
+        backward_key
+        if backward_key is not None
         else saved.derive(key, "backward")
       )
     else:
@@ -188,9 +193,10 @@ class Op:
     fresh_key = None if bkey is None else saved.derive(bkey, use)
     return per_value(
       values[i],
-      lambda v: saved.read(getattr(self, r.tensor), res[r.tensor], v,
-                           fresh_key),
-    )  # fmt: skip
+      lambda v: saved.read(
+        getattr(self, r.tensor), res[r.tensor], v, fresh_key
+      ),
+    )
 
   def _round_grad(self, g, bkey, name):
     """Incoming-gradient rounding (emulated FP8 backward)."""

@@ -12,15 +12,23 @@ from lowprec.ops.saved import Rounding
 
 _TABLE = (
   Requirement(
-    "dense.in@dw", "x", "rounded", True, ("kernel",),
+    "dense.in@dw",
+    "x",
+    "rounded",
+    True,
+    ("kernel",),
     "y = x~ W~ + b, so dL/dW = x~^T dy reads the x~ the forward multiplied",
   ),
   Requirement(
-    "dense.kernel@dx", "kernel", "rounded", True, ("x",),
+    "dense.kernel@dx",
+    "kernel",
+    "rounded",
+    True,
+    ("x",),
     "straight through x~ -> x, dL/dx = dy W~^T reads the W~ the forward "
     "multiplied",
   ),
-)  # fmt: skip
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""LayerNorm / RMSNorm whose output is stored rounded and feeds a dense layer."""
+"""A LayerNorm or RMSNorm whose output is stored rounded and feeds a dense."""
 
 from __future__ import annotations
 
@@ -16,28 +16,42 @@ NORMS = ("layer", "rms")
 
 _TABLE = (
   Requirement(
-    "norm.out@dgain", "out", "original", True, ("gain",),
+    "norm.out@dgain",
+    "out",
+    "original",
+    True,
+    ("gain",),
     "y = n * g + b is computed before rounding, so dL/dg = sum(dy * n) "
     "reads n of the original y",
   ),
   Requirement(
-    "norm.out@dw", "out", "rounded", True, ("kernel",),
-    "z = y~ W~ + c, so dL/dW = y~^T dz reads the y~ the next layer "
-    "multiplied",
+    "norm.out@dw",
+    "out",
+    "rounded",
+    True,
+    ("kernel",),
+    "z = y~ W~ + c, so dL/dW = y~^T dz reads the y~ the next layer multiplied",
   ),
   Requirement(
-    "norm.out@dx", "out", "original", True, ("x",),
+    "norm.out@dx",
+    "out",
+    "original",
+    True,
+    ("x",),
     "dx = rstd (dn - mean(dn) - n mean(dn * n)) differentiates the "
     "normalisation at the original n; bilinear in n, so fresh draws one "
     "copy per factor",
   ),
   Requirement(
-    "dense.kernel@dx", "kernel", "rounded", True,
+    "dense.kernel@dx",
+    "kernel",
+    "rounded",
+    True,
     ("x", "gain", "shift"),
     "straight through y~ -> y, dL/dy = dz W~^T reads the W~ the forward "
     "multiplied",
   ),
-)  # fmt: skip
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,11 +65,11 @@ class NormDense(Op):
     y = n * g + b (b optional),   z = y~ W~ + c (c optional),
 
   with `y~` rounded by `out` and `W~` by `kernel`. The backward rounds `dz`
-  by `grad`, then reads `y` four times: for the next layer's weight gradient,
-  for the gain gradient and for the norm's input gradient (each as the
-  policy says), plus the kernel for `dL/dy`. A read `r` of `y` gives
-  `n = (r - b) / g` where the gain and input gradients need `n` (as a
-  backward storing only the output must), and `n` itself for `original`.
+  by `grad`, then reads `y` three times, each as the policy says: for the
+  next layer's weight gradient, for the gain gradient and for the norm's
+  input gradient; and the kernel once, for `dL/dy`. Where the gain and
+  input gradients need `n`, a read `r` of `y` gives `n = (r - b) / g` (as a
+  backward that stores only the output must), and `original` gives `n`.
 
   Requirements table (autodiff of the forward, roundings straight-through):
 
@@ -100,9 +114,7 @@ class NormDense(Op):
 
   def __post_init__(self):
     if self.norm not in NORMS:
-      raise ValueError(
-        f"unknown norm {self.norm!r}; valid: {', '.join(NORMS)}"
-      )
+      raise ValueError(f"unknown norm {self.norm!r}; valid: {', '.join(NORMS)}")
     self._coerce()
 
   def __call__(self, x, gain, shift, kernel, bias=None, **kwargs):
@@ -123,22 +135,27 @@ class NormDense(Op):
     x, gain, shift, kernel, bias = args
     n, mu, rstd = self._normalise(x)
     y = n * gain if shift is None else n * gain + shift
-    res = {}
     if values is None:
       yr = saved.straight_through(self.out, y, keys["out"])
+      wr = saved.straight_through(self.kernel, kernel, keys["kernel"])
+      res = None
     else:
       reads = self.reads(values)
-      need_x = not reads["out"] <= {"rounded", "nearest"} or (
-        self.out.is_identity
+      # Narrow copies of y are kept as such; the original y (and fresh
+      # draws of it) is recomputed from x and the row statistics.
+      narrow = reads["out"] & {"rounded", "nearest"}
+      yr, res_y = saved.save(self.out, y, keys["out"], narrow)
+      res_y.pop("original", None)
+      need_x = self.out.is_identity or bool(reads["out"] - narrow)
+      res = dict(
+        out=res_y,
+        x=x if need_x else None,
+        mu=mu,
+        rstd=rstd,
+        gain=gain,
+        shift=shift,
       )
-      yr, res["out"] = saved.save(
-        self.out, y, keys["out"], reads["out"] - {"original", "fresh"}
-      )
-      res["out"].pop("original", None)
-      res.update(x=x if need_x else None, mu=mu, rstd=rstd, gain=gain,
-                 shift=shift)
-    wr = self._round("kernel", kernel, keys,
-                     None if values is None else self.reads(values), res)
+      wr = self._round("kernel", kernel, keys, reads, res)
     z = jnp.matmul(yr, wr)
     if bias is not None:
       z = z + bias

@@ -130,8 +130,16 @@ class Rounding:
       q = rounding_lib.round_nearest(xs, self.format)
     # Materialise the grid values once: otherwise XLA fuses the rounding
     # (random bits included) into each consumer and computes it again.
-    q = jax.lax.optimization_barrier(q)
-    value = q if s is None else q / s
+    if s is None:
+      value = q
+    else:
+      # Everything downstream reads `value`, and a division is an op XLA
+      # does not duplicate into each consumer: so the rounding (random bits
+      # included) runs once instead of once per consumer. `value * s` is
+      # within a few float32 ulps of the grid value `q`, so converting it to
+      # the format gives `q` back.
+      value = q / s
+      q = value * s
     native = self.format.native_dtype
     if native is not None and native.itemsize * 8 in _STORE_NATIVE_BITS:
       q = q.astype(native)
