@@ -13,6 +13,8 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from experiments import xla_flags  # noqa: F401  (before jax starts)
+
 _CONFIG = config_flags.DEFINE_config_file(
   "config", None, "Study config file.", lock_config=True
 )

@@ -33,6 +33,8 @@ def main(argv=None) -> None:
   if unknown:
     parser.error(f"unknown section(s) {unknown}; valid: {', '.join(SECTIONS)}")
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  sys.path.insert(1, os.path.dirname(sys.path[0]))
+  importlib.import_module("experiments.xla_flags")  # before jax starts
   names = args.sections or [
     s
     for s in SECTIONS

@@ -23,6 +23,8 @@ import make_tables  # noqa: E402
 import plot_freeze  # noqa: E402
 import plot_studies  # noqa: E402
 
+from experiments import xla_flags  # noqa: E402, F401  (before jax)
+
 # study -> plot function (study, results, out=None) -> path of the PNG
 PLOTS = plot_studies.PLOTS
 
