@@ -65,11 +65,6 @@ from lowprec.ops.base import KEEP_ALL, Op
 from lowprec.ops.saved import Rounding
 from lowprec.policy import VALUES, Policy
 
-
-def _sum_sq_loss(y):
-  return 0.5 * jnp.sum(jnp.square(y))
-
-
 # ---- prediction --------------------------------------------------------------
 
 
@@ -104,24 +99,12 @@ class Prediction:
 
   def __str__(self) -> str:
     rows = [
-      (
-        u.use,
-        u.value,
-        u.must_read,
-        "/".join(u.admissible),
-        u.verdict,
-        _yes_no(u.reuse_differs),
-      )
+      (u.use, u.value, u.must_read, "/".join(u.admissible), u.verdict,
+       _yes_no(u.reuse_differs))
       for u in self.uses
-    ]
-    head = (
-      "use",
-      "reads",
-      "must read",
-      "admissible",
-      "predicted",
-      "reuse differs",
-    )
+    ]  # fmt: skip
+    head = ("use", "reads", "must read", "admissible", "predicted",
+            "reuse differs")  # fmt: skip
     return f"{self.op}: {self.policy}\n" + _table(head, rows)
 
 
@@ -158,17 +141,11 @@ def predict(op: Op, policy) -> Prediction:
     differs = None
     if not own.is_identity:
       differs = req_lib.reuse_differs(req, kind, own.mode, own.is_identity)
+    admissible = tuple(v for v in VALUES if verdicts[v] != "biased")
     out.append(
-      UsePrediction(
-        req.use,
-        value,
-        req.must_read,
-        kind,
-        verdicts[value],
-        tuple(v for v in VALUES if verdicts[v] != "biased"),
-        differs,
-      )
-    )
+      UsePrediction(req.use, value, req.must_read, kind, verdicts[value],
+                    admissible, differs)
+    )  # fmt: skip
   return Prediction(op.name, str(Policy.parse(policy)), tuple(out))
 
 
@@ -412,17 +389,9 @@ def verify(
       total_pred = u.verdict
   total_pred = _noisy(total_pred, op)
   return Verification(
-    op.name,
-    pred.policy,
-    n_forward,
-    n_backward,
-    z_threshold,
-    tuple(uses),
-    total,
-    total_pred,
-    verdict(total),
-    float(np.median(err)),
-  )
+    op.name, pred.policy, n_forward, n_backward, z_threshold, tuple(uses),
+    total, total_pred, verdict(total), float(np.median(err)),
+  )  # fmt: skip
 
 
 def _default_loss(op: Op, values, inputs, key):
@@ -443,8 +412,8 @@ def _program(
   op: Op, ref_values, loss, n_backward, inputs, kfs, loss_key, variants
 ):
   """Per forward key: reference gradient, its relative deviation from
-  autodiff of the straight-through forward (if `check`), and for each
-  variant the mean over backward keys of (gradient - reference).
+  autodiff of the straight-through forward, and for each variant the mean
+  over backward keys of (gradient - reference).
 
   The forward runs once per key, keeping the residuals of every policy; each
   variant's backward then reads them, so the forward is held fixed exactly.

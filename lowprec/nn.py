@@ -14,12 +14,15 @@ Parameter names follow `flax.linen`: `kernel`/`bias` for dense layers;
 `norm_scale`/`norm_bias` for the norm fused into `NormDense`.
 
 Example (a GPT-2 block with an emulated FP8 forward and backward):
-  >>> num = Numerics.fp8()  # e4m3 SR activations, e4m3 weights, e5m2 SR grads
-  >>> class Block(nn.Module):
-  ...   @nn.compact
+  >>> import flax.linen as fnn
+  >>> from lowprec import nn
+  >>> num = nn.Numerics.fp8()  # e4m3 SR activations and e4m3 weights,
+  >>> # e5m2 SR gradients, reference reads
+  >>> class Block(fnn.Module):
+  ...   @fnn.compact
   ...   def __call__(self, x):
-  ...     x = x + CausalSelfAttention(num_heads=12, numerics=num)(x)
-  ...     return x + MLP(numerics=num)(x)
+  ...     x = x + nn.CausalSelfAttention(num_heads=12, numerics=num)(x)
+  ...     return x + nn.MLP(numerics=num)(x)
   >>> params = Block().init(jax.random.key(0), x)
   >>> y = Block().apply(params, x, rngs={"lowprec": jax.random.key(1)})
 """

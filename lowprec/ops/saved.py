@@ -128,8 +128,6 @@ class Rounding:
       q = rounding_lib.round_stochastic(xs, self.format, key)
     else:
       q = rounding_lib.round_nearest(xs, self.format)
-    # Materialise the grid values once: otherwise XLA fuses the rounding
-    # (random bits included) into each consumer and computes it again.
     if s is None:
       value = q
     else:
