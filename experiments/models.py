@@ -17,6 +17,8 @@ import flax.linen as nn
 import jax
 
 from lowprec import nn as lpnn
+from lowprec import ops as lpops
+from lowprec import policy as lppolicy
 
 PRESETS = {
   # name: (n_layer, n_head, d_model, vocab_size, seq_len)
@@ -38,19 +40,27 @@ def numerics_from(lp) -> lpnn.Numerics:
   `fwd_format:fwd_rounding` rounds the saved activations (dense inputs, norm
   outputs, attention probabilities and outputs, activation inputs),
   `weight_format` the kernels (nearest), `bwd_format:bwd_rounding` the
-  gradients entering the backward's matmuls; `policy` says what each
-  backward use reads ("" = what the reference gradient reads).
+  gradients entering the backward's matmuls; `policy` overrides what
+  backward uses read, on top of what the reference gradient reads (e.g.
+  `"attn.out@delta=fresh"`; "" = the reference reads everywhere).
   """
 
   def rounding(fmt, mode):
     return None if fmt == "float32" else lpnn.Rounding(fmt, mode)
 
   return lpnn.Numerics(
-    policy=lp.policy or None,
+    policy=lpops.REFERENCE.override(lp.policy) if lp.policy else None,
     saved=rounding(lp.fwd_format, lp.fwd_rounding),
     weights=rounding(lp.weight_format, "nearest"),
     grads=rounding(lp.bwd_format, lp.bwd_rounding),
   )
+
+
+def check_policy(lp) -> None:
+  """Resolves the config's policy against every op (unknown uses raise)."""
+  num = numerics_from(lp)
+  for op in lppolicy.USES:
+    num.policy.resolve(op)
 
 
 class Block(nn.Module):

@@ -14,7 +14,8 @@ import difflib
 import ml_collections
 
 import lowprec
-from experiments import results, train
+from experiments import data as data_lib
+from experiments import models, results, tasks, train
 
 ROUNDINGS = ("nearest", "stochastic", "deadzone")
 
@@ -121,8 +122,21 @@ def validate(c) -> None:
       f"arm {c.study.arm!r} cannot start from its own checkpoint "
       "(train.init_from_arm); resuming is automatic"
     )
-  if lp.policy and hasattr(lowprec, "Policy"):
-    lowprec.Policy.parse(lp.policy)
+  if lp.policy:
+    try:
+      models.check_policy(lp)
+    except ValueError as e:
+      raise ValueError(f"lowprec.policy: {e}") from None
+  if c.model.kind not in tasks.TASKS:
+    raise ValueError(
+      f"unknown model.kind {c.model.kind!r}; valid: {', '.join(tasks.TASKS)}."
+      f"{_suggest(c.model.kind, tasks.TASKS)}"
+    )
+  if c.data.name not in data_lib.DATASETS:
+    raise ValueError(
+      f"unknown data.name {c.data.name!r}; valid: "
+      f"{', '.join(data_lib.DATASETS)}.{_suggest(c.data.name, data_lib.DATASETS)}"
+    )
 
 
 def run_study(config, cli_keys=(), overrides: dict | None = None) -> list:

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import optax
 
 from experiments import data as data_lib
-from experiments import models
+from experiments import models, probes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,6 +21,8 @@ class Task:
   loss: Callable[..., tuple[jax.Array, dict]]  # (params, batch, key)
   data: Any  # .batch(step) and .eval_batches()
   model: Any
+  # (params, key) -> {name: scalar}, logged every train.probe_every_steps
+  probe: Callable[..., dict] | None = None
 
 
 def _gpt_cfg(m) -> dict:
@@ -60,6 +62,37 @@ def gpt_task(config) -> Task:
   def init(key):
     return model.init(key, jnp.zeros((1, m.seq_len), jnp.int32))["params"]
 
+  data = _EvalLimited(data, d.eval_batches)
+  loss = _lm_loss(model)
+  probe = None
+  if config.train.probe_every_steps:
+    probe = _gpt_probe(config.train, model, loss, data.eval_batches()[0])
+  return Task(init, loss, data, model, probe)
+
+
+def _gpt_probe(t, model, loss, batch):
+  """The gradient probe of `experiments.probes` on (part of) `batch`.
+
+  The reference: the same forward draws, the reference reads, gradients
+  passed through every rounding unchanged.
+  """
+  ref = dataclasses.replace(model.numerics, policy=None, grads=None)
+  ref_loss = _lm_loss(models.GPT(model.cfg, ref))
+  if not t.probe_grad_rounding:
+    run = dataclasses.replace(model.numerics, grads=None)
+    loss = _lm_loss(models.GPT(model.cfg, run))
+  if t.probe_batch_size:
+    batch = tuple(x[: t.probe_batch_size] for x in batch)
+  return probes.gradient_probe(
+    lambda p, b, k: loss(p, b, k)[0],
+    lambda p, b, k: ref_loss(p, b, k)[0],
+    batch,
+    probes.parse_groups(t.probe_groups),
+    t.probe_draws,
+  )
+
+
+def _lm_loss(model):
   def loss(params, batch, key):
     inputs, targets = batch
     logits = model.apply({"params": params}, inputs, rngs={"lowprec": key})
@@ -68,7 +101,7 @@ def gpt_task(config) -> Task:
     )
     return ce.mean(), {}
 
-  return Task(init, loss, _EvalLimited(data, d.eval_batches), model)
+  return loss
 
 
 def _classifier_task(config, model) -> Task:
@@ -158,4 +191,10 @@ def build(config) -> Task:
     raise ValueError(
       f"unknown model.kind {kind!r}; valid: {', '.join(TASKS)}.{hint}"
     )
-  return TASKS[kind](config)
+  task = TASKS[kind](config)
+  if config.train.probe_every_steps and task.probe is None:
+    raise ValueError(
+      f"train.probe_every_steps needs a task with a gradient probe "
+      f"(model.kind=gpt), not {kind!r}; set it to 0"
+    )
+  return task

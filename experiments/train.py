@@ -193,6 +193,7 @@ class Run:
   step_fn: Any  # jitted (state, batch) -> (state, metrics); donates state
   eval_fn: Any  # jitted (params, batch, key) -> mean loss
   eval_key: jax.Array
+  probe_fn: Any = None  # jitted (params, key) -> {name: scalar}, or None
 
   def put(self, batch):
     """A host batch (numpy) as a global array sharded over the mesh."""
@@ -260,7 +261,8 @@ def build_run(config) -> Run:
     train_step, donate_argnums=0, out_shardings=(state_shard, mesh.replicated())
   )
   eval_fn = jax.jit(make_eval_loss(task, mesh, parts))
-  return Run(task, mesh, state, step_fn, eval_fn, eval_key)
+  probe_fn = None if task.probe is None else jax.jit(task.probe)
+  return Run(task, mesh, state, step_fn, eval_fn, eval_key, probe_fn)
 
 
 def source_checkpoints(config) -> str:
@@ -314,6 +316,16 @@ def train_and_evaluate(config, overrides: dict | None = None) -> dict:
     return float(np.mean(losses))
 
   total = config.train.steps
+  probe_key = jax.random.fold_in(run.eval_key, 1)
+
+  def probe(params, step):
+    """The task's probe at every `train.probe_every_steps` and the end."""
+    every = config.train.probe_every_steps
+    if run.probe_fn is None or (step % every and step != total):
+      return {}
+    out = run.probe_fn(params, jax.random.fold_in(probe_key, step))
+    return {k: float(v) for k, v in jax.device_get(out).items()}
+
   # A run started from another run's checkpoint continues its data stream.
   data_start = config.train.init_from_step if config.train.init_from_arm else 0
   t0, t_last, s_last = time.time(), time.time(), start
@@ -322,7 +334,7 @@ def train_and_evaluate(config, overrides: dict | None = None) -> dict:
   try:
     if start == 0:
       val = evaluate(state.params)
-      metrics_file.write({"step": 0, "val_loss": val})
+      metrics_file.write({"step": 0, "val_loss": val, **probe(state.params, 0)})
     for step in range(start, total):
       state, m = run.step_fn(
         state, run.put(run.task.data.batch(data_start + step))
@@ -341,6 +353,7 @@ def train_and_evaluate(config, overrides: dict | None = None) -> dict:
         )
       if done % config.train.eval_every_steps == 0 or done == total:
         record["val_loss"] = evaluate(state.params)
+      record.update(probe(state.params, done))
       metrics_file.write(record)
       last = record
       ckpt.maybe_save(done, state, force=done == total)

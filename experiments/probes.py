@@ -1,0 +1,160 @@
+"""Gradient probes: how far a run's gradient is, on average, from the reference.
+
+On a fixed probe batch, for `draws` keys `k`, the run's gradient `g(k)` (its
+policy and gradient rounding) and the reference gradient `r(k)` (the
+reference policy, gradients passed through every rounding unchanged) are
+computed with the same `lowprec` key, so each pair shares its forward pass
+exactly. Averaging `d(k) = g(k) - r(k)` over the keys estimates the bias of
+the run's gradient with the forward held fixed: `E[d] = 0` for an admissible
+policy, whatever the noise of one draw.
+
+For each group of parameters (a regex over paths such as
+`h_0/attn/qkv/kernel`, matched in full), with means over the draws and
+`S` the sample covariance of `d`:
+
+  cos         cosine of mean g and mean r
+  norm_ratio  |mean g| / |mean r|
+  rel_err     |mean d| / |mean r|
+  bias2       (|mean d|^2 - tr S / n) / |mean r|^2: unbiased for the
+              squared relative bias |E d|^2 / |mean r|^2, so its mean over
+              many probes is zero (up to its standard error) for an
+              admissible policy
+  bias        sqrt(max(bias2, 0)): the part of rel_err that the draws'
+              noise does not explain
+  noise       sqrt(tr S / n) / |mean r|: what rel_err would be without bias
+  cos1        mean over draws of cos(g(k), r(k)) (one draw's agreement)
+
+Gradient rounding (stochastic, unbiased) adds noise but no bias to `g`; a
+probe may leave it out (`train.probe_grad_rounding=False`) to see a read's
+bias with fewer draws.
+
+Memory is O(selected parameters): the draws are a scan with running sums.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+STATS = ("cos", "norm_ratio", "rel_err", "bias2", "bias", "noise", "cos1")
+
+
+def parse_groups(spec: str) -> dict[str, str]:
+  """`"name=regex,name=regex"` -> `{name: regex}`."""
+  out = {}
+  for item in filter(None, (s.strip() for s in spec.split(","))):
+    name, sep, pattern = item.partition("=")
+    if not sep or not name.strip() or not pattern.strip():
+      raise ValueError(
+        f"bad probe group {item!r} in {spec!r}: expected 'name=regex' items "
+        "separated by commas, e.g. 'qkv=.*attn/qkv/kernel,gain=.*norm_scale'"
+      )
+    out[name.strip()] = pattern.strip()
+  if not out:
+    raise ValueError("train.probe_groups names no group")
+  return out
+
+
+def path_of(path) -> str:
+  """`h_0/attn/qkv/kernel` for a pytree key path."""
+  return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def _members(params, groups: dict[str, str]) -> dict[str, list[int]]:
+  """Leaf indices (flattening order) of each group; every group non-empty."""
+  paths = [path_of(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
+  out = {}
+  for name, pattern in groups.items():
+    out[name] = [i for i, p in enumerate(paths) if re.fullmatch(pattern, p)]
+    if not out[name]:
+      raise ValueError(
+        f"probe group {name}={pattern!r} matches no parameter; paths: "
+        + ", ".join(paths)
+      )
+  return out
+
+
+def gradient_probe(
+  run_loss: Callable,
+  ref_loss: Callable,
+  batch,
+  groups: dict[str, str],
+  draws: int,
+) -> Callable:
+  """A jittable `probe(params, key) -> {"probe/<group>/<stat>": scalar}`.
+
+  Args:
+    run_loss: `(params, batch, key) -> scalar`, the run's loss; its gradient
+      is the run's gradient.
+    ref_loss: the same forward with the reference numerics: same roundings
+      (same draws for the same key), reference reads, no gradient rounding.
+    batch: the fixed probe batch.
+    groups: `{name: regex}` over parameter paths.
+    draws: keys per probe (at least 2).
+  """
+  if draws < 2:
+    raise ValueError(f"train.probe_draws must be at least 2, got {draws}")
+  run_grad, ref_grad = jax.grad(run_loss), jax.grad(ref_loss)
+
+  def probe(params, key):
+    members = _members(params, groups)
+
+    def pick(tree):
+      leaves = jax.tree.leaves(tree)
+      return {
+        n: jnp.concatenate([leaves[i].ravel().astype(jnp.float32) for i in ix])
+        for n, ix in members.items()
+      }
+
+    def body(acc, k):
+      g, r = pick(run_grad(params, batch, k)), pick(ref_grad(params, batch, k))
+      new = {}
+      for n in groups:
+        d = g[n] - r[n]
+        cos1 = jnp.vdot(g[n], r[n]) / _safe(_norm(g[n]) * _norm(r[n]))
+        sg, sr, sdd, sc = acc[n]
+        new[n] = (sg + g[n], sr + r[n], sdd + jnp.vdot(d, d), sc + cos1)
+      return new, None
+
+    init = {}
+    for n, ix in members.items():
+      size = sum(jax.tree.leaves(params)[i].size for i in ix)
+      zero = jnp.zeros(size, jnp.float32)
+      init[n] = (zero, zero, jnp.float32(0), jnp.float32(0))
+    acc, _ = jax.lax.scan(body, init, jax.random.split(key, draws))
+    out = {}
+    for n, (sg, sr, sdd, sc) in acc.items():
+      for stat, v in _stats(sg / draws, sr / draws, sdd, sc, draws).items():
+        out[f"probe/{n}/{stat}"] = v
+    return out
+
+  return probe
+
+
+def _norm(x):
+  return jnp.sqrt(jnp.vdot(x, x))
+
+
+def _safe(x):
+  return jnp.where(x > 0, x, 1.0)
+
+
+def _stats(mg, mr, sum_dd, sum_cos, n) -> dict:
+  md = mg - mr
+  nr = _safe(_norm(mr))
+  md2 = jnp.vdot(md, md)
+  # tr S = (sum |d_k|^2 - n |mean d|^2) / (n - 1)
+  tr_s = jnp.maximum(sum_dd - n * md2, 0.0) / (n - 1)
+  bias2 = (md2 - tr_s / n) / (nr * nr)
+  return {
+    "cos": jnp.vdot(mg, mr) / _safe(_norm(mg) * _norm(mr)),
+    "norm_ratio": _norm(mg) / nr,
+    "rel_err": jnp.sqrt(md2) / nr,
+    "bias2": bias2,
+    "bias": jnp.sqrt(jnp.maximum(bias2, 0.0)),
+    "noise": jnp.sqrt(tr_s / n) / nr,
+    "cos1": sum_cos / n,
+  }
