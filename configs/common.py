@@ -43,6 +43,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   c.study = ml_collections.ConfigDict()
   c.study.name = "default"
+  c.study.kind = "train"  # train | operator_checks (no training)
   c.study.scale = parsed["scale"]
   c.study.arms = ml_collections.ConfigDict()  # arm name -> nested overrides
   c.study.seeds = (0,)
@@ -117,6 +118,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # step; optimizer state starts fresh, the data stream continues from there.
   c.train.init_from_arm = ""
   c.train.init_from_step = 0
+  # Gradient probe (experiments/probes.py): the bias of the gradient against
+  # the reference gradient on a fixed batch, logged with the step's metrics.
+  c.train.probe_every_steps = 0  # 0: off
+  c.train.probe_draws = 4  # keys per probe
+  c.train.probe_batch_size = 0  # rows of the first eval batch; 0: all
+  c.train.probe_groups = "all=.*"  # name=regex over parameter paths, ...
+  c.train.probe_grad_rounding = True  # False: the run's reads only
 
   c.log = ml_collections.ConfigDict()
   c.log.results_dir = "results"

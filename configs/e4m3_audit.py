@@ -44,8 +44,8 @@ def get_config(arg=None):
   }
   c.model.update(dict(positions="rotary", parallel_block=True))
   c.model.tie_embeddings = False
-  c.lowprec.keep_float32 = r".*/(bias|scale)"
-  c.opt.update(dict(lr=6e-4, warmup_steps=20, min_lr_ratio=0.1))
+  c.lowprec.keep_float32 = r".*/(norm_)?(bias|scale)"
+  c.opt.update(dict(lr=5e-3, warmup_steps=20, min_lr_ratio=0.1))
   c.train.steps = 300
   c.train.eval_every_steps = 50
   c.ckpt.every_steps = 100

@@ -58,7 +58,7 @@ def get_config(arg=None):
         "study": {"reference_arm": "fp32_reference", "cell": short},
       }
   c.study.arms = arms
-  c.lowprec.keep_float32 = r".*/(bias|scale)"
+  c.lowprec.keep_float32 = r".*/(norm_)?(bias|scale)"
   c.model.init_std = 0.02
   c.opt.update(dict(lr=6e-4, b1=0.9, b2=0.95, weight_decay=0.1))
   c.opt.update(dict(schedule="cosine", min_lr_ratio=0.1, clip_norm=1.0))

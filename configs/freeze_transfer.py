@@ -40,7 +40,7 @@ TASKS = {
   "cnn": {
     "model": {"kind": "cnn", "channels": (8, 16)},
     "data": {"name": "digits", "batch_size": 32},
-    "opt": {"lr": 3e-3},
+    "opt": {"lr": 3e-2},
   },
 }
 

@@ -132,10 +132,11 @@ def validate(c) -> None:
       f"unknown model.kind {c.model.kind!r}; valid: {', '.join(tasks.TASKS)}."
       f"{_suggest(c.model.kind, tasks.TASKS)}"
     )
-  if c.data.name not in data_lib.DATASETS:
+  datasets = data_lib.DATASETS
+  if c.data.name not in datasets:
     raise ValueError(
-      f"unknown data.name {c.data.name!r}; valid: "
-      f"{', '.join(data_lib.DATASETS)}.{_suggest(c.data.name, data_lib.DATASETS)}"
+      f"unknown data.name {c.data.name!r}; valid: {', '.join(datasets)}."
+      f"{_suggest(c.data.name, datasets)}"
     )
 
 

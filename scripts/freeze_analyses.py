@@ -366,13 +366,15 @@ def audit_table(runs, theta: float = THETA, tol: float = TOL):
     row["reference_seed"] = _reference_seed(row, runs)
     naive.append(row["naive_rmse"])
   naive_macro = float(np.mean(naive))
+  skill = "n/a (flat curves)"
+  if naive_macro > 0:
+    skill = f"{1 - s.macro_rmse / naive_macro:.3f}"
   lines = [
     f"- macro RMSE, one fp32 trace (seed "
     f"{rows[0]['reference_seed']}) vs {len(cells)} unseen seeds: "
     f"{s.macro_rmse:.5f}",
     f"- naive flat baseline (the trace's mean prediction): macro RMSE "
-    f"{naive_macro:.5f}; skill 1 - RMSE/RMSE_naive = "
-    f"{1 - s.macro_rmse / naive_macro:.3f}",
+    f"{naive_macro:.5f}; skill 1 - RMSE/RMSE_naive = {skill}",
     f"- template (mean measured curve of the other seeds): macro RMSE "
     f"{s.baseline_rmse:.5f}",
     f"- categories agree in {len(cells) - s.n_category_disagree}/"

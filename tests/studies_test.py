@@ -10,16 +10,19 @@ import importlib
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 
 from configs import common
 from experiments import checkpoint, models, optim, study, tasks, train
+from lowprec.freeze import leaf_paths
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
@@ -96,6 +99,19 @@ def test_fp8_full_scale_is_gpt2_small():
   )
 
 
+@pytest.mark.parametrize(
+  "name, arm", [("freeze_gpt2_fp8", "rn_e4m3"), ("e4m3_audit", "rn_e4m3")]
+)
+def test_fp8_studies_keep_only_norms_and_biases_in_float32(name, arm):
+  c = _load(name, "scale=smoke")
+  r = study.resolve(c, arm, study.seeds_of(c, arm)[0])
+  paths = leaf_paths(jax.eval_shape(tasks.build(r).init, jax.random.key(0)))
+  kept = [p for p in paths if re.fullmatch(r.lowprec.keep_float32, p)]
+  assert kept and all(p.endswith(("bias", "scale")) for p in kept)
+  dense = [p for p in paths if p.endswith(("kernel", "embedding"))]
+  assert dense and not set(dense) & set(kept)
+
+
 def test_grid_has_72_cells_and_a_reference_for_each():
   c = _load("freeze_grid")
   cells = [a for a, o in c.study.arms.items() if "writeback" in o.lowprec]
@@ -104,25 +120,28 @@ def test_grid_has_72_cells_and_a_reference_for_each():
 
 
 def test_per_tensor_int_scales_are_powers_of_two_covering_the_tensor():
-  c = _load("int3_replay")
+  lp = ml_collections.ConfigDict({"writeback": "int3", "keep_float32": ""})
   params = {
     "a": {"kernel": jnp.array([0.3, -0.1]), "bias": jnp.array([0.01])},
     "b": jnp.array([[-2.0, 1.0]]),
   }
-  fmts = optim.per_tensor_int(c.lowprec, params)
+  fmts = optim.per_tensor_int(lp, params)
   assert fmts["a"]["kernel"].scale == 0.125  # 0.3 / 3 = 0.1 -> 0.125
   assert fmts["a"]["bias"].scale == 2.0**-8  # 0.01 / 3 -> 2^-8
   assert fmts["b"].scale == 1.0  # 2 / 3 -> 1
-  c.lowprec.keep_float32 = r".*bias"
-  assert optim.per_tensor_int(c.lowprec, params)["a"]["bias"] is None
+  lp.keep_float32 = r".*bias"
+  assert optim.per_tensor_int(lp, params)["a"]["bias"] is None
   with pytest.raises(ValueError, match="keep_float32"):
-    optim.per_tensor_int(c.lowprec, {"z": jnp.zeros(3)})
+    optim.per_tensor_int(lp, {"z": jnp.zeros(3)})
 
 
 def test_init_from_arm_needs_a_step():
   c = _load("int3_replay", "scale=smoke")
-  c.train.init_from_arm = "fp32_reference"
+  c.train.init_from_arm = "int3_from_2"
   with pytest.raises(ValueError, match="go together"):
+    study.resolve(c, "fp32_reference", 0)
+  c.study.arms["int3_from_2"].train.init_from_arm = "int3_from_2"
+  with pytest.raises(ValueError, match="its own checkpoint"):
     study.resolve(c, "int3_from_2", 0)
 
 
@@ -241,10 +260,14 @@ def test_transfer_table_summarizes_each_task(tmp_path):
   _, lines = make_tables.ANALYSES["transfer"](make_tables.load_runs(root, "t"))
   text = "\n".join(lines)
   assert "- reg: categories agree in 1/1 cells" in text
-  assert "reg: categories agree in 1/1 cells, post-init crossings within " in text
+  assert (
+    "reg: categories agree in 1/1 cells, post-init crossings within " in text
+  )
   assert "within 15%: 1/1, macro RMSE 0.00000" in text
-  assert "- mlp: categories agree in 1/1 cells, post-init crossings within " \
+  assert (
+    "- mlp: categories agree in 1/1 cells, post-init crossings within "
     "15%: 0/1" in text
+  )
 
 
 def test_recovery_table_per_seed_means_and_ratio(tmp_path):
@@ -321,8 +344,10 @@ def test_replay_table_losses_per_checkpoint(tmp_path):
   assert first["fp32_same_data_step"] == pytest.approx(4.5)
   assert rows[2]["change"] == 0
   text = "\n".join(lines)
-  assert "stochastic write-back, 2 checkpoint(s): validation-loss change " \
+  assert (
+    "stochastic write-back, 2 checkpoint(s): validation-loss change "
     "-1.5000 to -1.0000 nats (mean -1.2500, -22.50%)" in text
+  )
   assert "nearest write-back, 1 checkpoint(s)" in text
 
 
@@ -345,8 +370,10 @@ def test_audit_table_rmse_skill_and_template(tmp_path):
   assert f"macro RMSE {naive:.5f}; skill" in text
   assert f"= {1 - 0.05 / naive:.3f}" in text
   # Template: each seed predicted by the other's measured curve.
-  assert "template (mean measured curve of the other seeds): macro RMSE " \
+  assert (
+    "template (mean measured curve of the other seeds): macro RMSE "
     "0.10000" in text
+  )
 
 
 def test_fp8_table_frozen_coordinates_and_loss_change(tmp_path):
@@ -419,8 +446,10 @@ def _smoke(name, tmp_path):
 def test_int3_replay_smoke_restores_checkpoints_and_tabulates(tmp_path):
   c, md = _smoke("int3_replay", tmp_path)
   assert "stochastic write-back, 2 checkpoint(s)" in md
-  assert "nearest write-back, 1 checkpoint(s): validation-loss change " \
+  assert (
+    "nearest write-back, 1 checkpoint(s): validation-loss change "
     "+0.0000 to +0.0000" in md
+  )
   # The parameters a replay starts from are the reference's, bit for bit.
   ref = study.resolve(c, "fp32_reference", 0)
   run = train.build_run(ref)
