@@ -19,8 +19,11 @@ mantissa bits) makes nearest write-back lose clearly at this scale.
 
 CPU scale (default): the small GPT of `freeze_small_gpt` (2 layers, d=64,
 built-in corpus), AdamW lr 1e-3 with cosine to 0, 200 steps; 12 runs in
-about 6 minutes on 2 CPU cores. Full scale (`:scale=full`): a 12-layer
+about 4 minutes on 2 CPU cores. Full scale (`:scale=full`): a 12-layer
 d=768 decoder on token files in data.path, bf16 grid.
+Expected (CPU scale): nearest write-back loses 0.67 nats (mean over seeds);
+mean recoveries full SR / dead-zone SR 1.016 / 1.053 (both runs end at or
+slightly below the fp32 loss), ratio dead-zone / full 1.037.
 """
 
 from configs import common

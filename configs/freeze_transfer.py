@@ -18,9 +18,12 @@ measured crossing: 24 cells.
   python scripts/make_tables.py freeze_transfer
 
 CPU scale (default): 300 steps per run, digits in place of MNIST (bundled
-with scikit-learn, offline); 27 runs in about 5 minutes on 2 CPU cores.
+with scikit-learn, offline); 27 runs in about 2 minutes on 2 CPU cores.
 Full scale (`:scale=full`): MLP and CNN on MNIST (IDX files in data.path),
 3000 steps.
+Expected (CPU scale): categories agree in 24/24 cells (2 at_init, 22
+post-init); 20/22 post-init crossings within 15% (misses: regression e8m3,
+CNN e8m7); macro RMSE 0.0217.
 """
 
 from configs import common

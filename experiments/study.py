@@ -15,9 +15,15 @@ import ml_collections
 
 import lowprec
 from experiments import data as data_lib
-from experiments import models, results, tasks, train
+from experiments import models, operator_checks, results, tasks, train
 
 ROUNDINGS = ("nearest", "stochastic", "deadzone")
+# study.kind -> what runs one arm x seed: (config, overrides) -> summary,
+# written under results.run_dir(config)
+RUNNERS = {
+  "train": train.train_and_evaluate,
+  "operator_checks": operator_checks.run,
+}
 
 
 def _suggest(name, valid) -> str:
@@ -142,6 +148,11 @@ def validate(c) -> None:
 
 def run_study(config, cli_keys=(), overrides: dict | None = None) -> list:
   """Runs (or resumes, or skips) every selected arm x seed in turn."""
+  if config.study.kind not in RUNNERS:
+    raise ValueError(
+      f"unknown study.kind {config.study.kind!r}; valid: "
+      f"{', '.join(RUNNERS)}.{_suggest(config.study.kind, RUNNERS)}"
+    )
   summaries = []
   for arm in arms_of(config):
     for seed in seeds_of(config, arm):
@@ -155,5 +166,5 @@ def run_study(config, cli_keys=(), overrides: dict | None = None) -> list:
         )
         summaries.append(results.read_json(path + "/summary.json"))
         continue
-      summaries.append(train.train_and_evaluate(c, overrides))
+      summaries.append(RUNNERS[c.study.kind](c, overrides))
   return summaries

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+import lowprec
 from lowprec import freeze
 
 THETA, TOL = 0.5, 0.15
@@ -229,10 +230,10 @@ def fp8_table(runs, theta: float = THETA, tol: float = TOL):
   never move, and validation loss at mid-run and at the end, per arm.
 
   The fp32 reference gets a row too (validation loss only). `frozen_*` come
-  from the realized trajectories of the sampled coordinates
-  (`pred/sample/u` of a write-back run, whose trace sits after the
-  write-back): the share that never moved at all, and that did not move in
-  the second half of the run.
+  from the realized trajectories of the sampled coordinates on the grid
+  (`pred/sample/w`, `pred/sample/u` of a write-back run, whose trace sits
+  after the write-back): the share that never moved at all, and that did
+  not move in the second half of the run.
   """
   rows, _ = _freeze_rows(runs, theta, tol)
   by_arm = {r["arm"]: r for r in rows}
@@ -261,7 +262,7 @@ def fp8_table(runs, theta: float = THETA, tol: float = TOL):
         _, mp = predicted(ref, lp["writeback"], lp["rounding"])
         row["predicted_mean_erased"] = _nanmean(1 - mp)
       row["measured_mean_erased"] = _nanmean(me)
-      never, late = frozen_shares(run, half)
+      never, late = frozen_shares(run, half, lp["writeback"])
       row["frozen_whole_run"] = never
       row["frozen_second_half"] = late
     v_half, v_end = _val_at(run, half), run.last("val_loss")
@@ -287,13 +288,22 @@ def _eval_step_near(run, step: int) -> int:
   return int(steps[np.argmin(np.abs(steps - step))])
 
 
-def frozen_shares(run, half: int):
+def frozen_shares(run, half: int, fmt: str | None = None):
   """Shares of the sampled coordinates whose realized update is zero at
   every step of the run, and at every step after `half` (None without a
-  sample)."""
-  steps, u = _sample(run)
+  sample). With `fmt`, only coordinates whose weight is on that grid at
+  every step count (those the write-back rounds, not ones kept float32).
+  """
+  steps, w, u = _sample(run)
   if u is None:
     return None, None
+  if fmt is not None:
+    w32 = np.asarray(w, np.float32)
+    on_grid = np.asarray(lowprec.round_nearest(w32, fmt)) == w32
+    keep = on_grid.all(0)
+    if not keep.any():
+      return None, None
+    u = u[:, keep]
   moved = u != 0
   never = float(np.mean(~moved.any(0)))
   late = float(np.mean(~moved[steps > half].any(0)))
@@ -302,14 +312,14 @@ def frozen_shares(run, half: int):
 
 def _sample(run):
   rows = [
-    (r["step"], r["pred/sample/u"])
+    (r["step"], r["pred/sample/w"], r["pred/sample/u"])
     for r in run.metrics
     if r.get("step", 0) >= 1 and "pred/sample/u" in r
   ]
   if not rows:
-    return None, None
-  steps, u = zip(*rows, strict=True)
-  return np.asarray(steps), np.asarray(u, float)
+    return None, None, None
+  steps, w, u = zip(*rows, strict=True)
+  return np.asarray(steps), np.asarray(w, float), np.asarray(u, float)
 
 
 def _fp8_claims(rows) -> list[str]:

@@ -22,6 +22,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import bwd_analyses  # noqa: E402
 from freeze_analyses import (  # noqa: E402
   audit_table,
   fp8_table,
@@ -104,6 +105,7 @@ ANALYSES = {
   "audit": audit_table,
   "recovery": recovery_table,
   "replay": replay_table,
+  **bwd_analyses.ANALYSES,
 }
 STUDY_ANALYSIS = {  # study name -> analysis name (default "freeze")
   "freeze_gpt2_fp8": "fp8",
@@ -112,6 +114,7 @@ STUDY_ANALYSIS = {  # study name -> analysis name (default "freeze")
   "deadzone_vs_sr": "recovery",
   "int3_replay": "replay",
   "e4m3_audit": "audit",
+  **bwd_analyses.STUDY_ANALYSIS,
 }
 
 

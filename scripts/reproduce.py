@@ -20,13 +20,14 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import make_tables  # noqa: E402
+import plot_bwd  # noqa: E402
 import plot_freeze  # noqa: E402
 import plot_studies  # noqa: E402
 
 from experiments import xla_flags  # noqa: E402, F401  (before jax)
 
 # study -> plot function (study, results, out=None) -> path of the PNG
-PLOTS = plot_studies.PLOTS
+PLOTS = {**plot_studies.PLOTS, **plot_bwd.PLOTS}
 
 
 def load_config(study: str, arg: str | None):

@@ -390,8 +390,10 @@ def test_fp8_table_frozen_coordinates_and_loss_change(tmp_path):
   with open(os.path.join(root, "f", "ref", "seed0", "metrics.jsonl"), "a") as f:
     f.write(json.dumps({"step": 2, "val_loss": 2.5}) + "\n")
     f.write(json.dumps({"step": 4, "val_loss": 2.0}) + "\n")
-  # three sampled coordinates: one never moves, one moves only early
-  u = [[0, 1, 1], [0, 0, 1], [0, 0, 1], [0, 0, 0]]
+  # three sampled coordinates on the grid: one never moves, one moves only
+  # early; a fourth, off the grid (kept float32), moves and is left out
+  u = [[0, 1, 1, 1], [0, 0, 1, 1], [0, 0, 1, 1], [0, 0, 0, 1]]
+  w = [0.5, 1.0, 0.25, 0.1234]
   recs = [{"step": 0, "val_loss": 3.0}]
   for s in range(1, n + 1):
     recs.append(
@@ -401,6 +403,7 @@ def test_fp8_table_frozen_coordinates_and_loss_change(tmp_path):
         "proposals": 100,
         "moved": 5,
         "pred/sample/u": u[s - 1],
+        "pred/sample/w": w,
         **({"val_loss": 2.9} if s in (2, 4) else {}),
       }
     )
@@ -446,10 +449,7 @@ def _smoke(name, tmp_path):
 def test_int3_replay_smoke_restores_checkpoints_and_tabulates(tmp_path):
   c, md = _smoke("int3_replay", tmp_path)
   assert "stochastic write-back, 2 checkpoint(s)" in md
-  assert (
-    "nearest write-back, 1 checkpoint(s): validation-loss change "
-    "+0.0000 to +0.0000" in md
-  )
+  assert "nearest write-back, 1 checkpoint(s)" in md
   # The parameters a replay starts from are the reference's, bit for bit.
   ref = study.resolve(c, "fp32_reference", 0)
   run = train.build_run(ref)
@@ -473,14 +473,10 @@ def test_int3_replay_smoke_restores_checkpoints_and_tabulates(tmp_path):
     assert np.abs(x / scale).max() <= 3
 
 
-@pytest.mark.parametrize("name", ["freeze_grid", "e4m3_audit"])
-def test_smoke_study_makes_its_table(name, tmp_path):
-  _, md = _smoke(name, tmp_path)
-  expect = {
-    "freeze_grid": "cells with predicted and measured post-init crossings",
-    "e4m3_audit": "macro RMSE, one fp32 trace (seed 0) vs 1 unseen seeds",
-  }[name]
-  assert expect in md
+def test_grid_smoke_makes_its_table(tmp_path):
+  _, md = _smoke("freeze_grid", tmp_path)
+  assert "cells with predicted and measured post-init crossings: " in md
+  assert "categories differ" in md
 
 
 @pytest.mark.slow
@@ -497,7 +493,7 @@ def test_slow_smoke_study_makes_its_table(name, tmp_path):
   assert expect in md
 
 
-def test_reproduce_runs_a_study_through_the_entry_point(tmp_path):
+def test_reproduce_runs_the_audit_smoke_through_the_entry_point(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   out = subprocess.run(
     [
@@ -516,5 +512,5 @@ def test_reproduce_runs_a_study_through_the_entry_point(tmp_path):
     timeout=600,
   )
   assert out.returncode == 0, out.stdout + out.stderr
-  assert "macro RMSE" in out.stdout
+  assert "macro RMSE, one fp32 trace (seed 0) vs 1 unseen seeds" in out.stdout
   assert (tmp_path / "e4m3_audit" / "tables" / "e4m3_audit.png").exists()

@@ -1,0 +1,96 @@
+"""Attention's backward reusing its rounded output vs a fresh rounding.
+
+Reproduces: "in three pairs of 390M runs with an emulated FP8 backward,
+training fails when attention's backward reuses the forward's rounded output
+and succeeds with a new rounding from the same distribution"
+(backward-state paper).
+
+Numerics (both arms): saved activations (dense inputs, norm outputs,
+attention probabilities and output, activation inputs) rounded to
+`float8_e4m3fn` stochastically, kernels to `float8_e4m3fn` (nearest),
+gradients entering the backward's matmuls to `float8_e5m2` stochastically,
+all with per-tensor scaling (`lowprec.nn`). Every use reads what the
+reference gradient reads except the row term of attention's backward,
+`D = rowsum(dO * O)`, which must read the output of the unrounded
+probabilities:
+
+  reuse   `attn.out@delta=rounded`: the forward's rounded output `O~`, as a
+          flash-attention backward that keeps its FP8 output does;
+  fresh   `attn.out@delta=fresh`: a new stochastic rounding of `P V`, from
+          the same distribution as `O~` but independent of the forward.
+
+Seed pairs 0, 1, 2 (same data, init and forward draws within a pair). Every
+`train.probe_every_steps` the gradient probe (experiments/probes.py)
+compares, on a fixed batch and with each forward held fixed, the arm's
+gradient of the attention QKV kernels with the reference gradient: cosine,
+norm ratio and the bias left after the noise of the draws.
+
+  python -m experiments.run --config configs/attention_reuse.py
+  python scripts/reproduce.py attention_reuse   # runs, table and figure
+
+CPU scale (default): 2-layer d=64 GPT on the byte-level built-in corpus.
+Full scale (`:scale=full`): the 390M preset (27 layers, d=1024, 16 heads,
+1024 tokens) on token files in data.path.
+"""
+
+from configs import common
+from experiments.models import PRESETS
+from lowprec import ops
+
+POLICIES = {
+  "reuse": str(ops.REFERENCE.override("attn.out@delta=rounded")),
+  "fresh": str(ops.REFERENCE.override("attn.out@delta=fresh")),
+}
+
+
+def get_config(arg=None):
+  c = common.get_config(arg)
+  c.study.name = "attention_reuse"
+  c.study.arms = {a: {"lowprec": {"policy": p}} for a, p in POLICIES.items()}
+  c.study.seeds = (0, 1, 2)
+  c.lowprec.update(
+    dict(
+      fwd_format="float8_e4m3fn",
+      fwd_rounding="stochastic",
+      weight_format="float8_e4m3fn",
+      bwd_format="float8_e5m2",
+      bwd_rounding="stochastic",
+    )
+  )
+  c.opt.update(dict(lr=3e-3, warmup_steps=20, min_lr_ratio=0.1))
+  c.train.steps = 400
+  c.train.eval_every_steps = 50
+  c.train.probe_every_steps = 20
+  c.train.probe_draws = 32
+  c.train.probe_groups = "qkv=.*attn/qkv/kernel,all=.*"
+  # Gradient rounding is unbiased: leaving it out of the probe keeps the
+  # reads' bias and drops most of the noise.
+  c.train.probe_grad_rounding = False
+  c.ckpt.every_steps = 100
+  c.log.progress_every_steps = 50
+  if c.study.scale == "full":
+    n_layer, n_head, d_model, vocab, seq = PRESETS["gpt_390m"]
+    c.model.update(
+      dict(n_layer=n_layer, n_head=n_head, d_model=d_model, seq_len=seq)
+    )
+    c.model.vocab_size = vocab
+    c.data.update(dict(name="tokens", batch_size=256, eval_batches=20))
+    c.opt.update(dict(lr=3e-4, warmup_steps=1000))
+    c.train.steps = 20000
+    c.train.eval_every_steps = 500
+    c.train.probe_every_steps = 100
+    c.train.probe_draws = 4
+    c.train.probe_batch_size = 8
+    c.ckpt.every_steps = 1000
+    c.log.progress_every_steps = 100
+  if c.study.scale == "smoke":
+    c.study.seeds = (0,)
+    c.model.update(dict(n_layer=1, d_model=32, seq_len=32))
+    c.opt.warmup_steps = 2
+    c.train.steps = 4
+    c.train.eval_every_steps = 2
+    c.train.probe_every_steps = 2
+    c.train.probe_draws = 2
+    c.ckpt.every_steps = 4
+    c.log.progress_every_steps = 2
+  return c

@@ -1,0 +1,87 @@
+"""Norm outputs stored in float8: which value the gain and the weight read.
+
+Reproduces: "a normalization output stored in low precision feeds two
+gradients: the gain's gradient needs the original, but the next layer's
+weight gradient needs the rounded value that layer multiplied. Final loss
+does not rule out the error of reading the original for both: it persists
+in models trained with such a store, while planned loss comparisons stay
+within a margin fixed in advance" (backward-state paper).
+
+The decoder stores its saved activations, the norm outputs among them, in
+`float8_e4m3fn` (round to nearest, per-tensor scale); weights and gradients
+stay float32, so the only gradient errors are the reads. Arms (every other
+use reads what the reference reads):
+
+  per_use        norm.out@dgain=original, norm.out@dw=rounded: the
+                 reference (exact);
+  original_both  norm.out@dw=original: the gain reads the original, and so
+                 does the next layer's weight gradient (the most accurate
+                 copy, and wrong for dW);
+  rounded_both   norm.out@dgain=rounded: both read the stored float8 value
+                 (wrong for the gain).
+
+The gradient probe (experiments/probes.py) measures during training, on a
+fixed batch, the error of the gain gradients (`gain`: every norm_scale) and
+of the weight gradients fed by a norm (`w`: the QKV and MLP-input kernels)
+against the reference gradient. The planned loss comparison: each arm's
+final validation loss minus per_use's, same seed, against the margin
+`study.loss_margin`, fixed here before the runs.
+
+  python -m experiments.run --config configs/norm_store.py
+  python scripts/reproduce.py norm_store   # runs, table and figure
+
+CPU scale (default): 2-layer d=64 GPT on the byte-level built-in corpus.
+Full scale (`:scale=full`): a 12-layer d=768 decoder on token files in
+data.path.
+"""
+
+import ml_collections
+
+from configs import common
+from lowprec import ops
+
+POLICIES = {
+  "per_use": str(ops.REFERENCE),
+  "original_both": str(ops.REFERENCE.override("norm.out@dw=original")),
+  "rounded_both": str(ops.REFERENCE.override("norm.out@dgain=rounded")),
+}
+
+
+def get_config(arg=None):
+  c = common.get_config(arg)
+  c.study.name = "norm_store"
+  c.study.arms = {a: {"lowprec": {"policy": p}} for a, p in POLICIES.items()}
+  c.study.seeds = (0, 1, 2)
+  # Fixed before the runs: final validation losses within this many nats of
+  # per_use's (same seed) count as equivalent.
+  c.study.loss_margin = ml_collections.FieldReference(0.02)
+  c.lowprec.update(dict(fwd_format="float8_e4m3fn", fwd_rounding="nearest"))
+  c.opt.update(dict(lr=3e-3, warmup_steps=20, min_lr_ratio=0.1))
+  c.train.steps = 300
+  c.train.eval_every_steps = 50
+  c.train.probe_every_steps = 20
+  c.train.probe_draws = 2  # nearest rounding, float32 gradients: no noise
+  c.train.probe_groups = "gain=.*norm_scale,w=.*(qkv|fc)/kernel"
+  c.ckpt.every_steps = 100
+  c.log.progress_every_steps = 100
+  if c.study.scale == "full":
+    c.model.update(dict(n_layer=12, n_head=12, d_model=768, seq_len=1024))
+    c.model.vocab_size = 50304
+    c.data.update(dict(name="tokens", batch_size=256, eval_batches=20))
+    c.opt.update(dict(lr=6e-4, warmup_steps=500))
+    c.train.steps = 10000
+    c.train.eval_every_steps = 500
+    c.train.probe_every_steps = 100
+    c.train.probe_batch_size = 16
+    c.ckpt.every_steps = 1000
+    c.log.progress_every_steps = 100
+  if c.study.scale == "smoke":
+    c.study.seeds = (0,)
+    c.model.update(dict(n_layer=1, d_model=32, seq_len=32))
+    c.opt.warmup_steps = 2
+    c.train.steps = 4
+    c.train.eval_every_steps = 2
+    c.train.probe_every_steps = 2
+    c.ckpt.every_steps = 4
+    c.log.progress_every_steps = 2
+  return c

@@ -1,0 +1,208 @@
+"""Figures of the backward-state studies (PNG).
+
+  python scripts/plot_bwd.py <study> [--results results] [--out DIR]
+
+`PLOTS` maps a study to its figure:
+
+  bwd_operator_checks  |z| of every value of every use, by prediction
+                       (biased / exact or unbiased), with the threshold;
+  attention_reuse      per arm and seed: relative bias of the attention QKV
+                       gradient (running mean of the probe's bias2, square
+                       root), its cosine with the reference, validation loss;
+  norm_store           relative error of the gain gradients and of the
+                       norm-fed weight gradients vs step, and validation
+                       loss with per_use's margin band.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import bwd_analyses as ba  # noqa: E402
+from make_tables import load_runs  # noqa: E402
+
+COLORS = {"reuse": "C3", "fresh": "C0", "per_use": "C0"}
+COLORS.update({"original_both": "C1", "rounded_both": "C3"})
+
+
+def _save(fig, study, results, out) -> str:
+  fig.tight_layout()
+  out = out or os.path.join(results, study, "tables")
+  os.makedirs(out, exist_ok=True)
+  path = os.path.join(out, f"{study}.png")
+  fig.savefig(path, dpi=80)
+  plt.close(fig)
+  return path
+
+
+def _legend(ax):
+  if ax.get_legend_handles_labels()[0]:
+    ax.legend(fontsize=8)
+
+
+def _color(arm, i):
+  return COLORS.get(arm, f"C{i % 10}")
+
+
+def _arms(runs):
+  return list(dict.fromkeys(r.arm for r in sorted(runs, key=lambda r: r.arm)))
+
+
+def operator_z(study, results="results", out=None) -> str:
+  """|z| of every value of every use, by prediction (first seed)."""
+  runs = [r for r in load_runs(results, study) if r.summary.get("values")]
+  if not runs:
+    raise ValueError(f"{study} has no finished operator checks")
+  run = min(runs, key=lambda r: r.seed)
+  cells = run.summary["values"]
+  keys = list(dict.fromkeys((x["op"], x["use"]) for x in cells))
+  z_th = run.config["checks"]["z_threshold"]
+  lo, hi = 0.1, 1e4
+  fig, ax = plt.subplots(figsize=(10, 4.2))
+  jitter = np.random.default_rng(0)
+  for i, key in enumerate(keys):
+    for x in (x for x in cells if (x["op"], x["use"]) == key):
+      biased = x["predicted"] == "biased"
+      z = lo if x.get("exact") else min(max(abs(float(x["z"])), lo), hi)
+      ax.scatter(
+        i + (0.15 if biased else -0.15) + jitter.normal(0, 0.04),
+        z,
+        marker="x" if x.get("exact") else ("o" if biased else "s"),
+        color="C3" if biased else "C0",
+        s=22,
+      )
+      if not x["agrees"]:
+        ax.scatter(i, z, marker="o", s=120, facecolor="none", edgecolor="k")
+  ax.axhline(z_th, color="k", lw=0.8, ls="--")
+  ax.set_yscale("log")
+  ax.set_ylim(lo / 2, hi * 30)
+  ax.set_xticks(
+    range(len(keys)), [f"{u}\n{o}" for o, u in keys], rotation=60, fontsize=7
+  )
+  ax.set_ylabel(f"|z| (clipped to [{lo:g}, {hi:g}])")
+  ax.scatter([], [], marker="o", color="C3", label="predicted biased")
+  ax.scatter([], [], marker="s", color="C0", label="predicted unbiased")
+  ax.scatter([], [], marker="x", color="C0", label="exact (zero difference)")
+  ax.plot([], [], "k--", lw=0.8, label=f"|z| = {z_th:g}")
+  ax.legend(fontsize=7, loc="upper center", ncol=4)
+  n = run.summary["rows"][0]["n_forward"]
+  ax.set_title(
+    f"every value of every use: verified |z|, {n} forward draws (seed "
+    f"{run.seed}); circled: prediction != verification"
+  )
+  return _save(fig, study, results, out)
+
+
+def _running_rms(steps, b2, window=5):
+  """sqrt(max(0, running mean of bias2)) over `window` probes."""
+  k = np.ones(window) / window
+  m = np.convolve(b2, k, mode="valid")
+  return steps[window - 1 :], np.sqrt(np.maximum(m, 0.0))
+
+
+def attention_curves(study, results="results", out=None) -> str:
+  runs = load_runs(results, study)
+  group = ba.probe_groups(runs[0])[0]
+  fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+  for i, arm in enumerate(_arms(runs)):
+    for j, run in enumerate(r for r in runs if r.arm == arm):
+      label = arm if j == 0 else None
+      c = _color(arm, i)
+      s, b2 = run.curve(f"probe/{group}/bias2")
+      s, b2 = s[s >= 1], b2[s >= 1]
+      if b2.size >= 5:
+        axes[0].plot(*_running_rms(s, b2), color=c, lw=1, label=label)
+      s, cos = run.curve(f"probe/{group}/cos")
+      axes[1].plot(s, np.maximum(1 - cos, 1e-9), color=c, lw=0.8, label=label)
+      s, v = run.curve("val_loss")
+      axes[2].plot(s, v, color=c, lw=1, marker=".", label=label)
+  axes[0].set_title(f"{group} gradient: relative bias (5-probe mean)")
+  axes[1].set_title(f"{group} gradient: 1 - cos(mean g, mean g_ref)")
+  axes[1].set_yscale("log")
+  axes[2].set_title("validation loss")
+  for ax in axes:
+    ax.set_xlabel("step")
+    _legend(ax)
+  return _save(fig, study, results, out)
+
+
+def norm_store_curves(study, results="results", out=None) -> str:
+  runs = load_runs(results, study)
+  groups = ba.probe_groups(runs[0])
+  n = len(groups) + 1
+  fig, axes = plt.subplots(1, n, figsize=(4.3 * n, 3.6))
+  titles = {"gain": "gain gradients", "w": "weight gradients fed by a norm"}
+  arms = _arms(runs)
+  floor = 1e-6
+  for i, arm in enumerate(arms):
+    for j, run in enumerate(r for r in runs if r.arm == arm):
+      label = arm if j == 0 else None
+      for ax, g in zip(axes, groups, strict=False):
+        s, e = run.curve(f"probe/{g}/rel_err")
+        ax.plot(
+          s, np.maximum(e, floor), color=_color(arm, i), lw=0.8, label=label
+        )
+  for ax, g in zip(axes, groups, strict=False):
+    ax.set_yscale("log")
+    ax.set_title(
+      f"{titles.get(g, g)}: relative error\n(exactly 0 drawn at {floor:g})"
+    )
+    ax.set_xlabel("step")
+    _legend(ax)
+  # The planned comparison: final validation loss minus per_use's, per seed.
+  ax = axes[-1]
+  margin = runs[0].config["study"].get("loss_margin")
+  base = {r.seed: r.last("val_loss") for r in runs if r.arm == "per_use"}
+  others = [a for a in arms if a != "per_use"]
+  for i, arm in enumerate(others):
+    d = [
+      r.last("val_loss") - base[r.seed]
+      for r in runs
+      if r.arm == arm and r.seed in base
+    ]
+    ax.scatter([i] * len(d), d, color=_color(arm, arms.index(arm)), zorder=3)
+  if margin is not None:
+    ax.axhspan(-margin, margin, color="0.88", label=f"margin ±{margin:g}")
+  ax.axhline(0, color="k", lw=0.6)
+  ax.set_xticks(range(len(others)), others)
+  ax.set_xlim(-0.6, len(others) - 0.4)
+  ax.set_title("final val loss minus per_use (per seed)")
+  _legend(ax)
+  return _save(fig, study, results, out)
+
+
+PLOTS = {
+  "bwd_operator_checks": operator_z,
+  "attention_reuse": attention_curves,
+  "norm_store": norm_store_curves,
+}
+
+
+def plot(study: str, results: str = "results", out: str | None = None) -> str:
+  if study not in PLOTS:
+    raise ValueError(f"no figure for {study!r}; studies: {', '.join(PLOTS)}")
+  return PLOTS[study](study, results, out)
+
+
+def main(argv=None) -> None:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("study")
+  ap.add_argument("--results", default="results")
+  ap.add_argument("--out", default=None)
+  args = ap.parse_args(argv)
+  print(plot(args.study, args.results, args.out))
+
+
+if __name__ == "__main__":
+  main()
