@@ -40,7 +40,13 @@ def arms_of(config) -> list[str]:
         f"{_suggest(config.study.arm, arms)} Arms: {', '.join(arms)}"
       )
     return [config.study.arm]
-  return arms
+  # Arms that others start from (train.init_from_arm) run first; ml_collections
+  # keeps arm names sorted, not in the order a study file wrote them.
+  sources = set()
+  for name in arms:
+    overrides = config.study.arms[name] if name else {}
+    sources.add(overrides.get("train", {}).get("init_from_arm", ""))
+  return sorted(arms, key=lambda a: a not in sources)
 
 
 def seeds_of(config, arm: str = "") -> list[int]:
