@@ -7,8 +7,10 @@ import subprocess
 import sys
 import time
 
+import jax
 import pytest
 
+import lowprec
 from configs import smoke
 from experiments import results, study
 
@@ -173,3 +175,20 @@ def test_unknown_arm_lists_the_arms():
     study.arms_of(c)
   with pytest.raises(ValueError, match="bad config argument"):
     smoke.get_config("arms=rn_bf16")
+
+
+def test_fsdp_shards_parameters_and_steps():
+  from experiments import train
+
+  c = smoke.get_config("arm=fp32_reference")
+  c.train.fsdp = 2
+  c.train.virtual_shards = 0
+  c.lowprec.writeback = "bfloat16"
+  run = train.build_run(study.resolve(c, "", 0))
+  kernel = run.state.params["h_0"]["mlp"]["fc"]["kernel"]
+  assert "fsdp" in str(kernel.sharding.spec)
+  assert len(kernel.sharding.device_set) == 8
+  state, m = run.step_fn(run.state, run.put(run.task.data.batch(0)))
+  assert bool(jax.numpy.isfinite(m["loss"]))
+  new = state.params["h_0"]["mlp"]["fc"]["kernel"]
+  assert bool(lowprec.get_format("bfloat16").is_on_grid(new).all())
