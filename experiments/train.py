@@ -254,7 +254,7 @@ def build_run(config) -> Run:
     (loss, aux), grads = loss_and_grad(state.params, batch, key)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = lowprec.apply_updates(state.params, updates)
-    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), **aux}
+    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **aux}
     return TrainState(state.step + 1, params, opt_state), metrics
 
   step_fn = jax.jit(

@@ -12,6 +12,7 @@ import importlib
 import json
 import math
 import os
+import shutil
 import sys
 
 import jax
@@ -20,7 +21,15 @@ import numpy as np
 import pytest
 
 from configs import common
-from experiments import models, operator_checks, probes, results, study, tasks
+from experiments import (
+  models,
+  operator_checks,
+  probes,
+  results,
+  study,
+  tasks,
+  train,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
@@ -383,6 +392,26 @@ def test_training_study_smoke_logs_the_probe(name, tmp_path):
   assert probed == [0, 2, 4]
   assert all(f"probe/{group}/cos" in r for r in recs if r["step"] in probed)
   assert "final val loss" in md
+
+
+def test_probe_metrics_and_params_survive_a_resume(tmp_path):
+  # A run with probes, then the same run "killed" after step 2 (its last
+  # checkpoint and summary removed) and resumed: same bits, same probes.
+  c = _load("attention_reuse", "scale=smoke,arm=reuse,seed=0")
+  c.ckpt.every_steps = 2
+  c.log.results_dir = str(tmp_path)
+  c = study.resolve(c, "reuse", 0)
+  full = train.train_and_evaluate(c)
+  d = results.run_dir(c)
+  before = results.read_metrics(os.path.join(d, "metrics.jsonl"))
+  os.remove(os.path.join(d, "summary.json"))
+  shutil.rmtree(os.path.join(d, "checkpoints", "4"))
+  resumed = train.train_and_evaluate(c)
+  assert resumed["resumed_from"] == 2
+  assert resumed["param_digest"] == full["param_digest"]
+  after = results.read_metrics(os.path.join(d, "metrics.jsonl"))
+  assert after == before
+  assert any("probe/qkv/bias2" in r for r in after if r["step"] == 4)
 
 
 def test_operator_checks_smoke_writes_the_layout(tmp_path):
