@@ -28,19 +28,23 @@ norm ratio and the bias left after the noise of the draws.
   python -m experiments.run --config configs/attention_reuse.py
   python scripts/reproduce.py attention_reuse   # runs, table and figure
 
-CPU scale (default): 2-layer d=64 GPT on the byte-level built-in corpus.
-Full scale (`:scale=full`): the 390M preset (27 layers, d=1024, 16 heads,
-1024 tokens) on token files in data.path.
+CPU scale (default): 2-layer d=64 GPT on the byte-level built-in corpus,
+400 steps, 21 probes of 32 forward draws per run; about 9 minutes for the
+six runs on 2 shared CPU cores. Full scale (`:scale=full`): the 390M preset
+(27 layers, d=1024, 16 heads, 1024 tokens) on token files in data.path
+(`--config.data.path=...`), 20000 steps of 256 x 1024 tokens.
+Expected (CPU scale): reuse's QKV gradient is biased, pooled over the three
+seeds' 60 probes z = +4.3 (relative bias 3.3e-3 rms, relative error
+6.4e-3 at the last probe vs 1.6e-3 for fresh); fresh is not (z = +0.2); the
+loss does not diverge at this scale: final validation loss reuse minus
+fresh -0.0054 (per seed -0.0040, -0.0124, +0.0001).
 """
 
 from configs import common
 from experiments.models import PRESETS
-from lowprec import ops
 
-POLICIES = {
-  "reuse": str(ops.REFERENCE.override("attn.out@delta=rounded")),
-  "fresh": str(ops.REFERENCE.override("attn.out@delta=fresh")),
-}
+# Overrides of the reference policy (lowprec.ops.REFERENCE).
+POLICIES = {"reuse": "attn.out@delta=rounded", "fresh": "attn.out@delta=fresh"}
 
 
 def get_config(arg=None):

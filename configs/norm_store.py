@@ -30,20 +30,26 @@ final validation loss minus per_use's, same seed, against the margin
   python -m experiments.run --config configs/norm_store.py
   python scripts/reproduce.py norm_store   # runs, table and figure
 
-CPU scale (default): 2-layer d=64 GPT on the byte-level built-in corpus.
-Full scale (`:scale=full`): a 12-layer d=768 decoder on token files in
-data.path.
+CPU scale (default): 2-layer d=64 GPT on the byte-level built-in corpus,
+300 steps, seeds 0-2; about 4 minutes for the nine runs on 2 shared CPU
+cores. Full scale (`:scale=full`): a 12-layer d=768 decoder on token files
+in data.path (`--config.data.path=...`), 10000 steps.
+Expected (CPU scale): per_use has no gradient error; original_both leaves
+the gain gradients exact and gets the norm-fed weight gradients wrong by
+1.2e-2 (relative, mean over the run; 1.1e-2 to 1.7e-2 at the last probe);
+rounded_both gets the gain gradients wrong by 1.6e-2 (1.5e-2 to 2.8e-2 at
+the end) and the weight gradients exact; the final validation losses stay
+within the margin of per_use in 6 of 6 comparisons (differences +0.0049,
++0.0057, -0.0008 and +0.0039, +0.0046, -0.0000).
 """
 
-import ml_collections
-
 from configs import common
-from lowprec import ops
 
+# Overrides of the reference policy (lowprec.ops.REFERENCE).
 POLICIES = {
-  "per_use": str(ops.REFERENCE),
-  "original_both": str(ops.REFERENCE.override("norm.out@dw=original")),
-  "rounded_both": str(ops.REFERENCE.override("norm.out@dgain=rounded")),
+  "per_use": "",
+  "original_both": "norm.out@dw=original",
+  "rounded_both": "norm.out@dgain=rounded",
 }
 
 
@@ -54,7 +60,7 @@ def get_config(arg=None):
   c.study.seeds = (0, 1, 2)
   # Fixed before the runs: final validation losses within this many nats of
   # per_use's (same seed) count as equivalent.
-  c.study.loss_margin = ml_collections.FieldReference(0.02)
+  c.study.loss_margin = 0.02
   c.lowprec.update(dict(fwd_format="float8_e4m3fn", fwd_rounding="nearest"))
   c.opt.update(dict(lr=3e-3, warmup_steps=20, min_lr_ratio=0.1))
   c.train.steps = 300

@@ -5,7 +5,9 @@ single-operator table is checked to agree with the requirements on every
 canonical operator (CPU-scale config: 4096 forward draws, seed 0, |z| >= 4
 is biased; the biased cells must reach |z| >= 8); the table code on
 hand-made result files with known answers; each study's smoke variant runs
-through the runner and makes its table and figure.
+through the runner and makes its table and figure (the training studies'
+take 20-45 s each on 8 fake CPU devices, so they are marked slow, as is the
+kill-and-resume check of a run with probes).
 """
 
 import importlib
@@ -381,6 +383,7 @@ def _smoke(name, tmp_path):
   return c, md
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["attention_reuse", "norm_store"])
 def test_training_study_smoke_logs_the_probe(name, tmp_path):
   c, md = _smoke(name, tmp_path)
@@ -394,9 +397,11 @@ def test_training_study_smoke_logs_the_probe(name, tmp_path):
   assert "final val loss" in md
 
 
+@pytest.mark.slow
 def test_probe_metrics_and_params_survive_a_resume(tmp_path):
-  # A run with probes, then the same run "killed" after step 2 (its last
-  # checkpoint and summary removed) and resumed: same bits, same probes.
+  # The smoke variant of one arm, then the same run "killed" after step 2
+  # (its last checkpoint and summary removed) and resumed: same bits, same
+  # probes; then its table and figure.
   c = _load("attention_reuse", "scale=smoke,arm=reuse,seed=0")
   c.ckpt.every_steps = 2
   c.log.results_dir = str(tmp_path)
@@ -411,7 +416,11 @@ def test_probe_metrics_and_params_survive_a_resume(tmp_path):
   assert resumed["param_digest"] == full["param_digest"]
   after = results.read_metrics(os.path.join(d, "metrics.jsonl"))
   assert after == before
-  assert any("probe/qkv/bias2" in r for r in after if r["step"] == 4)
+  assert [r["step"] for r in after if "probe/qkv/bias2" in r] == [0, 2, 4]
+  # The table and the figure read these files.
+  md = make_tables.make("attention_reuse", str(tmp_path))
+  assert "- reuse (1 seeds): final val loss" in md
+  assert os.path.getsize(plot_bwd.plot("attention_reuse", str(tmp_path))) > 1000
 
 
 def test_operator_checks_smoke_writes_the_layout(tmp_path):
