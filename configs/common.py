@@ -134,3 +134,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.ckpt.every_steps = 50
   c.ckpt.keep = 2
   return c
+
+
+def shrink_to_smoke(c, steps: int) -> None:
+  """The few-step variant the tests run: a one-layer, width-32 GPT."""
+  c.model.update(dict(n_layer=1, d_model=32, seq_len=32))
+  c.opt.warmup_steps = 2
+  c.train.steps = steps
+  c.train.eval_every_steps = steps // 2
+  c.ckpt.every_steps = steps

@@ -52,13 +52,9 @@ def get_config(arg=None):
     c.train.eval_every_steps = 500
     c.ckpt.every_steps = 1000
   if c.study.scale == "smoke":
+    common.shrink_to_smoke(c, 4)
     c.study.seeds = (0,)
-    c.model.update(dict(n_layer=1, d_model=32, seq_len=32))
     c.data.eval_batches = 2
-    c.opt.warmup_steps = 2
-    c.train.steps = 4
-    c.train.eval_every_steps = 2
-    c.ckpt.every_steps = 4
   arms = {"fp32": {}}
   for name, rounding in ROUNDINGS.items():
     arms[name] = {"lowprec": {"writeback": fmt, "rounding": rounding}}

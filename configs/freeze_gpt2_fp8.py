@@ -80,10 +80,6 @@ def get_config(arg=None):
     c.train.eval_every_steps = 250
     c.ckpt.every_steps = 500
   if c.study.scale == "smoke":
-    c.model.update(dict(n_layer=1, d_model=32, seq_len=32))
-    c.opt.warmup_steps = 2
-    c.train.steps = 6
-    c.train.eval_every_steps = 3
-    c.ckpt.every_steps = 6
+    common.shrink_to_smoke(c, 6)
     c.log.progress_every_steps = 3
   return c

@@ -55,10 +55,7 @@ def get_config(arg=None):
     c.ckpt.every_steps = 1000
     replay_steps, replay_eval = 1000, 250
   if c.study.scale == "smoke":
-    c.model.update(dict(n_layer=1, d_model=32, seq_len=32))
-    c.opt.warmup_steps = 2
-    c.train.steps = 4
-    c.train.eval_every_steps = 2
+    common.shrink_to_smoke(c, 4)
     c.ckpt.every_steps = 2
     replay_steps, replay_eval = 2, 1
   c.ckpt.keep = 8  # every replayed checkpoint stays

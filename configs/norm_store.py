@@ -82,12 +82,8 @@ def get_config(arg=None):
     c.ckpt.every_steps = 1000
     c.log.progress_every_steps = 100
   if c.study.scale == "smoke":
+    common.shrink_to_smoke(c, 4)
     c.study.seeds = (0,)
-    c.model.update(dict(n_layer=1, d_model=32, seq_len=32))
-    c.opt.warmup_steps = 2
-    c.train.steps = 4
-    c.train.eval_every_steps = 2
     c.train.probe_every_steps = 2
-    c.ckpt.every_steps = 4
     c.log.progress_every_steps = 2
   return c
