@@ -146,10 +146,12 @@ def audit_coordinates(
   """Audits sampled coordinates: exact events next to predicted ones.
 
   Args:
-    reference_w, reference_u: the float32 reference's sampled `(w_t, u_t)`,
-      `[steps, N]` (logged `pred/sample/w`, `pred/sample/u`).
-    measured_w, measured_u: the low-precision run's at the same coordinates;
-      `measured_w` may carry one more step (see `measured_events`).
+    reference_w: the float32 reference's sampled weights `w_t`, `[steps, N]`
+      (logged as `pred/sample/w`).
+    reference_u: its sampled proposals `u_t`, `[steps, N]` (`pred/sample/u`).
+    measured_w: the low-precision run's weights at the same coordinates; it
+      may carry one more step (see `measured_events`).
+    measured_u: the low-precision run's proposals there.
     fmt: the target format (nearest rounding).
 
   Returns:
