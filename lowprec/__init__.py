@@ -1,14 +1,21 @@
 """lowprec: numerics of low-precision training in JAX.
 
-Formats and rounding (`get_format`, `round_nearest`, `round_stochastic`).
+Formats and rounding (`get_format`, `round_nearest`, `round_stochastic`),
+write-back without master weights (`writeback`, `in_float32`, `to_grid`,
+`apply_updates`, `telemetry`, `telemetry_arrays`, `reseed`), freeze
+prediction (`freeze`), backward-state policies (`Policy`, `ops`, `audit`)
+and Flax modules (`nn`; `nnx.Optimizer` for Flax NNX).
 """
 
-from lowprec import audit, freeze, nn, ops, policy
+__version__ = "0.2.0"
+
+from lowprec import audit, freeze, nn, nnx, ops, policy  # noqa: E402
 from lowprec.formats import Format, get_format, ieee_format, int_format
 from lowprec.policy import Policy
 from lowprec.rounding import round_nearest, round_stochastic
 from lowprec.storage import apply_updates, check_on_grid, to_grid
-from lowprec.telemetry import telemetry
+from lowprec.telemetry import reseed, telemetry, telemetry_arrays
+from lowprec.widen import in_float32
 from lowprec.writeback import WritebackState, writeback
 
 __all__ = [
@@ -21,13 +28,17 @@ __all__ = [
   "freeze",
   "get_format",
   "ieee_format",
+  "in_float32",
   "int_format",
   "nn",
+  "nnx",
   "ops",
   "policy",
+  "reseed",
   "round_nearest",
   "round_stochastic",
   "telemetry",
+  "telemetry_arrays",
   "to_grid",
   "writeback",
 ]

@@ -31,12 +31,18 @@ def _mix(x: jax.Array) -> jax.Array:
 
 def key_words(key) -> jax.Array:
   """The raw uint32 words of a typed (`jax.random.key`) or raw key."""
+  if not isinstance(key, jax.Array | np.ndarray):
+    raise TypeError(
+      f"expected a JAX PRNG key, got {type(key).__name__} {key!r}; pass "
+      "key=jax.random.key(seed) (e.g. jax.random.key(0))"
+    )
   key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
   if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
     key = jax.random.key_data(key)
   if key.dtype != jnp.uint32:
     raise TypeError(
-      f"expected a PRNG key (jax.random.key or PRNGKey), got {key.dtype}"
+      f"expected a JAX PRNG key, got an array of {key.dtype}; pass "
+      "key=jax.random.key(seed) (e.g. jax.random.key(0))"
     )
   if key.ndim != 1:
     raise ValueError(

@@ -44,8 +44,26 @@ FormatLookup = Callable[[tuple], Format | None]
 
 
 def path_name(path) -> str:
-  """The "/"-joined name of a pytree key path, e.g. "params/Dense_0/kernel"."""
-  return jax.tree_util.keystr(tuple(path), simple=True, separator="/")
+  """The "/"-joined name of a pytree key path, e.g. "params/Dense_0/kernel".
+
+  A trailing `.value` attribute is not part of the name: it is the box
+  around an array (a Flax NNX `Variable`, a linen `Partitioned`), so that a
+  parameter has the same name whether it is met boxed (as `nnx.Optimizer`
+  hands it to `init`) or as a plain array (as it hands it to `update`).
+  """
+  path = tuple(path)
+  while path and _is_box_key(path[-1]):
+    path = path[:-1]
+  return jax.tree_util.keystr(path, simple=True, separator="/")
+
+
+def _is_box_key(k) -> bool:
+  return isinstance(k, jax.tree_util.GetAttrKey) and k.name in _BOX_FIELDS
+
+
+# The attribute under which Flax boxes (nnx.Variable, linen Partitioned and
+# LogicallyPartitioned) hold their array.
+_BOX_FIELDS = ("value", "raw_value")
 
 
 def _is_format_leaf(x) -> bool:
@@ -53,11 +71,13 @@ def _is_format_leaf(x) -> bool:
 
 
 def _is_rules(spec) -> bool:
+  # Rules are a list (or tuple) of (regex, format) pairs: a sequence whose
+  # every entry is a pair starting with a string. Pairs may be lists too.
   return (
-    isinstance(spec, list)
+    isinstance(spec, list | tuple)
     and bool(spec)
     and all(
-      isinstance(r, tuple) and len(r) == 2 and isinstance(r[0], str)
+      isinstance(r, tuple | list) and len(r) == 2 and isinstance(r[0], str)
       for r in spec
     )
   )
@@ -206,11 +226,17 @@ def _round_all(xs, fmts, dtypes):
 
 @functools.partial(jax.jit, static_argnums=1)
 def _off_grid(xs, fmts):
-  """Per leaf: the count of off-grid values and the flat index of the first."""
+  """Per leaf: counts of NaN, of infinities the grid lacks and of other
+  off-grid values, and the flat index of the first of the last."""
   out = []
   for x, f in zip(xs, fmts, strict=True):
-    off = ~f.is_on_grid(jnp.asarray(x)).reshape(-1)
-    out.append((jnp.sum(off, dtype=jnp.int32), jnp.argmax(off)))
+    x = jnp.asarray(x).reshape(-1)
+    nan = jnp.isnan(x)
+    inf = jnp.isinf(x) & (not f.has_inf)
+    off = ~f.is_on_grid(x) & ~nan & ~inf
+    first = jnp.argmax(off) if x.size else jnp.zeros([], jnp.int32)
+    count = [jnp.sum(m, dtype=jnp.int32) for m in (nan, inf, off)]
+    out.append((*count, first))
   return out
 
 
@@ -218,7 +244,9 @@ def check_on_grid(params, fmt) -> None:
   """Raises if any parameter value is off its format's grid.
 
   A value is on the grid when the format holds it exactly (zero of either
-  sign, infinities where the format has them; never NaN).
+  sign, infinities where the format has them; never NaN). NaN, and
+  infinities in a format without them, are reported as non-finite values,
+  since no rounding fixes them.
 
   Args:
     params: a pytree of concrete arrays (not traced: call it outside jit).
@@ -226,8 +254,9 @@ def check_on_grid(params, fmt) -> None:
 
   Raises:
     ValueError: naming every offending parameter with its count of off-grid
-      values and the first of them, and the fix (`lowprec.to_grid`); also
-      for a storage dtype that cannot hold the grid.
+      values and the first of them, and the fix (`lowprec.to_grid`), or its
+      count of non-finite values; also for a storage dtype that cannot hold
+      the grid.
 
   Example:
     >>> lowprec.check_on_grid({"w": jnp.array([0.1])}, "bfloat16")
@@ -242,16 +271,30 @@ def check_on_grid(params, fmt) -> None:
       check_storage(path_name(path), x.dtype, f)
       leaves.append((path_name(path), x, f))
   found = _off_grid([x for _, x, _ in leaves], tuple(f for *_, f in leaves))
-  bad = []
-  for (name, x, f), (count, first) in zip(
+  bad, nonfinite = [], []
+  for (name, x, f), (nan, inf, count, first) in zip(
     leaves, jax.device_get(found), strict=True
   ):
+    if nan or inf:
+      what = [f"{int(nan)} NaN"] if nan else []
+      what += [f"{int(inf)} infinite ({f} has no inf)"] if inf else []
+      nonfinite.append(f"{name!r}: {' and '.join(what)} of {np.size(x)}")
     if count:
       value = np.asarray(x, np.float32).reshape(-1)[first]
       bad.append(
         f"{name!r}: {int(count)} of {np.size(x)} values off the {f} grid "
         f"(first: {float(value):.9g})"
       )
+  if nonfinite:
+    raise ValueError(
+      f"{len(nonfinite)} parameter(s) hold non-finite values: "
+      + "; ".join(nonfinite)
+      + ". No rounding puts these on a grid: the run diverged or was fed "
+      "non-finite data or updates; restore the last good checkpoint (and "
+      "look at the loss and learning rate), or keep non-finite updates out "
+      "with writeback(..., nonfinite='keep')"
+      + (". Also off the grid: " + "; ".join(bad) if bad else "")
+    )
   if bad:
     raise ValueError(
       f"{len(bad)} parameter(s) off their grid: "

@@ -17,6 +17,7 @@ per-tensor counts of proposals, erasures and saturations, read with
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from typing import NamedTuple
 
@@ -36,8 +37,11 @@ from lowprec.storage import (
 )
 
 ROUNDINGS = ("nearest", "stochastic", "deadzone")
+NONFINITE_MODES = ("keep", "propagate")
 
-_COUNTS = ("proposals", "moved", "saturated", "unreachable")
+_COUNTS = ("proposals", "moved", "saturated", "unreachable", "nonfinite")
+_REPORTED = ("proposals", "erased", "moved", "saturated", "unreachable")
+_REPORTED += ("nonfinite",)
 
 
 class WritebackState(NamedTuple):
@@ -46,45 +50,96 @@ class WritebackState(NamedTuple):
   Counts are dicts from parameter path ("params/Dense_0/kernel") to an int32
   scalar, covering the parameters that have a format; they are None when the
   transform was built with `telemetry=False`. `erased` is `proposals - moved`.
-  `report()` turns them into plain numbers for `lowprec.telemetry`.
+  `arrays()` gives them as a pytree of arrays (usable under jit, scan and
+  vmap), `report()` as plain numbers for `lowprec.telemetry`.
   """
 
   count: jax.Array  # int32 []: updates applied so far.
   key: jax.Array | None  # uint32 [2] key data, split each update; None (RN).
-  proposals: dict[str, jax.Array] | None  # int32 [] per path: u != 0.
+  proposals: dict[str, jax.Array] | None  # int32 [] per path: finite u != 0.
   moved: dict[str, jax.Array] | None  # int32 [] per path: w' != w.
   saturated: dict[str, jax.Array] | None  # int32 [] per path: past max.
   unreachable: dict[str, jax.Array] | None  # int32 [] per path: detoured.
+  nonfinite: dict[str, jax.Array] | None  # int32 [] per path: u or w bad.
+
+  def arrays(self) -> dict[str, jax.Array]:
+    """The counts as arrays, traceable: `{name: int32 or float32 array}`.
+
+    Keys as in `report()`. Totals are int32 sums over tensors and
+    `erased_fraction` is float32 (NaN without proposals). Under `vmap` each
+    value has the ensemble's leading axis; `scan` stacks them.
+    """
+    out = {"steps": self.count}
+    if self.proposals is None:
+      return out
+    per = _per_leaf(self)
+    total = {k: sum(p[k] for p in per.values()) for k in _REPORTED}
+    out.update(total)
+    out["erased_fraction"] = _fraction(total["erased"], total["proposals"])
+    for n, p in per.items():
+      out.update({f"{k}/{n}": p[k] for k in _REPORTED})
+      out[f"erased_fraction/{n}"] = _fraction(p["erased"], p["proposals"])
+    return out
 
   def report(self) -> dict[str, int | float]:
     """The counts as plain numbers: totals, then `<count>/<path>` per tensor.
 
-    Keys: `steps`, `proposals`, `erased`, `moved`, `saturated`,
-    `unreachable`, `erased_fraction` (erased / proposals; NaN at a step
-    without proposals, as in `lowprec.freeze`, whose curve functions skip
-    such steps), and the same counts per parameter path.
+    Keys: `steps`, `proposals` (finite nonzero proposals), `erased`,
+    `moved`, `saturated`, `unreachable`, `nonfinite` (coordinates whose
+    proposal is NaN or infinite, or whose weight is NaN; never counted as
+    proposals or moves), `erased_fraction` (erased / proposals; NaN at a
+    step without proposals, as in `lowprec.freeze`, whose curve functions
+    skip such steps), and the same counts per parameter path. Totals are
+    exact integers and fractions float64, computed on the host; a state
+    with leading (ensemble) axes gives nested lists.
     """
-    out: dict[str, int | float] = {"steps": int(jax.device_get(self.count))}
+    out = {"steps": _host(self.count)}
     if self.proposals is None:
       return out
-    host = jax.device_get({c: getattr(self, c) for c in _COUNTS})
-    names = list(host["proposals"])
-    per = {n: {c: int(host[c][n]) for c in _COUNTS} for n in names}
-    for n in names:
-      per[n]["erased"] = per[n]["proposals"] - per[n]["moved"]
-    keys = ("proposals", "erased", "moved", "saturated", "unreachable")
-    for k in keys:
-      out[k] = sum(p[k] for p in per.values())
-    out["erased_fraction"] = _fraction(out["erased"], out["proposals"])
+    per = _per_leaf(jax.device_get(self._replace(key=None)))
+    per = {
+      n: {k: np.asarray(v, np.int64) for k, v in p.items()}
+      for n, p in per.items()
+    }
+    for k in _REPORTED:
+      out[k] = _host(sum(p[k] for p in per.values()))
+    out["erased_fraction"] = _host_fraction(
+      sum(p["erased"] for p in per.values()),
+      sum(p["proposals"] for p in per.values()),
+    )
     for n, p in per.items():
-      for k in keys:
-        out[f"{k}/{n}"] = p[k]
-      out[f"erased_fraction/{n}"] = _fraction(p["erased"], p["proposals"])
+      for k in _REPORTED:
+        out[f"{k}/{n}"] = _host(p[k])
+      out[f"erased_fraction/{n}"] = _host_fraction(p["erased"], p["proposals"])
     return out
 
 
-def _fraction(num: int, den: int) -> float:
-  return num / den if den else float("nan")
+def _per_leaf(state: WritebackState) -> dict[str, dict]:
+  per = {}
+  for n in state.proposals:
+    p = {c: getattr(state, c)[n] for c in _COUNTS}
+    p["erased"] = p["proposals"] - p["moved"]
+    per[n] = p
+  return per
+
+
+def _fraction(num, den):
+  return jnp.where(den > 0, num / jnp.maximum(den, 1), jnp.nan).astype(
+    jnp.float32
+  )
+
+
+def _host(a):
+  a = np.asarray(a)
+  return a.tolist() if a.ndim else int(a)
+
+
+def _host_fraction(num, den):
+  num, den = np.asarray(num), np.asarray(den)
+  if not num.ndim:
+    return int(num) / int(den) if den else float("nan")
+  with np.errstate(invalid="ignore", divide="ignore"):
+    return np.where(den > 0, num / np.maximum(den, 1), np.nan).tolist()
 
 
 def writeback(
@@ -93,6 +148,7 @@ def writeback(
   *,
   key: jax.Array | None = None,
   overflow: str = "saturate",
+  nonfinite: str = "keep",
   telemetry: bool = True,
 ) -> optax.GradientTransformation:
   """Rounds `w + u` onto the weights' grid and emits the exact deltas.
@@ -116,6 +172,14 @@ def writeback(
   for targets' normal range (see `lowprec.round_stochastic` for the bias
   bound in the subnormal range and for `intK`).
 
+  Non-finite proposals (`u` NaN or +-inf) and NaN weights are counted as
+  `nonfinite`, never as proposals or moves. With `nonfinite="keep"` (the
+  default) those coordinates keep their weight, as `optax.apply_if_finite`
+  keeps a whole step, but per coordinate: the rest of the tensor is still
+  written. With `"propagate"` they are written as the rounding gives them
+  (NaN stays NaN; an infinite proposal saturates or overflows by
+  `overflow`).
+
   Exact landing. `optax.apply_updates(params, deltas)` computes `w + delta`
   in float32 and, for bfloat16/float16 storage, casts it: both reproduce `w'`
   bit for bit (zeros land as +0 unless `w` was already zero). Float32
@@ -130,13 +194,22 @@ def writeback(
   (only formats with 8 exponent bits have them) are flushed to zero by
   float32 addition on backends that flush subnormals, such as XLA on CPU.
 
+  Proposals must arrive in float32 (or wider). Params stored natively in a
+  narrow dtype (`float8_*`, `float16`, `bfloat16`) give gradients of that
+  dtype, and an optimizer fed with them keeps its moments in it too (float8
+  moments underflow and turn the update into NaN): wrap the transforms
+  before the write-back in `lowprec.in_float32`, which runs them on float32
+  views and so keeps their state in float32. A narrower proposal is refused
+  at the first update, before anything is changed.
+
   Telemetry, per parameter path and in total, for the last update:
-  `proposals` (`u != 0`), `erased` (`u != 0` and `w' == w`), `moved`,
+  `proposals` (finite `u != 0`), `erased` (`u != 0` and `w' == w`), `moved`,
   `saturated` (`w + u` rounded beyond the largest finite value: clipped
-  under `overflow="saturate"`), `unreachable` (above) and
-  `erased_fraction = erased / proposals`. Read them with
-  `lowprec.telemetry(opt_state)`. The state holds these int32 scalars and a
-  key, never a copy of the parameters.
+  under `overflow="saturate"`), `unreachable` (above), `nonfinite` (above)
+  and `erased_fraction = erased / proposals`. Read them on the host with
+  `lowprec.telemetry(opt_state)`, or as arrays inside jit, scan or vmap with
+  `lowprec.telemetry_arrays(opt_state)`. The state holds these int32
+  scalars and a key, never a copy of the parameters.
 
   Args:
     fmt: the weights' format: a name (`"float8_e4m3fn"`, `"e8m3"`), a
@@ -147,9 +220,11 @@ def writeback(
       passes through). See `lowprec.storage`.
     rounding: "nearest", "stochastic" or "deadzone".
     key: a JAX PRNG key; required by "stochastic" and "deadzone", ignored by
-      "nearest". It is split at every update.
+      "nearest". It is kept in the state and split at every update; give
+      each member of a `vmap` ensemble its own with `lowprec.reseed`.
     overflow: "saturate" (default) clips to +-max finite; "ieee" overflows to
       inf, or NaN where the format has no inf, as a cast does.
+    nonfinite: "keep" (default) or "propagate", for non-finite proposals.
     telemetry: keep the counts in the state (one reduction per tensor and
       step; on XLA:CPU it recomputes the rounding, see the README).
 
@@ -159,11 +234,11 @@ def writeback(
     Its `init` checks concrete params and raises if any is off the grid.
 
   Raises:
-    ValueError: unknown rounding or overflow mode or format; a random
-      rounding without `key`; at `init`, params off their grid (call
+    ValueError: unknown rounding, overflow or nonfinite mode or format; a
+      random rounding without `key`; at `init`, params off their grid (call
       `lowprec.to_grid` first), stored in a dtype that cannot hold the grid,
       or an `intK` scale that is not a power of two; at `update`, missing
-      `params`.
+      `params` or proposals narrower than float32.
 
   Example:
     >>> params = lowprec.to_grid(params, "bfloat16")  # float32 on the grid
@@ -176,30 +251,16 @@ def writeback(
     >>> params = optax.apply_updates(params, updates)  # still on the grid
     >>> lowprec.telemetry(state)["erased_fraction"]
 
-  Reference: the write-back freezing study, `papers/001_*` ("Direct
-  low-precision write-back can erase nonzero optimizer proposals").
+  Reference: the write-back freezing study ("Direct low-precision
+  write-back can erase nonzero optimizer proposals").
   """
-  if rounding not in ROUNDINGS:
-    raise ValueError(
-      f"unknown rounding {rounding!r}; valid: {', '.join(ROUNDINGS)}"
-    )
-  if overflow not in OVERFLOW_MODES:
-    raise ValueError(
-      f"unknown overflow mode {overflow!r}; valid: {', '.join(OVERFLOW_MODES)}"
-    )
+  _check_mode("rounding", rounding, ROUNDINGS)
+  _check_mode("overflow mode", overflow, OVERFLOW_MODES)
+  _check_mode("nonfinite mode", nonfinite, NONFINITE_MODES)
   lookup = format_lookup(fmt)
   random = rounding != "nearest"
-  impl = None
-  if random:
-    if key is None:
-      raise ValueError(
-        f"writeback(rounding={rounding!r}) draws random bits and needs a "
-        "PRNG key: pass key=jax.random.key(seed)"
-      )
-    if jnp.issubdtype(jnp.asarray(key).dtype, jax.dtypes.prng_key):
-      impl = jax.random.key_impl(key)
-      key = jax.random.key_data(key)
-    key = rng_lib.key_words(key)
+  key, impl = _key_words(key, rounding) if random else (None, None)
+  rule = _LeafRule(rounding, overflow, nonfinite, telemetry)
 
   def init_fn(params):
     names = [
@@ -219,10 +280,7 @@ def writeback(
     return WritebackState(
       count=jnp.zeros([], jnp.int32),
       key=key if random else None,
-      proposals=zeros(),
-      moved=zeros(),
-      saturated=zeros(),
-      unreachable=zeros(),
+      **{c: zeros() for c in _COUNTS},
     )
 
   def update_fn(updates, state, params=None):
@@ -245,17 +303,15 @@ def writeback(
         deltas.append(u)
         continue
       name = path_name(path)
+      _check_proposal(name, u)
       bits = None
       if random:
         leaf_key = jax.random.fold_in(step_key, _seed(name))
         bits = rng_lib.random_bits(leaf_key, jnp.shape(w))
-      delta, leaf_counts = _write_leaf(
-        w, u, f, rounding, bits, telemetry, overflow
-      )
+      delta, leaf_counts = rule.write(w, u, f, bits)
       deltas.append(delta)
-      if telemetry:
-        for c, v in zip(_COUNTS, leaf_counts, strict=True):
-          counts[c][name] = v
+      for c, v in zip(_COUNTS, leaf_counts or (), strict=telemetry):
+        counts[c][name] = v
     if not telemetry:
       counts = dict.fromkeys(_COUNTS)
     new_state = WritebackState(
@@ -264,6 +320,37 @@ def writeback(
     return jax.tree_util.tree_unflatten(treedef, deltas), new_state
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _check_mode(what: str, value: str, valid: tuple[str, ...]) -> None:
+  if value not in valid:
+    raise ValueError(f"unknown {what} {value!r}; valid: {', '.join(valid)}")
+
+
+def _key_words(key, rounding: str):
+  """The raw key words kept in the state, and the key's implementation."""
+  if key is None:
+    raise ValueError(
+      f"writeback(rounding={rounding!r}) draws random bits and needs a "
+      "PRNG key: pass key=jax.random.key(seed)"
+    )
+  impl = None
+  if jnp.issubdtype(jnp.asarray(key).dtype, jax.dtypes.prng_key):
+    impl = jax.random.key_impl(key)
+    key = jax.random.key_data(key)
+  return rng_lib.key_words(key), impl
+
+
+def _check_proposal(name: str, u) -> None:
+  dtype = jnp.result_type(u)
+  if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4:
+    raise ValueError(
+      f"the proposal for parameter {name!r} arrives as {dtype.name}: the "
+      "transforms before writeback computed in the params' low-precision "
+      "dtype, so their state (e.g. Adam's moments) is that narrow too and "
+      "under- or overflows. Run them in float32: optax.chain("
+      "lowprec.in_float32(optax.adam(...)), lowprec.writeback(...))"
+    )
 
 
 def _format_of(lookup, path, w) -> Format | None:
@@ -295,36 +382,60 @@ def _seed(name: str) -> int:
   return zlib.crc32(name.encode()) & 0x7FFFFFFF
 
 
-def _write_leaf(w, u, fmt: Format, rounding: str, bits, telemetry, overflow):
-  """Delta and (proposals, moved, saturated, unreachable) for one tensor."""
-  w = jnp.asarray(w).astype(jnp.float32)
-  u = jnp.asarray(u).astype(jnp.float32)
-  x = w + u
-  sr_bits = bits if rounding == "stochastic" else None
-  q, over = round_and_flag(x, fmt, sr_bits, overflow=overflow)
-  if rounding == "deadzone":
-    q_sr, over_sr = round_and_flag(x, fmt, bits, overflow=overflow)
-    erased = q == w
-    q = jnp.where(erased, q_sr, q)
-    over = jnp.where(erased, over_sr, over)
-  proposed = u != 0
-  # Keeping w itself (not an equal value) preserves the sign of zero.
-  q = jnp.where(proposed & (q != w), q, w)
+@dataclasses.dataclass(frozen=True)
+class _LeafRule:
+  """The write-back of one tensor: the rounded value, the delta, the counts."""
+
+  rounding: str
+  overflow: str
+  nonfinite: str
+  telemetry: bool
+
+  def write(self, w, u, fmt: Format, bits):
+    """Delta and, with telemetry, the `_COUNTS` of one tensor."""
+    w = jnp.asarray(w).astype(jnp.float32)
+    u = jnp.asarray(u).astype(jnp.float32)
+    q, over = self._round(w, u, fmt, bits)
+    finite = jnp.isfinite(u) & ~jnp.isnan(w)
+    proposed = (u != 0) & finite
+    written = proposed if self.nonfinite == "keep" else (u != 0) | ~finite
+    # Keeping w itself (not an equal value) preserves the sign of zero.
+    q = jnp.where(written & (q != w), q, w)
+    delta, lands = _land(w, q, fmt)
+    if not self.telemetry:
+      return delta, None
+    # The delta is -0 exactly where the weight stays, nonzero where it moves.
+    moved = proposed & (delta != 0)
+    return delta, _count(proposed, moved, over & proposed, ~lands, ~finite)
+
+  def _round(self, w, u, fmt: Format, bits):
+    x = w + u
+    sr_bits = bits if self.rounding == "stochastic" else None
+    q, over = round_and_flag(x, fmt, sr_bits, overflow=self.overflow)
+    if self.rounding == "deadzone":
+      q_sr, over_sr = round_and_flag(x, fmt, bits, overflow=self.overflow)
+      erased = q == w
+      q = jnp.where(erased, q_sr, q)
+      over = jnp.where(erased, over_sr, over)
+    return q, over
+
+
+def _land(w, q, fmt: Format):
+  """The float32 delta that takes w to q, or to q's neighbour toward w.
+
+  Rarely q is out of reach of float32 addition to w (see `writeback`): take
+  the grid neighbour of q toward w if that lands, else stay. This is
+  elementwise, not a `lax.cond`, so that XLA fuses the whole write-back into
+  the optimizer's update and `apply_updates`. Returns the delta and where q
+  itself landed.
+  """
   delta, lands = _delta(w, q)
-  # Rarely q is out of reach of float32 addition to w (see `writeback`):
-  # take the grid neighbour of q toward w if that lands, else stay. This is
-  # elementwise, not a `lax.cond`, so that XLA fuses the whole write-back
-  # into the optimizer's update and `apply_updates`.
   q2 = _toward_zero(q, fmt)
   delta2, lands2 = _delta(w, q2)
   toward_w = (q > w) == (q > 0)  # toward zero is toward w, not past it
   detour = ~lands & lands2 & toward_w
   delta = jnp.where(lands, delta, jnp.where(detour, delta2, -0.0))
-  if not telemetry:
-    return delta, None
-  # The delta is -0 exactly where the weight stays, nonzero where it moves.
-  moved = proposed & (delta != 0)
-  return delta, _count(proposed, moved, over & proposed, ~lands)
+  return delta, lands
 
 
 def _toward_zero(q, fmt: Format):

@@ -140,32 +140,45 @@ class ReferenceTraceState(NamedTuple):
     far, -1 for none) and `erased_fraction/<leaf>`. For a stochastic or
     dead-zone target: `proposals`, `move_prob` (mean probability that a
     proposal moves its coordinate) and `move_prob/<leaf>`. With a sample:
-    `pred/sample/w` and `pred/sample/u`.
+    `pred/sample/w` and `pred/sample/u`. Counts are exact integers and
+    fractions float64, computed on the host; a state with leading
+    (ensemble) axes gives nested lists.
     """
-    lay = self.layout
-    props = np.asarray(self.proposals, np.int64)
-    erased = np.asarray(self.erased, np.int64)
-    move = np.asarray(self.move_prob, np.float64)
-    run_start = np.asarray(self.run_start)
+    host = jax.device_get(self)
+    return self._collect(host, np, _host_ratio, _host_value)
+
+  def arrays(self) -> dict[str, jax.Array]:
+    """The values of `report()` as arrays (int32 counts, float32 ratios),
+    traceable inside jit, stacked by `scan`, batched by `vmap`."""
+    return self._collect(self, jnp, _ratio_array, lambda x: x)
+
+  @staticmethod
+  def _collect(st, xp, ratio, value) -> dict[str, Any]:
+    lay = st.layout
+    wide = np.int64 if xp is np else jnp.int32
+    props = xp.asarray(st.proposals).astype(wide)
+    erased = xp.asarray(st.erased).astype(wide)
+    move = xp.asarray(st.move_prob)
+    if xp is np:
+      move = move.astype(np.float64)
     out: dict[str, Any] = {}
     for j, name in enumerate(lay.targets):
       pre = f"pred/{name}/"
-      counted = np.array([f is not None for f in lay.formats[j]], bool)
-      n = int(props[counted].sum())
-      out[pre + "proposals"] = n
+      counted = [i for i, f in enumerate(lay.formats[j]) if f is not None]
+      n = props[..., counted].sum(axis=-1)
+      out[pre + "proposals"] = value(n)
       nearest = lay.roundings[j] == "nearest"
-      num = erased[j] if nearest else move[j]
+      num = erased[..., j, :] if nearest else move[..., j, :]
       key = "erased_fraction" if nearest else "move_prob"
       if nearest:
-        out[pre + "erased"] = int(num[counted].sum())
-        out[pre + "crossing"] = int(run_start[j])
-      out[pre + key] = _ratio(num[counted].sum(), n)
-      for leaf, c, k, p in zip(lay.leaves, counted, num, props, strict=True):
-        if c:
-          out[f"{pre}{key}/{leaf}"] = _ratio(k, p)
-    if self.sample_index.shape[0]:
-      out["pred/sample/w"] = np.asarray(self.sample_w)
-      out["pred/sample/u"] = np.asarray(self.sample_u)
+        out[pre + "erased"] = value(num[..., counted].sum(axis=-1))
+        out[pre + "crossing"] = value(xp.asarray(st.run_start)[..., j])
+      out[pre + key] = ratio(num[..., counted].sum(axis=-1), n)
+      for i in counted:
+        out[f"{pre}{key}/{lay.leaves[i]}"] = ratio(num[..., i], props[..., i])
+    if st.sample_index.shape[-1]:
+      out["pred/sample/w"] = xp.asarray(st.sample_w)
+      out["pred/sample/u"] = xp.asarray(st.sample_u)
     return out
 
   def sample_positions(self) -> list[tuple[str, int]]:
@@ -180,6 +193,24 @@ class ReferenceTraceState(NamedTuple):
 
 def _ratio(num, den) -> float:
   return float(num) / float(den) if den else float("nan")
+
+
+def _host_value(a):
+  a = np.asarray(a)
+  return a.tolist() if a.ndim else a.item()
+
+
+def _host_ratio(num, den):
+  num, den = np.asarray(num), np.asarray(den)
+  if not num.ndim:
+    return _ratio(num, den)
+  with np.errstate(invalid="ignore", divide="ignore"):
+    return np.where(den > 0, num / np.maximum(den, 1), np.nan).tolist()
+
+
+def _ratio_array(num, den) -> jax.Array:
+  den_f = jnp.maximum(den, 1).astype(jnp.float32)
+  return jnp.where(den > 0, num.astype(jnp.float32) / den_f, jnp.nan)
 
 
 def leaf_paths(tree) -> list[str]:
