@@ -134,7 +134,7 @@ def predict(op: Op, policy) -> Prediction:
   out = []
   for req, value in zip(op.table, values, strict=True):
     kind = op.kind(req.tensor)
-    own: Rounding = getattr(op, req.tensor)
+    own: Rounding = op.rounding(req.tensor)
     verdicts = {
       v: req_lib.classify(req, v, kind, own.is_identity) for v in VALUES
     }
@@ -361,7 +361,7 @@ def verify(
   uses = []
   for i, u in enumerate(pred.uses):
     req = op.table[i]
-    own = getattr(op, req.tensor)
+    own = op.rounding(req.tensor)
     kind = op.kind(req.tensor)
     checks = []
     for v in VALUES:
@@ -541,3 +541,7 @@ def _table(head, rows) -> str:
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
   return "\n".join(lines)
+
+
+# Derivation builds on predict and verify, so it is imported last.
+from lowprec.derive import Derivation, Evidence, derive  # noqa: E402, F401

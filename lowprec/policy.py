@@ -38,27 +38,10 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
+import types
 from collections.abc import Mapping, Sequence
 
 VALUES = ("rounded", "original", "fresh", "nearest")
-
-# Every operator of `lowprec.ops` and the uses of its saved tensors, in the
-# order its backward reads them. The requirements tables are keyed by these.
-USES: dict[str, tuple[str, ...]] = {
-  "dense": ("dense.in@dw", "dense.kernel@dx"),
-  "norm_dense": (
-    "norm.out@dgain",
-    "norm.out@dw",
-    "norm.out@dx",
-    "dense.kernel@dx",
-  ),
-  "attention": ("attn.probs@dv", "attn.probs@dscores", "attn.out@delta"),
-  "activation": ("act.in@dact",),
-}
-
-ALL_USES: tuple[str, ...] = tuple(
-  dict.fromkeys(u for v in USES.values() for u in v)
-)
 
 # Characters the string form uses as separators.
 _RESERVED = (",", "=")
@@ -67,6 +50,165 @@ _RESERVED = (",", "=")
 def _suggest(name: str, options: Sequence[str]) -> str:
   close = difflib.get_close_matches(name, list(options), n=1, cutoff=0.5)
   return f" Did you mean {close[0]!r}?" if close else ""
+
+
+def check_use_name(use: str) -> str:
+  """`use` if it is a well-formed use name `<tensor>@<what it feeds>`.
+
+  Raises:
+    ValueError: no `@`, more than one, an empty side, whitespace, or one of
+      the string form's separators `,` `=`.
+  """
+  if not isinstance(use, str) or use.count("@") != 1:
+    raise ValueError(
+      f"use name {use!r} must be '<tensor>@<what it feeds>', with exactly "
+      "one '@' (e.g. 'swiglu.act@dw_down')"
+    )
+  tensor, feeds = use.split("@")
+  if not tensor or not feeds:
+    raise ValueError(f"use name {use!r} has an empty tensor or feed name")
+  if any(c.isspace() or c in _RESERVED for c in use):
+    raise ValueError(
+      f"use name {use!r} contains whitespace, ',' or '=' (reserved by the "
+      "policy string form)"
+    )
+  return use
+
+
+@dataclasses.dataclass(frozen=True)
+class Registry:
+  """The operators a policy may configure, each with the uses it reads.
+
+  A registry is a value: `register` returns a new registry and never
+  changes the one it is called on, so no module state is shared between
+  users, and a registry (like the `Policy` holding it) is hashable and can
+  be a static argument under `jax.jit`. `BUILTIN` holds the operators of
+  `lowprec.ops`; add your own with `BUILTIN.register(op)`.
+
+  A policy consults its registry only to catch typos: a rule must match at
+  least one use of some registered operator (or of the operator being
+  resolved). Which value a use reads never depends on the registry.
+
+  Attributes:
+    ops: `((operator name, (use, ...)), ...)`, in registration order. Use
+      names are `<tensor>@<what it feeds>`; two operators may share a use
+      (the kernel of `dense` and `norm_dense` is read the same way).
+
+  Raises:
+    ValueError: an operator named twice, a malformed or repeated use name.
+
+  Example:
+    >>> reg = BUILTIN.register(("swiglu", ("swiglu.act@dw_down",)))
+    >>> reg.uses("swiglu")
+    ('swiglu.act@dw_down',)
+    >>> "swiglu" in BUILTIN
+    False
+  """
+
+  ops: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+  def __post_init__(self):
+    ops = tuple((str(n), tuple(u)) for n, u in self.ops)
+    names = [n for n, _ in ops]
+    for name in names:
+      if names.count(name) > 1:
+        raise ValueError(f"operator {name!r} is registered twice")
+    for name, uses in ops:
+      for use in uses:
+        check_use_name(use)
+      if len(set(uses)) != len(uses):
+        raise ValueError(f"operator {name!r} lists a use twice: {uses}")
+    object.__setattr__(self, "ops", ops)
+
+  def register(self, op, uses: Sequence[str] | None = None) -> Registry:
+    """A registry with `op` added (this one is unchanged).
+
+    Args:
+      op: an operator (anything with `name` and `uses`, e.g. an
+        `ops.Custom`), or a `(name, uses)` pair, or a name with `uses`.
+      uses: the operator's use names when `op` is a name.
+
+    Returns:
+      The new registry; this one itself if `op` is already registered with
+      the same uses.
+
+    Raises:
+      ValueError: the name is registered with other uses (the message lists
+        both), or a use name is malformed.
+    """
+    if uses is None:
+      if isinstance(op, tuple) and len(op) == 2:
+        op, uses = op
+      else:
+        op, uses = op.name, op.uses
+    name, uses = str(op), tuple(uses)
+    known = dict(self.ops)
+    if name in known:
+      if known[name] == uses:
+        return self
+      raise ValueError(
+        f"operator {name!r} is already registered with uses "
+        f"{', '.join(known[name])}; got {', '.join(uses)}. Give your "
+        "operator another name."
+      )
+    return Registry((*self.ops, (name, uses)))
+
+  def merge(self, other: Registry) -> Registry:
+    """Both registries' operators (this one's first)."""
+    out = self
+    for name, uses in other.ops:
+      out = out.register(name, uses)
+    return out
+
+  def uses(self, op: str) -> tuple[str, ...]:
+    """The uses of operator `op`, in its backward's order.
+
+    Raises:
+      ValueError: `op` is not registered (with a suggestion and the list).
+    """
+    known = dict(self.ops)
+    if op not in known:
+      raise ValueError(
+        f"unknown operator {op!r}.{_suggest(op, known)} Operators: "
+        + ", ".join(known)
+        + ". Register your own with lowprec.policy.BUILTIN.register(op) "
+        "and pass the registry to Policy.parse(..., registry=...)."
+      )
+    return known[op]
+
+  @property
+  def names(self) -> tuple[str, ...]:
+    return tuple(n for n, _ in self.ops)
+
+  @property
+  def all_uses(self) -> tuple[str, ...]:
+    """Every use of every operator, each once."""
+    return tuple(dict.fromkeys(u for _, uses in self.ops for u in uses))
+
+  def __contains__(self, op) -> bool:
+    return op in self.names
+
+  def __repr__(self) -> str:
+    return f"Registry({', '.join(self.names)})"
+
+
+# The operators of `lowprec.ops` and the uses of their saved tensors, in the
+# order their backward reads them. The requirements tables are keyed by these.
+BUILTIN = Registry(
+  (
+    ("dense", ("dense.in@dw", "dense.kernel@dx")),
+    (
+      "norm_dense",
+      ("norm.out@dgain", "norm.out@dw", "norm.out@dx", "dense.kernel@dx"),
+    ),
+    ("attention", ("attn.probs@dv", "attn.probs@dscores", "attn.out@delta")),
+    ("activation", ("act.in@dact",)),
+  )
+)
+
+# Read-only views of `BUILTIN`.
+USES: Mapping[str, tuple[str, ...]] = types.MappingProxyType(dict(BUILTIN.ops))
+ALL_USES: tuple[str, ...] = BUILTIN.all_uses
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +222,9 @@ class Policy:
   Attributes:
     rules: `((regex, value), ...)`; a regex must match a use name in full; a
       value is one of `VALUES`. The first matching rule wins.
+    registry: the operators whose use names the rules may name (`BUILTIN`
+      unless you add your own); it only serves to catch typos, see
+      `resolve`. Not part of the string form.
 
   Raises:
     ValueError: a value not in `VALUES` (with a suggestion), a regex that does
@@ -88,8 +233,13 @@ class Policy:
   """
 
   rules: tuple[tuple[str, str], ...] = ()
+  registry: Registry = BUILTIN
 
   def __post_init__(self):
+    if not isinstance(self.registry, Registry):
+      raise TypeError(
+        f"registry must be a lowprec.policy.Registry, got {self.registry!r}"
+      )
     rules = tuple((str(p).strip(), str(v).strip()) for p, v in self.rules)
     for pattern, value in rules:
       if not pattern:
@@ -114,17 +264,24 @@ class Policy:
   # ---- construction -------------------------------------------------------
 
   @classmethod
-  def parse(cls, spec: Policy | str | Mapping[str, str] | Sequence) -> Policy:
+  def parse(
+    cls,
+    spec: Policy | str | Mapping[str, str] | Sequence,
+    registry: Registry | None = None,
+  ) -> Policy:
     """Builds a policy from any of its forms.
 
     Args:
-      spec: a `Policy` (returned as is); a string
+      spec: a `Policy` (returned as is, its registry merged with `registry`
+        if one is given); a string
         `"regex=value,regex=value"` (whitespace around items is ignored; the
         empty string has no rules); a dict `{regex: value}` (insertion order
         is rule order); or a sequence of `(regex, value)` pairs.
+      registry: the operators the rules may name (default `BUILTIN`).
 
     Returns:
-      The `Policy`. `Policy.parse(str(p)) == p` for every policy `p`.
+      The `Policy`. `Policy.parse(str(p), p.registry) == p` for every
+      policy `p`.
 
     Raises:
       ValueError: an item without exactly one `=`, an empty pattern, an
@@ -135,11 +292,14 @@ class Policy:
       Policy('norm.out@dw=rounded,norm.out@.*=original')
     """
     if isinstance(spec, Policy):
-      return spec
+      if registry is None or registry == spec.registry:
+        return spec
+      return cls(spec.rules, spec.registry.merge(registry))
+    registry = BUILTIN if registry is None else registry
     if isinstance(spec, str):
-      return cls(_split(spec))
+      return cls(_split(spec), registry)
     if isinstance(spec, Mapping):
-      return cls(tuple(spec.items()))
+      return cls(tuple(spec.items()), registry)
     if isinstance(spec, Sequence):
       rules = []
       for item in spec:
@@ -148,23 +308,35 @@ class Policy:
             f"a policy rule must be a (regex, value) pair, got {item!r}"
           )
         rules.append((item[0], item[1]))
-      return cls(tuple(rules))
+      return cls(tuple(rules), registry)
     raise TypeError(
       "expected a Policy, a string 'use=value,...', a dict or a list of "
       f"(regex, value) rules, got {type(spec).__name__}"
     )
 
   def override(self, spec: Policy | str | Mapping[str, str] | Sequence):
-    """A policy whose rules are `spec`'s, then this policy's (first wins)."""
-    return Policy(Policy.parse(spec).rules + self.rules)
+    """A policy whose rules are `spec`'s, then this policy's (first wins);
+    its registry holds the operators of both."""
+    other = Policy.parse(spec, self.registry)
+    return Policy(other.rules + self.rules, self.registry.merge(other.registry))
+
+  def with_registry(self, registry: Registry) -> Policy:
+    """This policy, its rules allowed to name `registry`'s uses too."""
+    return Policy.parse(self, registry)
 
   # ---- use ------------------------------------------------------------------
 
-  def resolve(self, op: str) -> dict[str, str]:
+  def resolve(self, op) -> dict[str, str]:
     """The value each use of operator `op` reads, in the op's use order.
 
+    The uses come from `op` itself when it is an operator object (so an
+    operator of your own resolves without being registered), else from the
+    policy's registry. Every rule must match some use of the registry's
+    operators or of `op`: a rule matching none is a typo.
+
     Args:
-      op: an operator name, a key of `USES` (e.g. `"attention"`).
+      op: an operator name in `self.registry` (e.g. `"attention"`), or an
+        operator object with `name` and `uses` (e.g. an `ops.Custom`).
 
     Returns:
       `{use: value}` for every use of `op`.
@@ -174,19 +346,25 @@ class Policy:
         operator (most likely a typo; the message suggests the closest name);
         or a use of `op` that no rule covers. Each message lists `op`'s uses.
     """
-    if op not in USES:
-      raise ValueError(
-        f"unknown operator {op!r}.{_suggest(op, USES)} Operators: "
-        + ", ".join(USES)
-      )
-    uses = USES[op]
-    listing = f"Uses of {op}: {', '.join(uses)}."
+    if isinstance(op, str):
+      name, uses = op, self.registry.uses(op)
+    else:
+      name, uses = op.name, tuple(op.uses)
+    known = tuple(dict.fromkeys((*uses, *self.registry.all_uses)))
+    listing = f"Uses of {name}: {', '.join(uses)}."
     for pattern, _ in self.rules:
-      if not any(re.fullmatch(pattern, u) for u in ALL_USES):
+      if not any(re.fullmatch(pattern, u) for u in known):
+        hint = ""
+        if name not in self.registry:
+          hint = (
+            f" (Rules naming other operators' uses need them registered: "
+            f"Policy.parse(..., registry=BUILTIN.register(op)); {name} is "
+            "not in this policy's registry.)"
+          )
         raise ValueError(
           f"policy rule {pattern!r} matches no use name."
-          f"{_suggest(pattern, uses) or _suggest(pattern, ALL_USES)} "
-          f"{listing}"
+          f"{_suggest(pattern, uses) or _suggest(pattern, known)} "
+          f"{listing}{hint}"
         )
     out = {}
     for use in uses:
@@ -205,7 +383,9 @@ class Policy:
     return ",".join(f"{p}={v}" for p, v in self.rules)
 
   def __repr__(self) -> str:
-    return f"Policy({str(self)!r})"
+    extra = [n for n in self.registry.names if n not in BUILTIN]
+    more = f", registry=+{'+'.join(extra)}" if extra else ""
+    return f"Policy({str(self)!r}{more})"
 
 
 def _split(text: str) -> tuple[tuple[str, str], ...]:

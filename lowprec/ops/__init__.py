@@ -20,6 +20,11 @@ with straight-through roundings whose `jax.grad` is the reference gradient.
 `REFERENCE` is the policy that reads, for every use of every operator, what
 the reference reads.
 
+Operators of your own: `Custom` builds one from a plain JAX forward whose
+every backward read of a saved tensor goes through `read(use, t)`; its
+requirements table is derived by `lowprec.audit.derive` (see
+`docs/own_operators.md`).
+
 Example:
   >>> fp8 = Rounding("float8_e4m3fn", "stochastic")
   >>> op = Attention(probs=fp8, out=fp8, grad="float8_e5m2:stochastic")
@@ -29,6 +34,7 @@ Example:
 from lowprec.ops.activation import ACTIVATIONS, Activation, activation
 from lowprec.ops.attention import Attention, attention
 from lowprec.ops.base import Op
+from lowprec.ops.custom import Custom, Reader
 from lowprec.ops.dense import Dense, dense
 from lowprec.ops.norm_dense import NORMS, NormDense, norm_dense
 from lowprec.ops.requirements import Requirement
@@ -55,10 +61,12 @@ __all__ = [
   "REFERENCE",
   "Activation",
   "Attention",
+  "Custom",
   "Dense",
   "NormDense",
   "Op",
   "Policy",
+  "Reader",
   "Requirement",
   "Rounding",
   "activation",

@@ -54,6 +54,10 @@ class Op:
   def uses(self) -> tuple[str, ...]:
     return policy_lib.USES[self.name]
 
+  def rounding(self, tensor: str) -> Rounding:
+    """The `Rounding` of saved tensor `tensor` (a name in `self.tensors`)."""
+    return getattr(self, tensor)
+
   @property
   def requirements(self) -> dict[str, Requirement]:
     """The requirements table, `{use: Requirement}` (see the class doc)."""
@@ -73,7 +77,7 @@ class Op:
 
   def kind(self, tensor: str) -> str:
     """How `tensor`'s rounded value is produced (see `requirements.KINDS`)."""
-    r = getattr(self, tensor)
+    r = self.rounding(tensor)
     if r.is_identity:
       return "none"
     return "stochastic" if r.mode == "stochastic" else "nearest"
@@ -82,7 +86,7 @@ class Op:
     """The value each use reads, in `self.uses` order (None: reference)."""
     if policy is None:
       policy = self.reference_policy
-    values = policy_lib.Policy.parse(policy).resolve(self.name)
+    values = policy_lib.Policy.parse(policy).resolve(self)
     return tuple(values[u] for u in self.uses)
 
   def reads(self, values) -> dict[str, frozenset[str]]:
@@ -96,11 +100,11 @@ class Op:
     return {t: frozenset(v) for t, v in out.items()}
 
   def _needs_forward_key(self) -> bool:
-    return any(getattr(self, t).stochastic for t in self.tensors)
+    return any(self.rounding(t).stochastic for t in self.tensors)
 
   def _needs_backward_key(self, values) -> bool:
     fresh = any(
-      v == "fresh" and not getattr(self, r.tensor).is_identity
+      v == "fresh" and not self.rounding(r.tensor).is_identity
       for r, v in zip(self.table, values, strict=True)
     )
     return fresh or self.grad_rounding.stochastic
@@ -148,7 +152,7 @@ class Op:
     fwd = self._needs_forward_key()
     bwd = self._needs_backward_key(values)
     if key is None and (fwd or (bwd and backward_key is None)):
-      why = [f"{t}={getattr(self, t)!r}" for t in self.tensors]
+      why = [f"{t}={self.rounding(t)!r}" for t in self.tensors]
       why.append(f"grad={self.grad_rounding!r}")
       if any(v == "fresh" for v in values):
         why.append("fresh reads")
@@ -171,7 +175,7 @@ class Op:
   def _forward_keys(self, key) -> dict:
     """`{tensor: key of its forward draw}` (None where nothing is drawn)."""
     return {
-      t: saved.derive(key, t) if getattr(self, t).stochastic else None
+      t: saved.derive(key, t) if self.rounding(t).stochastic else None
       for t in self.tensors
     }
 
@@ -180,7 +184,7 @@ class Op:
   def _round(self, tensor, x, keys, reads, res):
     """Rounds `x` for the forward; records residuals unless `reads` is None
     (straight-through reference forward)."""
-    r = getattr(self, tensor)
+    r = self.rounding(tensor)
     if reads is None:
       return saved.straight_through(r, x, keys[tensor])
     xr, res[tensor] = saved.save(r, x, keys[tensor], reads[tensor])
@@ -194,7 +198,7 @@ class Op:
     return per_value(
       values[i],
       lambda v: saved.read(
-        getattr(self, r.tensor), res[r.tensor], v, fresh_key
+        self.rounding(r.tensor), res[r.tensor], v, fresh_key
       ),
     )
 
