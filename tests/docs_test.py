@@ -1,0 +1,203 @@
+"""Every Python block in README.md and docs/*.md runs as pasted.
+
+The convention the pages follow (docs/index.md states it for writers):
+
+* A ```python block is run on its own, in a fresh namespace, as a reader
+  would paste it into a new interpreter: it carries its own imports.
+* If the next thing after it (blank lines aside) is a ```text block, what
+  the Python block prints must equal that text (trailing spaces aside);
+  otherwise it must print nothing, so that no output goes unshown.
+* The line `<!-- docs: skip (reason) -->` just before a block leaves it out;
+  the reason is required.
+
+Pages added to docs/ are picked up without listing them here.
+"""
+
+import contextlib
+import dataclasses
+import glob
+import io
+import os
+import re
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAGES = [
+  "README.md",
+  *sorted(glob.glob("docs/**/*.md", root_dir=ROOT, recursive=True)),
+]
+_FENCE = re.compile(r"^```\s*([\w+-]*)\s*$")
+_SKIP = re.compile(r"^<!--\s*docs:\s*skip\s*\((.+)\)\s*-->$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+  lang: str
+  line: int  # 1-based line of the opening fence
+  body: str
+  skip: str | None  # the reason, when marked to be skipped
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+  page: str
+  line: int
+  code: str
+  expected: str  # "" when no output block follows
+  skip: str | None
+
+
+def parse_blocks(text: str) -> list[Block]:
+  """The fenced blocks of a Markdown text, with what stands before each."""
+  lines = text.splitlines()
+  out, i, prev = [], 0, ""
+  while i < len(lines):
+    m = _FENCE.match(lines[i])
+    if not m:
+      if lines[i].strip():
+        prev = lines[i].strip()
+      i += 1
+      continue
+    start, body = i, []
+    i += 1
+    while i < len(lines) and lines[i].strip() != "```":
+      body.append(lines[i])
+      i += 1
+    if i == len(lines):
+      raise ValueError(f"line {start + 1}: a code block is never closed")
+    skip = _SKIP.match(prev)
+    out.append(
+      Block(m.group(1), start + 1, "\n".join(body), skip and skip.group(1))
+    )
+    i += 1
+    prev = "```"
+  return out
+
+
+def examples(page: str, text: str) -> list[Example]:
+  """The Python blocks of a page, each with the output block after it."""
+  blocks = parse_blocks(text)
+  lines = text.splitlines()
+  out = []
+  for k, b in enumerate(blocks):
+    if b.lang != "python":
+      continue
+    expected = ""
+    nxt = blocks[k + 1] if k + 1 < len(blocks) else None
+    if nxt is not None and nxt.lang == "text":
+      end = b.line + b.body.count("\n") + 1  # 0-based index of the close
+      if all(not x.strip() for x in lines[end + 1 : nxt.line - 1]):
+        expected = nxt.body
+    out.append(Example(page, b.line, b.body, expected, b.skip))
+  return out
+
+
+def run(example: Example) -> str:
+  """Runs one block in a fresh namespace; returns what it printed."""
+  code = compile(example.code, f"{example.page}:{example.line}", "exec")
+  buf = io.StringIO()
+  with contextlib.redirect_stdout(buf):
+    exec(code, {"__name__": "__docs__"})
+  return buf.getvalue()
+
+
+def _normal(s: str) -> str:
+  return "\n".join(x.rstrip() for x in s.strip("\n").splitlines())
+
+
+def check(example: Example) -> None:
+  """Raises AssertionError when the printed output differs from the shown."""
+  got = _normal(run(example))
+  want = _normal(example.expected)
+  where = f"{example.page}:{example.line}"
+  if not want:
+    assert not got, f"{where} prints output that the page does not show:\n{got}"
+  assert got == want, f"{where} printed\n{got}\n\nthe page shows\n{want}"
+
+
+def _all_examples() -> list[Example]:
+  out = []
+  for page in PAGES:
+    with open(os.path.join(ROOT, page), encoding="utf-8") as f:
+      out += examples(page, f.read())
+  return out
+
+
+EXAMPLES = _all_examples()
+
+
+@pytest.mark.parametrize(
+  "example", EXAMPLES, ids=[f"{e.page}:{e.line}" for e in EXAMPLES]
+)
+def test_block_runs_as_pasted_and_prints_what_the_page_shows(example):
+  if example.skip:
+    pytest.skip(example.skip)
+  check(example)
+
+
+def test_the_readme_and_every_topic_page_have_blocks_to_run():
+  pages = {e.page for e in EXAMPLES}
+  assert "README.md" in pages
+  assert len(pages) >= 4, pages
+
+
+# -------------------------------------------------- the runner itself
+
+
+PAGE = """\
+Intro.
+
+```python
+print(1 + 1)
+```
+
+```text
+2
+```
+
+```python
+x = 3
+```
+
+<!-- docs: skip (needs a GPU) -->
+```python
+raise RuntimeError
+```
+
+```bash
+echo not python
+```
+"""
+
+
+def test_parse_pairs_each_block_with_its_output_and_skip_marker():
+  ex = examples("page.md", PAGE)
+  assert [(e.line, e.expected, e.skip) for e in ex] == [
+    (3, "2", None),
+    (11, "", None),
+    (16, "", "needs a GPU"),
+  ]
+
+
+def test_check_fails_on_wrong_missing_or_unshown_output():
+  right = Example("p", 1, "print('a')\nprint('b ')", "a\nb", None)
+  check(right)
+  for bad in [
+    Example("p", 1, "print('a')", "b", None),  # wrong output
+    Example("p", 1, "pass", "a", None),  # shown, never printed
+    Example("p", 1, "print('a')", "", None),  # printed, never shown
+  ]:
+    with pytest.raises(AssertionError):
+      check(bad)
+
+
+def test_each_block_gets_a_fresh_namespace():
+  check(Example("p", 1, "x = 1", "", None))
+  with pytest.raises(NameError):
+    check(Example("p", 2, "print(x)", "1", None))
+
+
+def test_an_unclosed_block_is_an_error():
+  with pytest.raises(ValueError, match="never closed"):
+    parse_blocks("```python\nprint(1)\n")
