@@ -15,6 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import jax
 import numpy as np
+from flax import nnx
 
 from lowprec import rng as rng_lib
 
@@ -47,6 +48,9 @@ def _merge(dicts) -> dict[str, Any]:
 
 
 def _reporters(opt_state) -> list[Reports]:
+  # Flax NNX keeps optimizer state in Variables (`OptArray`): read through
+  # them, so `opt.opt_state` of an `nnx.Optimizer` can be passed as it is.
+  opt_state = nnx.as_pure(opt_state)
   nodes = jax.tree_util.tree_leaves(opt_state, is_leaf=_is_reporter)
   return [n for n in nodes if _is_reporter(n)]
 

@@ -334,11 +334,9 @@ def _key_words(key, rounding: str):
       f"writeback(rounding={rounding!r}) draws random bits and needs a "
       "PRNG key: pass key=jax.random.key(seed)"
     )
-  impl = None
-  if jnp.issubdtype(jnp.asarray(key).dtype, jax.dtypes.prng_key):
-    impl = jax.random.key_impl(key)
-    key = jax.random.key_data(key)
-  return rng_lib.key_words(key), impl
+  words = rng_lib.key_words(key)  # raises for what is not a key
+  typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+  return words, jax.random.key_impl(key) if typed else None
 
 
 def _check_proposal(name: str, u) -> None:

@@ -8,6 +8,7 @@ rounding to compute an expected value.
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import optax
 import pytest
@@ -676,3 +677,100 @@ def test_telemetry_finds_the_state_inside_a_chain():
     "erased_fraction/w": 0.5,
   }
   assert isinstance(state[1], lowprec.WritebackState)
+
+
+# ---- non-finite proposals ----------------------------------------------------
+
+
+def _nonfinite_run(mode, fmt="bfloat16", steps=6, bad_step=3):
+  """SGD on a toy problem whose gradient has NaN and inf at one step."""
+  w0 = lowprec.to_grid({"w": jnp.linspace(-1.0, 1.0, 12)}, fmt)
+  opt = optax.chain(optax.sgd(0.1), lowprec.writeback(fmt, nonfinite=mode))
+  state = opt.init(w0)
+  update = jax.jit(opt.update)
+  params, history = w0, []
+  for t in range(steps):
+    g = np.asarray(params["w"], np.float32) - 0.3
+    if t == bad_step:
+      g = g.copy()
+      g[[1, 4]] = np.nan
+      g[[7]] = np.inf
+      g[[9]] = -np.inf
+    before = np.asarray(params["w"], np.float32)
+    updates, state = update({"w": jnp.asarray(g)}, state, params)
+    params = optax.apply_updates(params, updates)
+    history.append(
+      (before, g, np.asarray(params["w"]), lowprec.telemetry(state))
+    )
+  return history
+
+
+def test_nonfinite_proposals_are_counted_and_kept_by_default():
+  for before, g, after, tel in _nonfinite_run("keep"):
+    u = np.float32(-0.1) * g
+    bad = ~np.isfinite(u)
+    assert tel["nonfinite"] == bad.sum()
+    # Kept, bit for bit, and never counted as proposals or moves.
+    np.testing.assert_array_equal(after[bad], before[bad])
+    prop = (u != 0) & ~bad
+    assert tel["proposals"] == prop.sum()
+    assert tel["moved"] == (prop & (after != before)).sum()
+    want = (before + u).astype(ml_dtypes.bfloat16).astype(np.float32)
+    np.testing.assert_array_equal(after[prop], want[prop])
+    assert np.all(np.isfinite(after))
+  assert sum(h[3]["nonfinite"] for h in _nonfinite_run("keep")) == 4
+
+
+def test_nonfinite_proposals_propagate_when_asked():
+  history = _nonfinite_run("propagate")
+  before, g, after, tel = history[3]
+  assert tel["nonfinite"] == 4 and tel["moved"] <= tel["proposals"]
+  assert np.isnan(after[[1, 4]]).all()
+  top = float(lowprec.get_format("bfloat16").max_finite)
+  # sgd: u = -0.1 g, so +inf gradient -> -inf proposal -> saturates to -max.
+  assert after[7] == -top and after[9] == top
+  # NaN weights stay NaN, counted as non-finite, and never "move".
+  _, _, after_next, tel_next = history[4]
+  assert np.isnan(after_next[[1, 4]]).all()
+  assert tel_next["nonfinite"] == 2
+  with pytest.raises(ValueError, match=r"'w': 2 NaN of 12.*non-finite"):
+    lowprec.check_on_grid({"w": jnp.asarray(after_next)}, "bfloat16")
+
+
+def test_check_on_grid_names_infinities_a_format_lacks():
+  w = jnp.array([1.0, jnp.inf, 0.1])
+  with pytest.raises(ValueError, match=r"1 infinite \(float8_e4m3fn has no"):
+    lowprec.check_on_grid({"w": w}, "float8_e4m3fn")
+  # e5m2 has inf: only the off-grid 0.1 is reported, as off the grid.
+  with pytest.raises(ValueError, match=r"1 of 3 values off the float8_e5m2"):
+    lowprec.check_on_grid({"w": w}, "float8_e5m2")
+
+
+def test_zero_size_leaves_tuple_rules_and_bad_keys():
+  params = {"empty": jnp.zeros((0, 4)), "w": jnp.ones(3)}
+  lowprec.check_on_grid(params, "bfloat16")
+  opt = lowprec.writeback("bfloat16", "stochastic", key=jax.random.key(0))
+  state = opt.init(params)
+  updates, state = jax.jit(opt.update)(
+    {"empty": jnp.zeros((0, 4)), "w": jnp.full(3, 0.5)}, state, params
+  )
+  assert updates["empty"].shape == (0, 4)
+  tel = lowprec.telemetry(state)
+  assert tel["proposals/empty"] == 0 and tel["moved/w"] == 3
+  rules = ((r".*empty", None), (r".*", "float8_e4m3fn"))
+  got = lowprec.to_grid({"empty": jnp.zeros(2), "w": jnp.array([0.1])}, rules)
+  assert float(got["w"][0]) == 0.1015625 and float(got["empty"][0]) == 0.0
+  assert list(lowprec.writeback(rules).init(params).moved) == ["w"]
+  for bad in (None, "0", 3):
+    with pytest.raises(TypeError, match=r"jax.random.key\(seed\)"):
+      lowprec.round_stochastic(jnp.ones(2), "bfloat16", bad)
+  with pytest.raises(TypeError, match=r"jax.random.key\(seed\)"):
+    lowprec.writeback("bfloat16", "stochastic", key="0")
+
+
+def test_version_and_typed_marker():
+  import importlib.metadata
+  import pathlib
+
+  assert lowprec.__version__ == importlib.metadata.version("lowprec")
+  assert (pathlib.Path(lowprec.__file__).parent / "py.typed").exists()

@@ -127,9 +127,11 @@ class ReferenceTraceState(NamedTuple):
   erased: jax.Array  # [T, L] int32: predicted-erased proposals (nearest).
   move_prob: jax.Array  # [T, L] float32: sum of P(move) (stochastic kinds).
   run_start: jax.Array  # [T] int32: step since which p_t >= theta, or -1.
-  sample_index: jax.Array  # [N] int32: flat indices of sampled coordinates.
-  sample_w: jax.Array  # [N] float32: their weights w_t at this step.
-  sample_u: jax.Array  # [N] float32: their proposals u_t at this step.
+  # Without a sample (N = 0) the three are None: no zero-size arrays, which
+  # checkpointers such as orbax refuse.
+  sample_index: jax.Array | None  # [N] int32: flat indices of the sample.
+  sample_w: jax.Array | None  # [N] float32: their weights w_t at this step.
+  sample_u: jax.Array | None  # [N] float32: their proposals u_t.
   layout: TraceLayout  # static: names, formats, sizes (no arrays).
 
   def report(self) -> dict[str, Any]:
@@ -176,7 +178,7 @@ class ReferenceTraceState(NamedTuple):
       out[pre + key] = ratio(num[..., counted].sum(axis=-1), n)
       for i in counted:
         out[f"{pre}{key}/{lay.leaves[i]}"] = ratio(num[..., i], props[..., i])
-    if st.sample_index.shape[-1]:
+    if st.sample_index is not None:
       out["pred/sample/w"] = xp.asarray(st.sample_w)
       out["pred/sample/u"] = xp.asarray(st.sample_u)
     return out
@@ -185,6 +187,8 @@ class ReferenceTraceState(NamedTuple):
     """The sampled coordinates as `(leaf path, flat index in the leaf)`."""
     offsets = np.array(self.layout.offsets + (np.inf,))
     out = []
+    if self.sample_index is None:
+      return out
     for i in np.asarray(self.sample_index).tolist():
       leaf = int(np.searchsorted(offsets, i, side="right")) - 1
       out.append((self.layout.leaves[leaf], i - int(offsets[leaf])))
@@ -333,7 +337,8 @@ def reference_trace(
       r = jax.random.randint(key, (sample,), 0, widths, dtype=jnp.int32)
       index = jnp.asarray(edges[:-1], jnp.int32) + r
     else:
-      index = jnp.zeros((0,), jnp.int32)
+      index = None
+    empty = None if not sample else jnp.zeros([sample], jnp.float32)
     return ReferenceTraceState(
       count=jnp.zeros([], jnp.int32),
       proposals=jnp.zeros([n_l], jnp.int32),
@@ -341,8 +346,8 @@ def reference_trace(
       move_prob=jnp.zeros([n_t, n_l], jnp.float32),
       run_start=jnp.full([n_t], -1, jnp.int32),
       sample_index=index,
-      sample_w=jnp.zeros([sample], jnp.float32),
-      sample_u=jnp.zeros([sample], jnp.float32),
+      sample_w=empty,
+      sample_u=empty,
       layout=lay,
     )
 
@@ -469,10 +474,10 @@ def _online_crossing(state, proposals, erased, lay: TraceLayout):
 
 
 def _gather(ws, us, index, lay: TraceLayout):
+  if index is None:
+    return None, None
   w_out = jnp.zeros(index.shape, jnp.float32)
   u_out = jnp.zeros(index.shape, jnp.float32)
-  if not index.shape[0]:
-    return w_out, u_out
   for w, u, off, size in zip(ws, us, lay.offsets, lay.sizes, strict=True):
     local = index - off
     inside = (local >= 0) & (local < size)

@@ -1,0 +1,161 @@
+"""Telemetry as arrays: inside jit, stacked by scan, batched by vmap.
+
+The scan loop must give the Python loop's bits and per-step telemetry; a
+vmap ensemble, reseeded, must give each member its own random stream and
+equal, member by member, the unbatched run with that member's key.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import lowprec
+
+FMT = "bfloat16"
+
+
+def _problem():
+  k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+  params = lowprec.to_grid(
+    {"w": 0.5 * jax.random.normal(k1, (16, 4)), "b": jnp.zeros(4)}, FMT
+  )
+  x = jax.random.normal(k2, (20, 32, 16))  # 20 steps of batch 32
+  y = jax.random.normal(k3, (20, 32, 4))
+  return params, x, y
+
+
+def _loss(p, x, y):
+  return jnp.mean((x @ p["w"] + p["b"] - y) ** 2)
+
+
+def _opt(rounding="stochastic"):
+  return optax.chain(
+    optax.adamw(optax.cosine_decay_schedule(3e-3, 20)),
+    lowprec.freeze.reference_trace([FMT]),
+    lowprec.writeback(FMT, rounding, key=jax.random.key(1)),
+  )
+
+
+def _step(opt):
+  def step(carry, batch):
+    params, state = carry
+    grads = jax.grad(_loss)(params, *batch)
+    updates, state = opt.update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+    return (params, state), lowprec.telemetry_arrays(state)
+
+  return step
+
+
+def test_scan_equals_the_python_loop_bit_for_bit_with_stacked_telemetry():
+  params, x, y = _problem()
+  opt = _opt()
+  step = _step(opt)
+  (p_scan, s_scan), curves = jax.jit(lambda c, b: jax.lax.scan(step, c, b))(
+    (params, opt.init(params)), (x, y)
+  )
+
+  carry = (params, opt.init(params))
+  jitted = jax.jit(step)
+  per_step = []
+  for t in range(20):
+    carry, _ = jitted(carry, (x[t], y[t]))
+    per_step.append(lowprec.telemetry(carry[1]))
+  for k in ("w", "b"):
+    np.testing.assert_array_equal(
+      np.asarray(p_scan[k]).view(np.uint32),
+      np.asarray(carry[0][k]).view(np.uint32),
+    )
+  assert set(curves) == set(per_step[0])
+  for name, curve in curves.items():
+    assert curve.shape[0] == 20, name
+    want = np.array([s[name] for s in per_step])
+    if np.issubdtype(curve.dtype, np.integer):
+      np.testing.assert_array_equal(np.asarray(curve), want)
+    else:  # float32 on device, float64 on the host
+      np.testing.assert_allclose(np.asarray(curve), want, rtol=1e-6)
+  assert curves["moved"].dtype == jnp.int32
+  assert curves["erased_fraction"].dtype == jnp.float32
+  assert int(curves["steps"][-1]) == 20
+  # The curve is real: something moved and something was erased.
+  assert curves["moved"].sum() > 0 and curves["erased"].sum() > 0
+  assert lowprec.telemetry(s_scan) == per_step[-1]
+
+
+def test_telemetry_arrays_inside_jit_count_and_are_nan_without_proposals():
+  params = {"w": jnp.ones(3)}
+  opt = lowprec.writeback(FMT)
+
+  @jax.jit
+  def tel_after(u, state):
+    return lowprec.telemetry_arrays(opt.update(u, state, params)[1])
+
+  tiny = {"w": jnp.full(3, 1e-4)}  # under half the bf16 gap at 1: erased
+  tel = tel_after(tiny, opt.init(params))
+  assert int(tel["proposals"]) == 3 and int(tel["erased"]) == 3
+  assert float(tel["erased_fraction"]) == 1.0
+  zero = {"w": jnp.zeros(3)}
+  tel = tel_after(zero, opt.init(params))
+  assert int(tel["proposals"]) == 0 and np.isnan(tel["erased_fraction"])
+  host = lowprec.telemetry(opt.update(zero, opt.init(params), params)[1])
+  assert np.isnan(host["erased_fraction"])
+
+
+@pytest.mark.parametrize("rounding", ["stochastic", "deadzone"])
+def test_vmap_ensemble_reseeded_draws_distinct_streams(rounding):
+  params, x, y = _problem()
+  members = 4
+  opt = _opt(rounding)
+  keys = jax.random.split(jax.random.key(42), members)
+  ens = jax.tree.map(lambda a: jnp.stack([a] * members), params)
+  states = jax.vmap(lambda p, k: lowprec.reseed(opt.init(p), k))(ens, keys)
+  step = jax.jit(jax.vmap(_step(opt), in_axes=(0, None)))
+  carry = (ens, states)
+  for t in range(5):
+    carry, tel = step(carry, (x[t], y[t]))
+  assert tel["moved"].shape == (members,)
+  host = lowprec.telemetry(carry[1])
+  assert len(host["moved"]) == members and len(host["erased_fraction"]) == 4
+  w = np.asarray(carry[0]["w"])
+  # Same init, same data: only the random streams differ between members.
+  for i in range(members):
+    for j in range(i):
+      assert not np.array_equal(w[i], w[j]), (i, j)
+  # Member i is exactly the unbatched run reseeded with keys[i].
+  for i in (0, 3):
+    c = (params, lowprec.reseed(opt.init(params), keys[i]))
+    single = jax.jit(_step(opt))
+    for t in range(5):
+      c, one = single(c, (x[t], y[t]))
+    np.testing.assert_array_equal(np.asarray(c[0]["w"]), w[i])
+    assert int(one["moved"]) == int(tel["moved"][i])
+
+
+def test_unreseeded_vmap_members_share_one_stream():
+  # Documents why reseed exists: the key is fixed when the transform is
+  # built, so plain vmap(init) gives every member the same draws.
+  params, x, y = _problem()
+  opt = _opt()
+  ens = jax.tree.map(lambda a: jnp.stack([a] * 2), params)
+  carry = (ens, jax.vmap(opt.init)(ens))
+  carry, _ = jax.jit(jax.vmap(_step(opt), in_axes=(0, None)))(
+    carry, (x[0], y[0])
+  )
+  w = np.asarray(carry[0]["w"])
+  np.testing.assert_array_equal(w[0], w[1])
+
+
+def test_reseed_leaves_nearest_states_and_structure_alone():
+  params = {"w": jnp.ones(3)}
+  state = optax.chain(optax.sgd(1.0), lowprec.writeback(FMT)).init(params)
+  again = lowprec.reseed(state, jax.random.key(3))
+  assert jax.tree.structure(again) == jax.tree.structure(state)
+  sr = lowprec.writeback(FMT, "stochastic", key=jax.random.key(0))
+  s1 = sr.init(params)
+  s2 = lowprec.reseed(s1, jax.random.key(9))
+  assert s2.key.dtype == s1.key.dtype and s2.key.shape == s1.key.shape
+  assert not np.array_equal(s1.key, s2.key)
+  with pytest.raises(TypeError, match=r"jax.random.key\(seed\)"):
+    lowprec.reseed(s1, "seed")
