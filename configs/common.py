@@ -28,12 +28,26 @@ def parse_arg(arg: str | None, default_scale: str = "cpu") -> dict:
         f"bad config argument {item!r}; expected key=value with key in "
         f"{', '.join(ARG_KEYS)}, e.g. 'scale=cpu,arm=rn_bf16,seed=0'"
       )
-    out[key] = int(value) if key == "seed" else value.strip()
+    out[key] = _seed(value) if key == "seed" else value.strip()
   if out["scale"] not in SCALES:
     raise ValueError(
       f"unknown scale {out['scale']!r}; valid: {', '.join(SCALES)}"
     )
   return out
+
+
+def _seed(value: str) -> int:
+  try:
+    seed = int(value)
+  except ValueError:
+    seed = -1
+  if seed < 0:
+    raise ValueError(
+      f"bad seed {value!r} in the config argument: seed must be one of the "
+      "study's seeds (study.seeds, integers >= 0), e.g. 'seed=0'; leave it "
+      "out to run every seed"
+    )
+  return seed
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:

@@ -4,17 +4,33 @@ Orbax stores arrays; typed PRNG keys (inside write-back states) are saved as
 their raw uint32 data and re-wrapped on restore, and empty arrays (which
 orbax refuses) are stood in for by a scalar and restored from the template.
 Saves are finalised by orbax with an atomic rename, so a run killed mid-save
-resumes from the previous complete checkpoint. `restore_params` reads only the
-parameters of another run's checkpoint (to start a run from it).
+resumes from the previous complete checkpoint; a checkpoint that is there but
+cannot be read (emptied, truncated, edited) is set aside and the newest
+readable one is used (`restore_latest`). A save that fails (no space, no
+permission) raises `CheckpointWriteError` and the manager's threads are
+stopped, so the process exits instead of hanging. `restore_params` reads
+only the parameters of another run's checkpoint (to start a run from it).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import time
 
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
+
+from experiments import faults
+
+
+class CheckpointWriteError(OSError):
+  """A checkpoint could not be written; earlier ones are untouched."""
+
+
+class CheckpointReadError(RuntimeError):
+  """Checkpoints exist but none restores into the run's training state."""
 
 
 def _is_key(x) -> bool:
@@ -27,6 +43,15 @@ def _empty(x) -> bool:
   return hasattr(x, "size") and x.size == 0
 
 
+def _scalar_sharding(x):
+  """Replicated over `x`'s mesh: a stand-in scalar must be a global array
+  on several processes (orbax refuses host-local ones)."""
+  s = getattr(x, "sharding", None)
+  if isinstance(s, jax.sharding.NamedSharding):
+    return jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec())
+  return None
+
+
 def _unwrap(tree):
   """Keys as raw data; empty arrays (which orbax refuses) as a scalar."""
 
@@ -34,7 +59,7 @@ def _unwrap(tree):
     if _is_key(x):
       return jax.random.key_data(x)
     if _empty(x):
-      return jnp.zeros((), x.dtype)
+      return jnp.zeros((), x.dtype, device=_scalar_sharding(x))
     return x
 
   return jax.tree.map(leaf, tree)
@@ -45,7 +70,7 @@ def _abstract(tree):
     if _is_key(x):
       x = jax.random.key_data(x)
     if _empty(x):
-      return jax.ShapeDtypeStruct((), x.dtype)
+      return jax.ShapeDtypeStruct((), x.dtype, sharding=_scalar_sharding(x))
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
 
   return jax.tree.map(leaf, tree)
@@ -56,20 +81,52 @@ class Checkpointer:
 
   def __init__(self, directory: str, every_steps: int, keep: int):
     self.every_steps = every_steps
-    self._mngr = ocp.CheckpointManager(
-      os.path.abspath(directory),
-      options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
-    )
+    self.directory = os.path.abspath(directory)
+    self._keep = keep
+    self._open()
+
+  def _open(self) -> None:
+    try:
+      self._mngr = ocp.CheckpointManager(
+        self.directory,
+        options=ocp.CheckpointManagerOptions(
+          max_to_keep=self._keep, create=True
+        ),
+      )
+    except OSError as e:
+      raise CheckpointWriteError(
+        f"cannot create the checkpoint directory {self.directory}: {e}"
+      ) from None
 
   def latest_step(self) -> int | None:
     return self._mngr.latest_step()
 
-  def maybe_save(self, step: int, state, *, force: bool = False) -> bool:
+  def due(self, step: int, *, force: bool = False) -> bool:
+    """Whether `step` is saved: every `every_steps`, or forced (the end)."""
     if not force and (self.every_steps <= 0 or step % self.every_steps):
       return False
-    if self._mngr.latest_step() == step:
+    return self._mngr.latest_step() != step
+
+  def save(self, step: int, state) -> None:
+    """Starts saving `state` as `step` (orbax finishes it in the background).
+
+    Raises:
+      CheckpointWriteError: this save, or the previous one still in flight,
+        failed.
+    """
+    try:
+      self._mngr.save(step, args=ocp.args.StandardSave(_unwrap(state)))
+      faults.point("checkpoint_started", step)
+      faults.point("after_checkpoint", step, prepare=self.wait)
+    except CheckpointWriteError:
+      raise
+    except Exception as e:  # orbax reports write failures as many types
+      raise _write_error(self.directory, step, e) from None
+
+  def maybe_save(self, step: int, state, *, force: bool = False) -> bool:
+    if not self.due(step, force=force):
       return False
-    self._mngr.save(step, args=ocp.args.StandardSave(_unwrap(state)))
+    self.save(step, state)
     return True
 
   def restore(self, step: int, like):
@@ -89,12 +146,74 @@ class Checkpointer:
 
     return jax.tree.map(rewrap, like, raw)
 
+  def restore_latest(self, like, aside: str):
+    """The newest checkpoint that restores, falling back past broken ones.
+
+    Checkpoints newer than the one restored that fail to restore are moved
+    into `aside` (kept for inspection, out of orbax's way). When none
+    restores, nothing is moved and the error names every step tried.
+
+    Returns:
+      (step, state, [(rejected step, reason), ...]); (0, like, []) when
+      there are no checkpoints.
+
+    Raises:
+      CheckpointReadError: checkpoints exist but none restores into `like`.
+    """
+    failed = []
+    for step in sorted(self._mngr.all_steps(), reverse=True):
+      try:
+        state = self.restore(step, like)
+      except Exception as e:  # orbax raises many types for a broken save
+        failed.append((step, f"{type(e).__name__}: {str(e)[:200]}"))
+        continue
+      if failed:
+        self._set_aside([s for s, _ in failed], aside)
+      return step, state, failed
+    if failed:
+      tried = "; ".join(f"step {s}: {why}" for s, why in failed)
+      raise CheckpointReadError(
+        f"no checkpoint in {self.directory} restores into this run's "
+        f"training state ({tried}). If the config changed the optimizer's "
+        "structure (e.g. opt.name, or opt.clip_norm to or from 0), keep it "
+        "as it was; else start the run over with --restart"
+      )
+    return 0, like, []
+
+  def _set_aside(self, steps, aside: str) -> None:
+    self._mngr.close()
+    os.makedirs(aside, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for step in steps:
+      src = os.path.join(self.directory, str(step))
+      if os.path.exists(src):
+        shutil.move(src, os.path.join(aside, f"{step}-{stamp}"))
+    self._open()
+
   def wait(self) -> None:
-    self._mngr.wait_until_finished()
+    try:
+      self._mngr.wait_until_finished()
+    except Exception as e:  # a background write failed
+      raise _write_error(self.directory, None, e) from None
 
   def close(self) -> None:
-    self._mngr.wait_until_finished()
-    self._mngr.close()
+    """Waits for saves in flight, then stops orbax's threads (always)."""
+    try:
+      self.wait()
+    finally:
+      try:
+        self._mngr.close()
+      except Exception:  # already reported by wait()
+        pass
+
+
+def _write_error(directory: str, step, e: Exception) -> CheckpointWriteError:
+  what = f"the checkpoint of step {step}" if step else "a checkpoint"
+  return CheckpointWriteError(
+    f"writing {what} in {directory} failed: {type(e).__name__}: "
+    f"{str(e)[:300]}. Earlier checkpoints and the metrics are kept; free "
+    "space (or fix permissions) and rerun the same command to resume"
+  )
 
 
 def restore_params(directory: str, step: int, like):

@@ -23,7 +23,7 @@ import time
 import jax
 import numpy as np
 
-from experiments import models, results
+from experiments import ledger, models, results
 from lowprec import audit, ops
 
 # `checks.ops` entries: name -> (operator class, its keyword config)
@@ -167,14 +167,19 @@ def _strongest(ests) -> audit.Estimate:
   return max(ests, key=lambda e: (not e.exact, abs(e.z)))
 
 
-def run(config, overrides: dict | None = None) -> dict:
-  """Checks every operator of `checks.ops`; writes and returns the summary."""
-  workdir = results.run_dir(config)
-  os.makedirs(workdir, exist_ok=True)
-  results.write_json(os.path.join(workdir, "config.json"), config.to_dict())
-  results.write_json(
-    os.path.join(workdir, "env.json"), results.environment(overrides or {})
-  )
+def run(config, overrides: dict | None = None, options=None) -> dict:
+  """Checks every operator of `checks.ops`; writes and returns the summary.
+
+  The run directory is opened as a ledger (`ledger.open_run`): a finished
+  run with the same config returns its summary.
+  """
+  with ledger.open_run(config, overrides, options) as entry:
+    if entry.summary is not None:
+      return entry.summary
+    return _run(config, entry.path)
+
+
+def _run(config, workdir: str) -> dict:
   t0 = time.time()
   seed = config.train.seed
   tag = f"[{config.study.name}/{config.study.arm or 'default'}/seed{seed}]"

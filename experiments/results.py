@@ -17,9 +17,12 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 
 import jax
 import numpy as np
+
+from experiments import faults
 
 
 def run_dir(config) -> str:
@@ -46,43 +49,162 @@ def _plain(x):
   return x
 
 
+def _file_mode() -> int:
+  mask = os.umask(0)
+  os.umask(mask)
+  return 0o666 & ~mask
+
+
+_FILE_MODE = _file_mode()
+
+
 def write_json(path: str, obj) -> None:
-  """Writes atomically (temp file, then rename), so a kill leaves no half."""
-  tmp = path + ".tmp"
-  with open(tmp, "w") as f:
-    json.dump(_plain(obj), f, indent=2, sort_keys=True)
-    f.write("\n")
-  os.replace(tmp, path)
+  """Writes atomically: a temp file in the same directory, then a rename.
+
+  A kill at any moment leaves either the old file or the new one, never a
+  half; the temp file is flushed to disk before the rename.
+  """
+  data = _plain(obj)
+  directory = os.path.dirname(os.path.abspath(path))
+  fd, tmp = tempfile.mkstemp(
+    dir=directory, prefix="." + os.path.basename(path) + ".", suffix=".tmp"
+  )
+  try:
+    os.fchmod(fd, _FILE_MODE)  # mkstemp's 0600, widened as open() would
+    with os.fdopen(fd, "w") as f:
+      json.dump(data, f, indent=2, sort_keys=True)
+      f.write("\n")
+      f.flush()
+      os.fsync(f.fileno())
+    faults.point("during_write", os.path.basename(path))
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise
+  _fsync_dir(directory)
+
+
+def _fsync_dir(directory: str) -> None:
+  """Makes a rename in `directory` durable (best effort)."""
+  try:
+    fd = os.open(directory, os.O_RDONLY)
+  except OSError:
+    return
+  try:
+    os.fsync(fd)
+  except OSError:
+    pass
+  finally:
+    os.close(fd)
 
 
 def read_json(path: str):
+  """The parsed JSON file; a decode error names the file and the fix."""
   with open(path) as f:
-    return json.load(f)
+    text = f.read()
+  try:
+    return json.loads(text)
+  except json.JSONDecodeError as e:
+    raise ValueError(
+      f"{path} is not valid JSON ({e}); the file is cut or edited: restore "
+      "it, or delete it to have it rebuilt where the run can rebuild it"
+    ) from None
+
+
+class MetricsError(ValueError):
+  """A metrics.jsonl line that cannot be read, or steps that do not fit."""
+
+
+def _parse_lines(path: str) -> tuple[list[tuple[int, str, dict]], bool]:
+  """(line number, text, record) of every line, and whether a cut last line
+  was dropped. A bad line before the last raises `MetricsError`."""
+  with open(path) as f:
+    lines = f.read().split("\n")
+  if lines and lines[-1] == "":
+    lines.pop()
+  out, torn = [], False
+  for i, line in enumerate(lines, start=1):
+    try:
+      rec = json.loads(line)
+      if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
+        raise ValueError("not a JSON object with an integer 'step'")
+    except ValueError as e:
+      if i == len(lines):
+        torn = True  # cut by a kill mid-write; the rerun writes it again
+        break
+      raise MetricsError(
+        f"{path}:{i}: unreadable metrics line ({e}): {line[:80]!r}. Lines "
+        "before the last are written whole, so this one was edited or "
+        "damaged; no line has been dropped. Repair that line (or restore "
+        "the file), or start the run over with --restart (deletes its "
+        "files) or in another --config.log.results_dir"
+      ) from None
+    out.append((i, line, rec))
+  return out, torn
 
 
 class MetricsWriter:
   """Appends metrics as JSON lines, flushed per line.
 
-  On resume from step `s`, lines for steps after `s` (written after the last
-  checkpoint by the killed run) are dropped first, so the file holds each
-  step once and matches an uninterrupted run.
+  On resume from step `s` the file must hold one line for each step 0..s,
+  in order (lines for later steps, written after the last checkpoint by a
+  killed run, are dropped: the rerun writes them again, identically). A cut
+  last line is dropped; any other unreadable line, or missing or repeated
+  steps up to `s`, raise `MetricsError` naming the file and line and leave
+  the file as it is. From step 0 the file starts empty. The trimmed file
+  replaces the old one atomically. `last` is the last kept record.
   """
 
   def __init__(self, path: str, resume_step: int = 0):
     self.path = path
+    self.last = None
     if os.path.exists(path):
-      kept = []
-      with open(path) as f:
-        for line in f:
-          try:
-            rec = json.loads(line)
-          except json.JSONDecodeError:
-            break  # a line cut by the kill
-          if rec.get("step", 0) <= resume_step:
-            kept.append(line if line.endswith("\n") else line + "\n")
-      with open(path, "w") as f:
-        f.writelines(kept)
+      self._trim(resume_step)
+    elif resume_step:
+      raise MetricsError(
+        f"{path} is missing, but the run resumes from its checkpoint at step "
+        f"{resume_step}: the metrics of steps 0..{resume_step} would be lost. "
+        "Restore the file, or start the run over with --restart (deletes its "
+        "files) or in another --config.log.results_dir"
+      )
     self._f = open(path, "a")
+
+  def _trim(self, step: int) -> None:
+    parsed, torn = _parse_lines(self.path)
+    kept = [(i, line, r) for i, line, r in parsed if step and r["step"] <= step]
+    steps = [r["step"] for _, _, r in kept]
+    if steps != list(range(step + 1)) and step:
+      where = next(
+        (
+          f"line {i} has step {r['step']}, expected {k}"
+          for k, (i, _, r) in enumerate(kept)
+          if r["step"] != k
+        ),
+        f"the last step kept is {steps[-1] if steps else 'none'}",
+      )
+      raise MetricsError(
+        f"{self.path} does not hold one line per step 0..{step} (the step "
+        f"of the checkpoint restored): {where}. Nothing was changed. Restore "
+        "the file, or start the run over with --restart (deletes its files) "
+        "or in another --config.log.results_dir"
+      )
+    if len(kept) == len(parsed) and not torn:
+      self.last = kept[-1][2] if kept else None
+      return
+    fd, tmp = tempfile.mkstemp(
+      dir=os.path.dirname(os.path.abspath(self.path)),
+      prefix=".metrics.jsonl.",
+      suffix=".tmp",
+    )
+    os.fchmod(fd, _FILE_MODE)
+    with os.fdopen(fd, "w") as f:
+      f.writelines(line + "\n" for _, line, _ in kept)
+      f.flush()
+      os.fsync(f.fileno())
+    faults.point("during_metrics_trim")
+    os.replace(tmp, self.path)
+    self.last = kept[-1][2] if kept else None
 
   def write(self, record: dict) -> None:
     self._f.write(json.dumps(_plain(record), sort_keys=True) + "\n")
@@ -93,15 +215,12 @@ class MetricsWriter:
 
 
 def read_metrics(path: str) -> list[dict]:
-  """All records of a metrics.jsonl file (a cut last line is ignored)."""
-  out = []
-  with open(path) as f:
-    for line in f:
-      try:
-        out.append(json.loads(line))
-      except json.JSONDecodeError:
-        break
-  return out
+  """All records of a metrics.jsonl file (a cut last line is ignored).
+
+  Raises:
+    MetricsError: a line before the last is unreadable (names file:line).
+  """
+  return [r for _, _, r in _parse_lines(path)[0]]
 
 
 def git_revision() -> str:

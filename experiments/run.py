@@ -5,6 +5,11 @@ r"""Entry point: `python -m experiments.run --config configs/<study>.py`.
 --config configs/x.py:scale=full         the full-scale variant
 --config.opt.lr=3e-4                     override any field (typos are
                                          rejected with a suggestion)
+--restart                                start the selected runs over (a run
+                                         dir refuses another config)
+--allow_opt_change                       continue an unfinished run with
+                                         changed opt.* keys (a lower opt.lr)
+--traceback                              show the traceback of an error
 --multihost                              call jax.distributed.initialize()
 """
 
@@ -13,7 +18,10 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from experiments import xla_flags  # noqa: F401  (before jax starts)
+from experiments import (
+  cli,
+  xla_flags,  # noqa: F401  (before jax starts)
+)
 
 _CONFIG = config_flags.DEFINE_config_file(
   "config", None, "Study config file.", lock_config=True
@@ -43,9 +51,16 @@ def main(argv):
   if _MULTIHOST.value:
     jax.distributed.initialize()
   overrides = cli_overrides(sys.argv)
-  study.run_study(_CONFIG.value, cli_keys=overrides, overrides=overrides)
+  study.run_study(
+    _CONFIG.value,
+    cli_keys=overrides,
+    overrides=overrides,
+    options=cli.options(),
+  )
 
 
 if __name__ == "__main__":
   flags.mark_flag_as_required("config")
-  app.run(main)
+  app.run(
+    lambda argv: cli.guard(lambda: main(argv)), flags_parser=cli.parse_flags
+  )

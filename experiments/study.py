@@ -2,8 +2,11 @@
 
 A study config names its arms in `study.arms` (arm name -> nested overrides
 of the config) and its seeds in `study.seeds`. `study.arm` / `study.seed`
-select one (for job arrays). Finished runs (with a summary.json) are skipped,
-unfinished ones resume from their latest checkpoint.
+select one (for job arrays). Every selected run is resolved and checked
+before the first one starts. Each run's directory is a ledger
+(`experiments/ledger.py`): finished runs with the same config are skipped,
+unfinished ones resume from their latest checkpoint, and a changed config is
+refused.
 """
 
 from __future__ import annotations
@@ -14,16 +17,27 @@ import difflib
 import ml_collections
 
 import lowprec
+from experiments import (
+  config_checks,
+  ledger,
+  models,
+  operator_checks,
+  tasks,
+  train,
+)
 from experiments import data as data_lib
-from experiments import models, operator_checks, results, tasks, train
 
 ROUNDINGS = ("nearest", "stochastic", "deadzone")
-# study.kind -> what runs one arm x seed: (config, overrides) -> summary,
-# written under results.run_dir(config)
+# study.kind -> what runs one arm x seed: (config, overrides, options) ->
+# summary, written under results.run_dir(config) (a ledger.open_run entry)
 RUNNERS = {
   "train": train.train_and_evaluate,
   "operator_checks": operator_checks.run,
 }
+
+
+class ConfigError(ValueError):
+  """A config (file, argument or override) that cannot run; names the fix."""
 
 
 def _suggest(name, valid) -> str:
@@ -51,10 +65,19 @@ def arms_of(config) -> list[str]:
 
 def seeds_of(config, arm: str = "") -> list[int]:
   """The selected seed, else the arm's own `study.seeds`, else the study's."""
-  if config.study.seed >= 0:
-    return [config.study.seed]
   arm_study = config.study.arms[arm].get("study", {}) if arm else {}
-  return list(arm_study.get("seeds", config.study.seeds))
+  seeds = list(arm_study.get("seeds", config.study.seeds))
+  if config.study.seed >= 0:
+    if config.study.seed not in seeds:
+      where = f"arm {arm!r} of study" if "seeds" in arm_study else "study"
+      raise ValueError(
+        f"seed {config.study.seed} is not one of the seeds {seeds} of "
+        f"{where} {config.study.name!r} (study.seeds); pick one of them, or "
+        "add it, e.g. --config.study.seeds="
+        f"'{tuple(sorted({*seeds, config.study.seed}))}'"
+      )
+    return [config.study.seed]
+  return seeds
 
 
 def _drop(overrides: dict, keys: set[str], prefix: str = "") -> dict:
@@ -150,27 +173,40 @@ def validate(c) -> None:
       f"unknown data.name {c.data.name!r}; valid: {', '.join(datasets)}."
       f"{_suggest(c.data.name, datasets)}"
     )
+  config_checks.check(c)
 
 
-def run_study(config, cli_keys=(), overrides: dict | None = None) -> list:
-  """Runs (or resumes, or skips) every selected arm x seed in turn."""
-  if config.study.kind not in RUNNERS:
-    raise ValueError(
-      f"unknown study.kind {config.study.kind!r}; valid: "
-      f"{', '.join(RUNNERS)}.{_suggest(config.study.kind, RUNNERS)}"
-    )
-  summaries = []
-  for arm in arms_of(config):
-    for seed in seeds_of(config, arm):
-      c = resolve(config, arm, seed, cli_keys)
-      path = results.run_dir(c)
-      if results.is_finished(path):
-        print(
-          f"[{c.study.name}/{arm or 'default'}/seed{seed}] finished "
-          f"already ({path}); skipped",
-          flush=True,
-        )
-        summaries.append(results.read_json(path + "/summary.json"))
-        continue
-      summaries.append(RUNNERS[c.study.kind](c, overrides))
-  return summaries
+def resolve_all(config, cli_keys=()) -> list:
+  """The resolved config of every selected arm x seed, all checked.
+
+  Raises:
+    ConfigError: any of them is invalid (nothing has run).
+  """
+  try:
+    if config.study.kind not in RUNNERS:
+      raise ValueError(
+        f"unknown study.kind {config.study.kind!r}; valid: "
+        f"{', '.join(RUNNERS)}.{_suggest(config.study.kind, RUNNERS)}"
+      )
+    return [
+      resolve(config, arm, seed, cli_keys)
+      for arm in arms_of(config)
+      for seed in seeds_of(config, arm)
+    ]
+  except ConfigError:
+    raise
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+
+
+def run_study(
+  config, cli_keys=(), overrides: dict | None = None, options=None
+) -> list:
+  """Runs (or resumes, or skips) every selected arm x seed in turn.
+
+  `options` (`ledger.Options`) says how existing run directories are
+  treated; by default a changed config is refused (`ledger.ConfigChanged`).
+  """
+  runs = resolve_all(config, cli_keys)
+  options = options or ledger.Options()
+  return [RUNNERS[c.study.kind](c, overrides, options) for c in runs]

@@ -29,7 +29,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import lowprec
-from experiments import checkpoint, optim, results, tasks
+from experiments import checkpoint, faults, ledger, optim, results, tasks
 
 
 class TrainState(NamedTuple):
@@ -273,37 +273,49 @@ def source_checkpoints(config) -> str:
   return os.path.join(results.run_dir(c), "checkpoints")
 
 
-def train_and_evaluate(config, overrides: dict | None = None) -> dict:
+def train_and_evaluate(
+  config, overrides: dict | None = None, options=None
+) -> dict:
   """Runs one arm x seed to completion (resuming if possible).
 
-  Writes config.json, env.json, metrics.jsonl, checkpoints/ and, at the end,
-  summary.json under `results.run_dir(config)`; returns the summary.
+  Opens the run directory `results.run_dir(config)` as a ledger (lock,
+  config fingerprint, config.json and env.json; see `ledger.open_run`, which
+  takes `options`), then writes metrics.jsonl, checkpoints/ and, at the end,
+  summary.json; returns the summary. A finished run with the same config
+  returns its summary without training.
 
   Raises:
-    NonFiniteLoss: the loss became NaN or inf; the last good checkpoint and
-      every metric written so far are kept.
+    NonFiniteLoss: the loss became NaN or inf; the last good checkpoint (its
+      params had a finite loss) and every metric written so far are kept.
+    ledger.RunError: the run directory refuses this run (another writer,
+      another config, damaged records); nothing was written.
   """
-  workdir = results.run_dir(config)
-  os.makedirs(workdir, exist_ok=True)
-  results.write_json(os.path.join(workdir, "config.json"), config.to_dict())
-  results.write_json(
-    os.path.join(workdir, "env.json"), results.environment(overrides or {})
-  )
+  with ledger.open_run(config, overrides, options) as entry:
+    if entry.summary is not None:
+      return entry.summary
+    return _train(config, entry.path)
+
+
+def _train(config, workdir: str) -> dict:
+  """The loop of `train_and_evaluate`, in an open run directory."""
   run = build_run(config)
-  state, seed = run.state, config.train.seed
+  state = run.state
   ckpt = checkpoint.Checkpointer(
     os.path.join(workdir, "checkpoints"),
     config.ckpt.every_steps,
     config.ckpt.keep,
   )
-  start = ckpt.latest_step() or 0
-  if start:
-    state = ckpt.restore(start, state)
+  tag = ledger.tag(config)
+  start, state, rejected = ckpt.restore_latest(
+    state, os.path.join(workdir, "bad_checkpoints")
+  )
+  for step, why in rejected:
     print(
-      f"[{config.study.name}/{config.study.arm}/seed{seed}] resumed from "
-      f"step {start}",
-      flush=True,
+      f"{tag} checkpoint {step} is unreadable ({why}); set aside", flush=True
     )
+  if start:
+    print(f"{tag} resumed from step {start}", flush=True)
+  faults.point("after_restore", start)
   metrics_file = results.MetricsWriter(
     os.path.join(workdir, "metrics.jsonl"), resume_step=start
   )
@@ -312,6 +324,7 @@ def train_and_evaluate(config, overrides: dict | None = None) -> dict:
   eval_batches = [run.put(b) for b in run.task.data.eval_batches()]
 
   def evaluate(params):
+    faults.point("during_eval", done)
     losses = [float(run.eval_fn(params, b, run.eval_key)) for b in eval_batches]
     return float(np.mean(losses))
 
@@ -329,8 +342,8 @@ def train_and_evaluate(config, overrides: dict | None = None) -> dict:
   # A run started from another run's checkpoint continues its data stream.
   data_start = config.train.init_from_step if config.train.init_from_arm else 0
   t0, t_last, s_last = time.time(), time.time(), start
-  last = {}
-  tag = f"[{config.study.name}/{config.study.arm or 'default'}/seed{seed}]"
+  last = metrics_file.last or {}  # the restored step's line
+  done = start
   try:
     if start == 0:
       val = evaluate(state.params)
@@ -343,20 +356,29 @@ def train_and_evaluate(config, overrides: dict | None = None) -> dict:
       record.update({k: float(v) for k, v in jax.device_get(m).items()})
       record.update(lowprec.telemetry(state.opt_state))
       done = step + 1
+      faults.point("after_step", done)
       if not math.isfinite(record["loss"]):
         metrics_file.write(record)
-        raise NonFiniteLoss(
-          f"{tag} non-finite loss {record['loss']} at step {done}; stopped. "
-          f"The last good checkpoint (step {ckpt.latest_step()}) and the "
-          f"metrics so far are kept in {workdir}. Lower opt.lr, enable "
-          "opt.clip_norm, or check the data."
-        )
+        raise NonFiniteLoss(_non_finite(tag, record["loss"], done, ckpt, ""))
       if done % config.train.eval_every_steps == 0 or done == total:
         record["val_loss"] = evaluate(state.params)
       record.update(probe(state.params, done))
+      save = ckpt.due(done, force=done == total)
+      # A checkpoint holds params whose own loss is finite: the val loss of
+      # this step, else the loss on the next step's batch.
+      check = record.get("val_loss")
+      if save and check is None:
+        batch = run.put(run.task.data.batch(data_start + done))
+        check = float(run.eval_fn(state.params, batch, run.eval_key))
       metrics_file.write(record)
+      faults.point("after_metrics", done)
+      if save and not math.isfinite(check):
+        raise NonFiniteLoss(
+          _non_finite(tag, check, done, ckpt, " of the params it produced")
+        )
       last = record
-      ckpt.maybe_save(done, state, force=done == total)
+      if save:
+        ckpt.save(done, state)
       if done % config.log.progress_every_steps == 0 or done == total:
         now = time.time()
         rate = (done - s_last) / max(now - t_last, 1e-9)
@@ -371,7 +393,7 @@ def train_and_evaluate(config, overrides: dict | None = None) -> dict:
   finally:
     metrics_file.close()
     ckpt.close()
-
+  faults.point("before_summary", done)
   summary = {
     "status": "finished",
     "steps": total,
@@ -384,6 +406,25 @@ def train_and_evaluate(config, overrides: dict | None = None) -> dict:
   }
   results.write_json(os.path.join(workdir, "summary.json"), summary)
   return summary
+
+
+def _non_finite(tag, loss, step, ckpt, what) -> str:
+  kept = ckpt.latest_step()
+  where = (
+    f"The last good checkpoint (step {kept}; its params had a finite loss)"
+    if kept
+    else "No checkpoint had been saved yet; the metrics so far"
+  )
+  resume = (
+    f"rerun with a lower --config.opt.lr (or --config.opt.clip_norm) and "
+    f"--allow_opt_change to continue from step {kept}, or with --restart"
+    if kept
+    else "rerun with a lower --config.opt.lr and --restart"
+  )
+  return (
+    f"{tag} non-finite loss {loss}{what} at step {step}; stopped. {where} "
+    f"and the metrics are kept. To go on, {resume}; or check the data."
+  )
 
 
 def params_digest(params) -> str:

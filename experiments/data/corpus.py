@@ -91,7 +91,7 @@ def builtin_text_dir(cache_dir: str | None = None) -> str:
   except OSError as e:
     raise OSError(
       f"cannot write the built-in corpus cache under {cache_dir} ({e}); set "
-      "data.cache_dir or $LOWPREC_CACHE_DIR to a writable directory"
+      "$LOWPREC_CACHE_DIR to a writable directory"
     ) from e
   try:
     data = builtin_text_bytes()

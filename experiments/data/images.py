@@ -155,7 +155,7 @@ def load_mnist(
     raise FileNotFoundError(
       f"MNIST files missing in {data_dir}: {', '.join(missing)}. Expected "
       f"the four IDX files {', '.join(MNIST_FILES.values())} (each may also "
-      "end in .gz) in that directory; put them there and set data.data_dir, "
+      "end in .gz) in that directory; put them there and set data.path, "
       "or use data.name = 'digits', the offline stand-in."
     )
   out = []

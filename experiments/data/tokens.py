@@ -39,7 +39,17 @@ def read_meta(data_dir: str) -> dict | None:
   if not os.path.exists(path):
     return None
   with open(path, encoding="utf-8") as f:
-    return json.load(f)
+    text = f.read()
+  try:
+    meta = json.loads(text)
+  except json.JSONDecodeError as e:
+    raise ValueError(
+      f"{path} is not valid JSON ({e}); re-create the token directory "
+      f"({_FIX}), or delete meta.json if model.vocab_size is right"
+    ) from None
+  if not isinstance(meta, dict):
+    raise ValueError(f"{path} must hold a JSON object; {_FIX}")
+  return meta
 
 
 def _check_range(
@@ -101,7 +111,7 @@ def open_tokens(
   if num < seq_len + 1:
     raise ValueError(
       f"{path} holds {num} tokens; windows of seq_len={seq_len} need at "
-      f"least {seq_len + 1}. Lower data.seq_len or use more text."
+      f"least {seq_len + 1}. Lower model.seq_len or use more text."
     )
   tokens = np.memmap(path, dtype=TOKEN_DTYPE, mode="r", shape=(num,))
   if vocab_size is not None and vocab_size < 1 << 16:
