@@ -251,6 +251,11 @@ def reference_trace(
   `min(1, |(Q_RN(w) + u) - Q_RN(w)| / gap)` with the gap in the direction of
   `u` (dead-zone: 1 where nearest rounding would move it).
 
+  Counts are exact integers, the same however the params are sharded;
+  `move_prob` is a float32 sum of probabilities, whose last bits (about
+  1e-7 relative) follow the reduction order and so can differ between
+  device layouts.
+
   The state holds only this step's counts (memory O(params) at most, for the
   temporaries): log `lowprec.telemetry(state)` every step to build the curve.
   Updates pass through unchanged, so the float32 run is not perturbed.
