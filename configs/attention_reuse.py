@@ -26,7 +26,7 @@ gradient of the attention QKV kernels with the reference gradient: cosine,
 norm ratio and the bias left after the noise of the draws.
 
   python -m experiments.run --config configs/attention_reuse.py
-  python scripts/reproduce.py attention_reuse   # runs, table and figure
+  python -m scripts.reproduce attention_reuse   # runs, table and figure
 
 CPU scale (default): 2-layer d=64 GPT on the byte-level built-in corpus,
 400 steps, 21 probes of 32 forward draws per run; about 9 minutes for the

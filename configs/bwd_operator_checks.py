@@ -25,7 +25,7 @@ independent copy, the whole policy, and every value of every use.
   per_use    what the reference reads (`lowprec.ops.REFERENCE`).
 
   python -m experiments.run --config configs/bwd_operator_checks.py
-  python scripts/reproduce.py bwd_operator_checks   # checks, table, figure
+  python -m scripts.reproduce bwd_operator_checks   # checks, table, figure
 
 CPU scale (default): inputs of 8 x 16 (attention: 8 tokens, 2 heads of 8),
 4096 forward draws; about 15 s for the four arms on 2 CPU cores. Full

@@ -15,7 +15,7 @@ dzsr; the table gives the means and their ratio. The narrow e8m4 grid (4
 mantissa bits) makes nearest write-back lose clearly at this scale.
 
   python -m experiments.run --config configs/deadzone_vs_sr.py
-  python scripts/make_tables.py deadzone_vs_sr
+  python -m scripts.make_tables deadzone_vs_sr
 
 CPU scale (default): the small GPT of `freeze_small_gpt` (2 layers, d=64,
 built-in corpus), AdamW lr 1e-3 with cosine to 0, 200 steps; 12 runs in

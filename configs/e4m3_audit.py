@@ -18,7 +18,7 @@ time-averaged prediction, declared before the runs), and, as a
 descriptive comparison, the template of the other seeds' measured curves.
 
   python -m experiments.run --config configs/e4m3_audit.py
-  python scripts/make_tables.py e4m3_audit
+  python -m scripts.make_tables e4m3_audit
 
 CPU scale (default): 2-layer d=64 NeoX-style decoder on the built-in
 corpus, AdamW lr 5e-3 (high enough that e4m3fn erases only part of the

@@ -22,7 +22,7 @@ Recipe of nanoGPT: init std 0.02, AdamW (lr 6e-4, betas 0.9/0.95, weight
 decay 0.1), linear warmup, cosine to lr/10, gradient clipping at 1.
 
   python -m experiments.run --config configs/freeze_gpt2_fp8.py
-  python scripts/reproduce.py freeze_gpt2_fp8   # runs, table and figure
+  python -m scripts.reproduce freeze_gpt2_fp8   # runs, table and figure
 
 CPU scale (default): the same recipe on a 2-layer d=64 GPT (byte-level
 built-in corpus), 300 steps; 5 runs in about 2.5 minutes on 2 CPU cores.

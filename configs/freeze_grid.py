@@ -15,7 +15,7 @@ crossing steps span more than 100x (from the second step to the end of the
 run) and some cells never cross.
 
   python -m experiments.run --config configs/freeze_grid.py
-  python scripts/make_tables.py freeze_grid
+  python -m scripts.make_tables freeze_grid
 
 CPU scale (default): 300 steps, batch 32; 96 runs in about 5 minutes on 2
 CPU cores (mostly compilation). Full scale (`:scale=full`): MNIST (IDX

@@ -12,7 +12,7 @@ write-back). The predicted crossing (erased fraction >= 0.5 from then on) of
 the reference is compared with the measured crossing of `rn_bf16`.
 
   python -m experiments.run --config configs/freeze_small_gpt.py
-  python scripts/make_tables.py freeze_small_gpt
+  python -m scripts.make_tables freeze_small_gpt
 
 CPU scale (default): 2-layer GPT, d=64, byte-level built-in corpus, 400
 steps; about 3 minutes for the three arms on 2 CPU cores. Full scale

@@ -15,7 +15,7 @@ write-back. Each (task, format) cell compares the predicted with the
 measured crossing: 24 cells.
 
   python -m experiments.run --config configs/freeze_transfer.py
-  python scripts/make_tables.py freeze_transfer
+  python -m scripts.make_tables freeze_transfer
 
 CPU scale (default): 300 steps per run, digits in place of MNIST (bundled
 with scikit-learn, offline); 27 runs in about 2 minutes on 2 CPU cores.

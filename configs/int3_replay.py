@@ -17,7 +17,7 @@ weights on the int3 grid (step 0 of the replay), the loss at the end of the
 replay, and the change.
 
   python -m experiments.run --config configs/int3_replay.py
-  python scripts/make_tables.py int3_replay
+  python -m scripts.make_tables int3_replay
 
 CPU scale (default): the small GPT of `freeze_small_gpt`; reference 300
 steps, checkpoints every 50; replays of 100 steps; 8 runs in about 2

@@ -28,7 +28,7 @@ final validation loss minus per_use's, same seed, against the margin
 `study.loss_margin`, fixed here before the runs.
 
   python -m experiments.run --config configs/norm_store.py
-  python scripts/reproduce.py norm_store   # runs, table and figure
+  python -m scripts.reproduce norm_store   # runs, table and figure
 
 CPU scale (default): 2-layer d=64 GPT on the byte-level built-in corpus,
 300 steps, seeds 0-2; about 4 minutes for the nine runs on 2 shared CPU

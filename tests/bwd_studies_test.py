@@ -15,7 +15,6 @@ import json
 import math
 import os
 import shutil
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -32,14 +31,7 @@ from experiments import (
   tasks,
   train,
 )
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
-
-import bwd_analyses  # noqa: E402
-import make_tables  # noqa: E402
-import plot_bwd  # noqa: E402
-import reproduce  # noqa: E402
+from experiments.analysis import bwd_tables, figures, tables
 
 STUDIES = ["bwd_operator_checks", "attention_reuse", "norm_store"]
 
@@ -55,9 +47,9 @@ def _load(name, arg=None):
 def test_configs_default_to_cpu_scale_and_are_registered(name):
   c = _load(name)
   assert c.study.scale == "cpu"
-  assert name in bwd_analyses.STUDY_ANALYSIS
-  assert make_tables.STUDY_ANALYSIS[name] == bwd_analyses.STUDY_ANALYSIS[name]
-  assert name in reproduce.PLOTS
+  assert name in bwd_tables.STUDY_ANALYSIS
+  assert tables.STUDY_ANALYSIS[name] == bwd_tables.STUDY_ANALYSIS[name]
+  assert name in figures.PLOTS
 
 
 def test_attention_full_scale_is_the_390m_preset():
@@ -301,8 +293,8 @@ def test_operator_table_counts_agreement(tmp_path):
     ]  # fmt: skip
     summary = {"kind": "operator_checks", "rows": rows, "values": values}
     _write_run(root, "ops", arm, 0, cfg, summary=summary)
-  runs = make_tables.load_runs(root, "ops")
-  rows, lines = bwd_analyses.operator_table(runs)
+  runs = tables.load_runs(root, "ops")
+  rows, lines = bwd_tables.operator_table(runs)
   assert [r["use"] for r in rows] == ["attn.out@delta", "(all uses)"]
   assert rows[0]["rounded"] == "rounded: biased -> biased (z=+30.0)"
   assert rows[0]["per_use"] == "original: unbiased -> biased (z=+5.0)"
@@ -345,9 +337,7 @@ def test_probe_table_losses_margin_and_bias_test(tmp_path):
     _probe_run(
       root, "arm", seed, v_arm, [1e-4, 3e-4, 1e-4, 3e-4], [0.01] * 4, 0.02
     )
-  rows, lines = bwd_analyses.probe_table(
-    make_tables.load_runs(root, "p"), "base"
-  )
+  rows, lines = bwd_tables.probe_table(tables.load_runs(root, "p"), "base")
   arm0 = next(r for r in rows if r["arm"] == "arm" and r["seed"] == 0)
   assert arm0["val_minus_base"] == pytest.approx(0.01)
   assert arm0["within_margin"] is True
@@ -377,8 +367,8 @@ def _smoke(name, tmp_path):
   c.lock()
   summaries = study.run_study(c)
   assert all(s["status"] == "finished" for s in summaries)
-  md = make_tables.make(name, str(tmp_path))
-  png = plot_bwd.plot(name, str(tmp_path))
+  md = tables.make(name, str(tmp_path))
+  png = figures.plot(name, str(tmp_path))
   assert 1000 < os.path.getsize(png) < 200_000
   return c, md
 
@@ -390,7 +380,7 @@ def test_training_study_smoke_logs_the_probe(name, tmp_path):
   arm = next(iter(c.study.arms))
   path = os.path.join(tmp_path, name, arm, "seed0", "metrics.jsonl")
   recs = results.read_metrics(path)
-  group = bwd_analyses.probe_groups(make_tables.load_runs(tmp_path, name)[0])[0]
+  group = bwd_tables.probe_groups(tables.load_runs(tmp_path, name)[0])[0]
   probed = [r["step"] for r in recs if f"probe/{group}/bias2" in r]
   assert probed == [0, 2, 4]
   assert all(f"probe/{group}/cos" in r for r in recs if r["step"] in probed)
@@ -418,9 +408,9 @@ def test_probe_metrics_and_params_survive_a_resume(tmp_path):
   assert after == before
   assert [r["step"] for r in after if "probe/qkv/bias2" in r] == [0, 2, 4]
   # The table and the figure read these files.
-  md = make_tables.make("attention_reuse", str(tmp_path))
+  md = tables.make("attention_reuse", str(tmp_path))
   assert "- reuse (1 seeds): final val loss" in md
-  assert os.path.getsize(plot_bwd.plot("attention_reuse", str(tmp_path))) > 1000
+  assert os.path.getsize(figures.plot("attention_reuse", str(tmp_path))) > 1000
 
 
 def test_operator_checks_smoke_writes_the_layout(tmp_path):

@@ -22,13 +22,10 @@ import pytest
 
 from configs import common
 from experiments import checkpoint, models, optim, study, tasks, train
+from experiments.analysis import figures, tables
 from lowprec.freeze import leaf_paths
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
-
-import make_tables  # noqa: E402
-import plot_studies  # noqa: E402
 
 CONFIGS = sorted(
   f[:-3]
@@ -207,7 +204,7 @@ def test_step_without_proposals_does_not_count_as_unfrozen(tmp_path):
   root = str(tmp_path)
   _reference(root, "s", "e8m3", [float("nan"), 0.8, 0.9, 0.9])
   _lowprec(root, "s", "rn", "e8m3", [0.0, 0.8, 0.9, 0.95], props=[0, 9, 9, 9])
-  rows, _ = make_tables.freeze_table(make_tables.load_runs(root, "s"))
+  rows, _ = tables.freeze_table(tables.load_runs(root, "s"))
   assert rows[0]["predicted_crossing"] == "2 (at_init)"
   assert rows[0]["measured_crossing"] == "2 (at_init)"
   assert rows[0]["category_agrees"] is True
@@ -232,7 +229,7 @@ def test_grid_table_counts_crossings_span_and_categories(tmp_path):
       study={"reference_arm": arm, "cell": name},
       model={"hidden": [8 * (i + 1)]},
     )
-  rows, lines = make_tables.ANALYSES["grid"](make_tables.load_runs(root, "g"))
+  rows, lines = tables.ANALYSES["grid"](tables.load_runs(root, "g"))
   text = "\n".join(lines)
   assert [r["width"] for r in rows] == [8, 16, 24]
   assert "post-init crossings: 2/3" in text
@@ -257,7 +254,7 @@ def test_transfer_table_summarizes_each_task(tmp_path):
       _curve(30, m),
       study={"reference_arm": f"{task}_fp32", "cell": f"{task}/e8m3"},
     )
-  _, lines = make_tables.ANALYSES["transfer"](make_tables.load_runs(root, "t"))
+  _, lines = tables.ANALYSES["transfer"](tables.load_runs(root, "t"))
   text = "\n".join(lines)
   assert "- reg: categories agree in 1/1 cells" in text
   assert (
@@ -292,9 +289,7 @@ def test_recovery_table_per_seed_means_and_ratio(tmp_path):
         {"lowprec": {"writeback": wb, "rounding": rounding}},
         [{"step": 0, "val_loss": 5.0}, {"step": 1, "val_loss": loss}],
       )
-  rows, lines = make_tables.ANALYSES["recovery"](
-    make_tables.load_runs(root, "d")
-  )
+  rows, lines = tables.ANALYSES["recovery"](tables.load_runs(root, "d"))
   assert rows[0]["recovery_full_sr"] == pytest.approx(0.9)
   assert rows[0]["recovery_deadzone_sr"] == pytest.approx(0.8)
   assert rows[1]["recovery_full_sr"] == pytest.approx(0.8)
@@ -330,7 +325,7 @@ def test_replay_table_losses_per_checkpoint(tmp_path):
       },
       [{"step": 0, "val_loss": v0}, {"step": 3, "val_loss": v1}],
     )
-  rows, lines = make_tables.ANALYSES["replay"](make_tables.load_runs(root, "r"))
+  rows, lines = tables.ANALYSES["replay"](tables.load_runs(root, "r"))
   assert [(r["checkpoint"], r["rounding"]) for r in rows] == [
     (2, "stochastic"),
     (4, "stochastic"),
@@ -357,7 +352,7 @@ def test_audit_table_rmse_skill_and_template(tmp_path):
   _reference(root, "a", "float8_e4m3fn", pred, seed=0)
   for seed, meas in ((1, [0.5, 0.7]), (2, [0.6, 0.8])):
     _lowprec(root, "a", "rn", "float8_e4m3fn", meas, seed=seed)
-  rows, lines = make_tables.ANALYSES["audit"](make_tables.load_runs(root, "a"))
+  rows, lines = tables.ANALYSES["audit"](tables.load_runs(root, "a"))
   assert [r["seed"] for r in rows] == [1, 2]
   assert all(r["reference_seed"] == 0 for r in rows)
   assert rows[0]["rmse"] == pytest.approx(0.0)
@@ -418,7 +413,7 @@ def test_fp8_table_frozen_coordinates_and_loss_change(tmp_path):
     },
     recs,
   )
-  rows, lines = make_tables.ANALYSES["fp8"](make_tables.load_runs(root, "f"))
+  rows, lines = tables.ANALYSES["fp8"](tables.load_runs(root, "f"))
   rn = next(r for r in rows if r["arm"] == "rn_e4m3")
   assert rn["predicted_crossing"] == rn["measured_crossing"] == "1 (at_init)"
   assert rn["frozen_whole_run"] == pytest.approx(1 / 3)
@@ -439,8 +434,8 @@ def _smoke(name, tmp_path):
   c.lock()
   summaries = study.run_study(c)
   assert all(s["status"] == "finished" for s in summaries)
-  md = make_tables.make(name, str(tmp_path))
-  png = plot_studies.plot(name, str(tmp_path))
+  md = tables.make(name, str(tmp_path))
+  png = figures.plot(name, str(tmp_path))
   assert os.path.getsize(png) > 1000
   assert os.path.exists(os.path.join(tmp_path, name, "tables", f"{name}.csv"))
   return c, md
@@ -498,7 +493,8 @@ def test_reproduce_runs_the_audit_smoke_through_the_entry_point(tmp_path):
   out = subprocess.run(
     [
       sys.executable,
-      "scripts/reproduce.py",
+      "-m",
+      "scripts.reproduce",
       "e4m3_audit",
       "--arg",
       "scale=smoke",

@@ -1,8 +1,8 @@
 """Analyses of the backward-state studies: result runs -> (rows, lines).
 
 Each analysis takes the runs of one study (objects with `arm`, `seed`,
-`config`, `summary`, `curve(key)` and `last(key)`, as `make_tables.Run`
-reads them from the result files) and returns table rows (dicts) and
+`config`, `summary`, `curve(key)` and `last(key)`, as `runs.Run` reads
+them from the result files) and returns table rows (dicts) and
 summary lines (Markdown bullets):
 
   operator_table   bwd_operator_checks: per operator and use, for every

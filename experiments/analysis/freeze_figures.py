@@ -1,19 +1,15 @@
 """Figures of the freeze studies that a per-run panel does not show (PNG).
 
-  python scripts/plot_studies.py <study> [--results results] [--out DIR]
-
 `PLOTS` maps a study to its figure: crossing scatter (predicted vs
 measured, log-log) for the grid and the mantissa sweep, validation loss for
 the dead-zone study and the int3 replays, erased fraction and loss for the
 FP8 study, and the one-trace-many-seeds curves of the E4M3 audit. Studies
-without an entry use `plot_freeze.plot`.
+without an entry use `freeze_panels.plot`.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 
 import matplotlib
 
@@ -21,13 +17,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import freeze_analyses as fa  # noqa: E402
-import plot_freeze  # noqa: E402
-from make_tables import load_runs  # noqa: E402
-
+from experiments.analysis import freeze_panels  # noqa: E402
+from experiments.analysis import freeze_tables as fa  # noqa: E402
+from experiments.analysis.runs import load_runs  # noqa: E402
 from lowprec import freeze  # noqa: E402
 
 
@@ -244,17 +236,4 @@ PLOTS = {
 
 
 def plot(study: str, results: str = "results", out: str | None = None) -> str:
-  return PLOTS.get(study, plot_freeze.plot)(study, results, out)
-
-
-def main(argv=None) -> None:
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("study")
-  ap.add_argument("--results", default="results")
-  ap.add_argument("--out", default=None)
-  args = ap.parse_args(argv)
-  print(plot(args.study, args.results, args.out))
-
-
-if __name__ == "__main__":
-  main()
+  return PLOTS.get(study, freeze_panels.plot)(study, results, out)

@@ -1,28 +1,24 @@
 """Erased fraction vs step, predicted and measured, crossings marked (PNG).
 
-  python scripts/plot_freeze.py <study> [--results results] [--out DIR]
-
 One panel per low-precision run (up to 12), its reference arm's predicted
 curve beside its measured one, and the loss of both below.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from freeze_analyses import measured, predicted, reference_for  # noqa: E402
-from make_tables import load_runs  # noqa: E402
-
+from experiments.analysis.freeze_tables import (  # noqa: E402
+  measured,
+  predicted,
+  reference_for,
+)
+from experiments.analysis.runs import load_runs  # noqa: E402
 from lowprec import freeze  # noqa: E402
 
 
@@ -84,16 +80,3 @@ def _mark(ax, curve, steps, theta, color):
   step, _ = freeze.crossing(curve, theta, steps=steps)
   if step is not None:
     ax.axvline(step, color=color, lw=0.8, ls=":")
-
-
-def main(argv=None) -> None:
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("study")
-  ap.add_argument("--results", default="results")
-  ap.add_argument("--out", default=None)
-  args = ap.parse_args(argv)
-  print(plot(args.study, args.results, args.out))
-
-
-if __name__ == "__main__":
-  main()

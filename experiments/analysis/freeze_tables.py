@@ -1,9 +1,9 @@
 """Analyses of the freeze studies: result runs -> (rows, summary lines).
 
 Each analysis takes the runs of one study (objects with `arm`, `seed`,
-`config`, `curve(key)` and `last(key)`, as `make_tables.Run` reads them from
-the result files) and returns table rows (dicts) and summary lines
-(Markdown bullets). `make_tables.ANALYSES` names them.
+`config`, `curve(key)` and `last(key)`, as `runs.Run` reads them from the
+result files) and returns table rows (dicts) and summary lines (Markdown
+bullets). `tables.ANALYSES` names them.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
 """Figures of the backward-state studies (PNG).
 
-  python scripts/plot_bwd.py <study> [--results results] [--out DIR]
-
 `PLOTS` maps a study to its figure:
 
   bwd_operator_checks  |z| of every value of every use, by prediction
@@ -16,9 +14,7 @@
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 
 import matplotlib
 
@@ -26,11 +22,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import bwd_analyses as ba  # noqa: E402
-from make_tables import load_runs  # noqa: E402
+from experiments.analysis import bwd_tables as ba  # noqa: E402
+from experiments.analysis.runs import load_runs  # noqa: E402
 
 COLORS = {"reuse": "C3", "fresh": "C0", "per_use": "C0"}
 COLORS.update({"original_both": "C1", "rounded_both": "C3"})
@@ -193,16 +186,3 @@ def plot(study: str, results: str = "results", out: str | None = None) -> str:
   if study not in PLOTS:
     raise ValueError(f"no figure for {study!r}; studies: {', '.join(PLOTS)}")
   return PLOTS[study](study, results, out)
-
-
-def main(argv=None) -> None:
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("study")
-  ap.add_argument("--results", default="results")
-  ap.add_argument("--out", default=None)
-  args = ap.parse_args(argv)
-  print(plot(args.study, args.results, args.out))
-
-
-if __name__ == "__main__":
-  main()

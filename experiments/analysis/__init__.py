@@ -1,0 +1,14 @@
+"""Tables and figures of the studies, from their result files alone.
+
+  runs            a result run directory, read lazily (`Run`, `load_runs`)
+  tables          `make(study)`: the study's Markdown and CSV table
+  freeze_tables   the freeze studies' analyses: rows and summary lines
+  bwd_tables      the backward-state studies' analyses
+  figures         `plot(study)`: the study's figure (PNG)
+  freeze_panels   erased fraction and losses, one panel per run
+  freeze_figures  scatter plots and curves of the freeze studies
+  bwd_figures     probe curves and |z| plots of the backward-state studies
+  reproduce       `reproduce(study)`: run every arm, then table and figure
+
+`scripts/` holds their command-line wrappers (`python -m scripts.<name>`).
+"""

@@ -1,0 +1,23 @@
+"""Draws a study's figure (PNG) from its result files.
+
+  python -m scripts.plot <study> [--results results] [--out DIR]
+
+Writes `<out>/<study>.png` (default out: `<results>/<study>/tables`).
+"""
+
+import argparse
+
+from experiments.analysis import figures
+
+
+def main(argv=None) -> None:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("study")
+  ap.add_argument("--results", default="results")
+  ap.add_argument("--out", default=None)
+  args = ap.parse_args(argv)
+  print(figures.plot(args.study, args.results, args.out))
+
+
+if __name__ == "__main__":
+  main()
