@@ -1,11 +1,11 @@
 """Benchmarks, side by side in one run, printed as Markdown tables of ratios.
 
-  python scripts/bench.py [section ...] [--quick]
+  python -m scripts.bench [section ...] [--quick]
 
 Sections: rounding, writeback, trace, ops, train (default: all that exist).
 Each lives in `scripts/bench_<section>.py` with `run(quick: bool) -> str`.
-Numbers are machine-dependent; the README records the ratios measured on the
-2-core CPU machine. Never used as timed assertions in tests.
+Numbers are machine-dependent; docs/benchmarks.md records the ratios measured
+on the 2-core CPU machine. Never used as timed assertions in tests.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-import sys
 
 SECTIONS = ("rounding", "writeback", "trace", "ops", "train")
 
@@ -32,16 +31,13 @@ def main(argv=None) -> None:
   unknown = sorted(set(args.sections) - set(SECTIONS))
   if unknown:
     parser.error(f"unknown section(s) {unknown}; valid: {', '.join(SECTIONS)}")
-  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-  sys.path.insert(1, os.path.dirname(sys.path[0]))
   importlib.import_module("experiments.xla_flags")  # before jax starts
+  here = os.path.dirname(os.path.abspath(__file__))
   names = args.sections or [
-    s
-    for s in SECTIONS
-    if os.path.exists(os.path.join(sys.path[0], f"bench_{s}.py"))
+    s for s in SECTIONS if os.path.exists(os.path.join(here, f"bench_{s}.py"))
   ]
   for name in names:
-    module = importlib.import_module(f"bench_{name}")
+    module = importlib.import_module(f"scripts.bench_{name}")
     print(module.run(quick=args.quick), flush=True)
     print()
 

@@ -16,9 +16,9 @@ import statistics
 import flax.linen as fnn
 import jax
 import jax.numpy as jnp
-from benchlib import median_time, table
 
 from lowprec import nn, ops
+from scripts.benchlib import median_time, table
 
 # The reference reads, and an admissible variant that reads fresh copies
 # where the original is required (no fp32 copy kept for those uses).

@@ -8,10 +8,10 @@ import gfloat
 import jax
 import jax.numpy as jnp
 import numpy as np
-from benchlib import median_time, table
 from gfloat.formats import format_info_ocp_e4m3
 
 import lowprec
+from scripts.benchlib import median_time, table
 
 FMT = "float8_e4m3fn"
 

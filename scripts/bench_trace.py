@@ -13,9 +13,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import optax
-from benchlib import median_time, table
 
 import lowprec
+from scripts.benchlib import median_time, table
 
 TARGETS = ("bfloat16", "float8_e4m3fn", "float8_e5m2")
 

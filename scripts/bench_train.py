@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 
 import jax
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from configs import common  # noqa: E402
-from experiments import train  # noqa: E402
+from configs import common
+from experiments import train
 
 ARMS = {
   "float32 AdamW": {},

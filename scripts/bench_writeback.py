@@ -16,9 +16,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import optax
-from benchlib import median_time, table
 
 import lowprec
+from scripts.benchlib import median_time, table
 
 
 def _params(n_params: int) -> dict:
