@@ -10,7 +10,14 @@ r"""Entry point: `python -m experiments.run --config configs/<study>.py`.
 --allow_opt_change                       continue an unfinished run with
                                          changed opt.* keys (a lower opt.lr)
 --traceback                              show the traceback of an error
---multihost                              call jax.distributed.initialize()
+--coordinator_address=HOST:PORT --num_processes=N --process_id=I
+                                         one of N processes (jax.distributed;
+                                         gloo collectives on CPU)
+--multihost                              the same, detected by JAX (SLURM,
+                                         Open MPI, TPU slices, Kubernetes)
+--heartbeat_timeout_seconds=60           a process silent this long counts as
+                                         lost: the others exit non-zero
+See docs/scaling.md.
 """
 
 import sys
@@ -27,7 +34,25 @@ _CONFIG = config_flags.DEFINE_config_file(
   "config", None, "Study config file.", lock_config=True
 )
 _MULTIHOST = flags.DEFINE_bool(
-  "multihost", False, "Initialise jax.distributed (one process per host)."
+  "multihost",
+  False,
+  "Initialise jax.distributed with the cluster JAX detects (one process per "
+  "host).",
+)
+_COORDINATOR = flags.DEFINE_string(
+  "coordinator_address", None, "HOST:PORT of process 0 (jax.distributed)."
+)
+_NUM_PROCESSES = flags.DEFINE_integer(
+  "num_processes", None, "Number of processes (jax.distributed)."
+)
+_PROCESS_ID = flags.DEFINE_integer(
+  "process_id", None, "This process's index in [0, num_processes)."
+)
+_HEARTBEAT = flags.DEFINE_integer(
+  "heartbeat_timeout_seconds",
+  60,  # experiments.distributed.HEARTBEAT_TIMEOUT_S
+  "A process silent this long counts as lost; the others then exit "
+  "non-zero within this time plus a few seconds.",
 )
 
 
@@ -43,19 +68,25 @@ def cli_overrides(argv) -> dict:
 
 def main(argv):
   del argv
-  import jax
-
-  from experiments import study
+  from experiments import distributed, study
 
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
-  if _MULTIHOST.value:
-    jax.distributed.initialize()
+  distributed.initialize(
+    _COORDINATOR.value,
+    _NUM_PROCESSES.value,
+    _PROCESS_ID.value,
+    auto=_MULTIHOST.value,
+    heartbeat_timeout_seconds=_HEARTBEAT.value,
+  )
   overrides = cli_overrides(sys.argv)
-  study.run_study(
-    _CONFIG.value,
-    cli_keys=overrides,
-    overrides=overrides,
-    options=cli.options(),
+  distributed.exit_on_lost_process(
+    lambda: study.run_study(
+      _CONFIG.value,
+      cli_keys=overrides,
+      overrides=overrides,
+      options=cli.options(),
+    ),
+    _HEARTBEAT.value,
   )
 
 

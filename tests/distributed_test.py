@@ -1,0 +1,199 @@
+"""Multi-process runs through the real entry point, on one machine (gloo).
+
+Every run is `configs/smoke.py`'s stochastic write-back arm with a reference
+trace, compared with one uninterrupted process on one device: the final
+params digest, every metrics line (telemetry included) and the trace must
+be the same bits. Each process is a subprocess with a timeout; ports are
+free ports on 127.0.0.1.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from experiments import distributed, results
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUN = os.path.join("smoke", "sr_bf16", "seed0")
+ARGS = (
+  "--config=configs/smoke.py:arm=sr_bf16",
+  "--config.lowprec.trace_targets=('bfloat16',)",
+)
+TIMEOUT_S = 400  # per process; a healthy run takes well under a minute
+HEARTBEAT_S = 10
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _launch(tmp, processes: int, devices: int, *args) -> list:
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+  env["JAX_PLATFORMS"] = "cpu"
+  cmd = [
+    sys.executable,
+    "-m",
+    "experiments.run",
+    *ARGS,
+    *args,
+    f"--config.log.results_dir={tmp}",
+  ]
+  if processes > 1:
+    cmd += [
+      f"--coordinator_address=127.0.0.1:{_free_port()}",
+      f"--num_processes={processes}",
+      f"--heartbeat_timeout_seconds={HEARTBEAT_S}",
+    ]
+  procs = []
+  for i in range(processes):
+    extra = [f"--process_id={i}"] if processes > 1 else []
+    # Files, not pipes: a full pipe would stall a process in a collective.
+    logs = [
+      open(os.path.join(tmp, f"p{i}.{n}.{time.time_ns()}"), "w+")
+      for n in ("out", "err")
+    ]
+    p = subprocess.Popen(
+      cmd + extra, cwd=ROOT, env=env, stdout=logs[0], stderr=logs[1]
+    )
+    p.logs = logs
+    procs.append(p)
+  return procs
+
+
+def _finish(procs, timeout=TIMEOUT_S) -> list:
+  """(returncode, stdout, stderr) of each process; kills any left over."""
+  deadline = time.time() + timeout
+  try:
+    for p in procs:
+      try:
+        p.wait(timeout=max(1, deadline - time.time()))
+      except subprocess.TimeoutExpired:
+        break
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  out = []
+  for p in procs:
+    text = []
+    for f in p.logs:
+      f.seek(0)
+      text.append(f.read())
+      f.close()
+    out.append((p.returncode, *text))
+  return out
+
+
+def _run(tmp, processes=1, devices=1, *args) -> list:
+  return _finish(_launch(tmp, processes, devices, *args))
+
+
+def _ok(outs) -> None:
+  for i, (rc, stdout, stderr) in enumerate(outs):
+    why = "timed out" if rc == -signal.SIGKILL else f"exited {rc}"
+    assert rc == 0, f"process {i} {why}:\n{stdout}\n{stderr[-4000:]}"
+
+
+def _record(tmp) -> tuple:
+  """What must be the same bits: params digest, metrics lines."""
+  d = os.path.join(tmp, RUN)
+  with open(os.path.join(d, "summary.json")) as f:
+    digest = json.load(f)["param_digest"]
+  recs = results.read_metrics(os.path.join(d, "metrics.jsonl"))
+  timing = ("wall_s", "steps_per_s", "time")
+  return digest, [{k: v for k, v in r.items() if k not in timing} for r in recs]
+
+
+def _wait_for_lines(tmp, n: int, procs, timeout=TIMEOUT_S) -> None:
+  path = os.path.join(tmp, RUN, "metrics.jsonl")
+  deadline = time.time() + timeout
+  while time.time() < deadline:
+    if os.path.exists(path) and len(open(path).read().splitlines()) >= n:
+      return
+    if any(p.poll() is not None for p in procs):
+      break
+    time.sleep(0.05)
+  _finish(procs, 1)
+  pytest.fail(f"{path} never reached {n} lines")
+
+
+_REFERENCE = {}  # the one-process record, computed once per session
+
+
+@pytest.fixture()
+def reference(tmp_path_factory):
+  """One process, one device, uninterrupted."""
+  if not _REFERENCE:
+    tmp = tmp_path_factory.mktemp("one")
+    _ok(_run(tmp))
+    _REFERENCE["record"] = _record(tmp)
+  return _REFERENCE["record"]
+
+
+def test_two_processes_give_the_bits_of_one_and_process_0_writes(
+  tmp_path_factory, tmp_path
+):
+  one = tmp_path_factory.mktemp("one")
+  # The reference runs alongside, to keep the test short.
+  outs = _finish(_launch(tmp_path, 2, 1) + _launch(one, 1, 1))
+  _ok(outs)
+  _REFERENCE["record"] = _record(one)
+  digest, recs = _record(tmp_path)
+  assert digest == _REFERENCE["record"][0]
+  assert recs == _REFERENCE["record"][1]
+  assert any(k.startswith("pred/") for k in recs[-1]), "no reference trace"
+  assert any(k.startswith("erased") for k in recs[-1]), "no telemetry"
+  # Written once, by process 0: each step one line, progress on its stdout.
+  assert [r["step"] for r in recs] == list(range(len(recs)))
+  assert "steps/s" in outs[0][1] and "steps/s" not in outs[1][1]
+  with open(os.path.join(tmp_path, RUN, "env.json")) as f:
+    env = json.load(f)
+  assert env["process_count"] == 2
+  assert sorted(env["process_devices"]) == ["0", "1"]
+
+
+@pytest.mark.slow
+def test_two_processes_of_four_devices_give_the_bits_of_one(
+  reference, tmp_path
+):
+  _ok(_run(tmp_path, 2, 4))
+  assert _record(tmp_path) == reference
+
+
+@pytest.mark.slow
+def test_both_processes_killed_then_rerun_give_the_same_bits(
+  reference, tmp_path
+):
+  procs = _launch(tmp_path, 2, 1)
+  _wait_for_lines(tmp_path, 6, procs)  # past the checkpoint at step 4
+  for p in procs:
+    p.send_signal(signal.SIGKILL)
+  _finish(procs, 30)
+  assert not os.path.exists(os.path.join(tmp_path, RUN, "summary.json"))
+  outs = _run(tmp_path, 2, 1)
+  _ok(outs)
+  assert "resumed from step" in outs[0][1]
+  assert _record(tmp_path) == reference
+
+
+@pytest.mark.slow
+def test_a_killed_process_makes_the_other_exit_in_bounded_time(tmp_path):
+  procs = _launch(tmp_path, 2, 1, "--config.train.steps=400")
+  _wait_for_lines(tmp_path, 3, procs)
+  procs[1].send_signal(signal.SIGKILL)
+  killed = time.time()
+  (rc, _, stderr), _ = _finish(procs, HEARTBEAT_S + distributed.SLACK_S + 30)
+  waited = time.time() - killed
+  assert rc != 0
+  assert waited < HEARTBEAT_S + distributed.SLACK_S, waited
+  assert "lost process(es) [1]" in stderr, stderr[-3000:]
