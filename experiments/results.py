@@ -22,7 +22,7 @@ import tempfile
 import jax
 import numpy as np
 
-from experiments import faults
+from experiments import distributed, faults
 
 
 def run_dir(config) -> str:
@@ -268,7 +268,7 @@ def environment(overrides: dict) -> dict:
     },
     "backend": jax.default_backend(),
     "devices": [str(d) for d in jax.devices()],
-    "process_count": jax.process_count(),
+    **distributed.topology(),  # process_count and each one's devices
     "git_revision": git_revision(),
     "argv": sys.argv,
     "overrides": overrides,

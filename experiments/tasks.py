@@ -19,7 +19,7 @@ from experiments import models, probes
 class Task:
   init: Callable[[jax.Array], Any]  # key -> params
   loss: Callable[..., tuple[jax.Array, dict]]  # (params, batch, key)
-  data: Any  # .batch(step) and .eval_batches()
+  data: Any  # .batch_size, .batch(step, rows=None) and .eval_batches()
   model: Any
   # (params, key) -> {name: scalar}, logged every train.probe_every_steps
   probe: Callable[..., dict] | None = None
@@ -168,8 +168,12 @@ class _EvalLimited:
   def __init__(self, data, n: int):
     self._data, self._n = data, n
 
-  def batch(self, step: int):
-    return self._data.batch(step)
+  @property
+  def batch_size(self) -> int:
+    return self._data.batch_size
+
+  def batch(self, step: int, rows=None):
+    return self._data.batch(step, rows=rows)
 
   def eval_batches(self):
     return self._data.eval_batches(self._n)

@@ -29,7 +29,15 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import lowprec
-from experiments import checkpoint, faults, ledger, optim, results, tasks
+from experiments import (
+  checkpoint,
+  distributed,
+  faults,
+  ledger,
+  optim,
+  results,
+  tasks,
+)
 
 
 class TrainState(NamedTuple):
@@ -196,11 +204,31 @@ class Run:
   probe_fn: Any = None  # jitted (params, key) -> {name: scalar}, or None
 
   def put(self, batch):
-    """A host batch (numpy) as a global array sharded over the mesh."""
+    """This process's rows of a batch (numpy) as one global array.
+
+    On one process these are all the rows; on several, `rows()`'s.
+    """
     return jax.tree.map(
       lambda x: jax.make_array_from_process_local_data(self.mesh.batch, x),
       batch,
     )
+
+  def rows(self, num_rows: int) -> slice:
+    """The rows of a global batch that this process reads."""
+    return distributed.process_rows(self.mesh.batch, num_rows)
+
+  def train_batch(self, step: int):
+    """The global batch of `step`, each process reading only its rows."""
+    rows = self.rows(self.task.data.batch_size)
+    return self.put(self.task.data.batch(step, rows=rows))
+
+  def eval_batches(self) -> list:
+    """The fixed evaluation batches, each process keeping only its rows."""
+    out = []
+    for b in self.task.data.eval_batches():
+      rows = self.rows(len(b[0]))
+      out.append(self.put(tuple(x[rows] for x in b)))
+    return out
 
 
 def build_run(config) -> Run:
@@ -290,7 +318,10 @@ def train_and_evaluate(
     ledger.RunError: the run directory refuses this run (another writer,
       another config, damaged records); nothing was written.
   """
-  with ledger.open_run(config, overrides, options) as entry:
+  with distributed.open_on_primary(
+    lambda: ledger.open_run(config, overrides, options),
+    results.run_dir(config),
+  ) as entry:
     if entry.summary is not None:
       return entry.summary
     return _train(config, entry.path)
@@ -298,6 +329,9 @@ def train_and_evaluate(
 
 def _train(config, workdir: str) -> dict:
   """The loop of `train_and_evaluate`, in an open run directory."""
+  # Process 0 alone writes results and progress; every process computes.
+  write_json = distributed.primary_only(results.write_json)
+  say = distributed.primary_only(print)
   run = build_run(config)
   state = run.state
   ckpt = checkpoint.Checkpointer(
@@ -310,18 +344,18 @@ def _train(config, workdir: str) -> dict:
     state, os.path.join(workdir, "bad_checkpoints")
   )
   for step, why in rejected:
-    print(
-      f"{tag} checkpoint {step} is unreadable ({why}); set aside", flush=True
-    )
+    say(f"{tag} checkpoint {step} is unreadable ({why}); set aside", flush=True)
   if start:
-    print(f"{tag} resumed from step {start}", flush=True)
+    say(f"{tag} resumed from step {start}", flush=True)
   faults.point("after_restore", start)
-  metrics_file = results.MetricsWriter(
-    os.path.join(workdir, "metrics.jsonl"), resume_step=start
-  )
+  metrics_file = distributed.NullWriter()
+  if distributed.is_primary():
+    metrics_file = results.MetricsWriter(
+      os.path.join(workdir, "metrics.jsonl"), resume_step=start
+    )
   lr_fn = optim.schedule(config.opt, config.train.steps)
 
-  eval_batches = [run.put(b) for b in run.task.data.eval_batches()]
+  eval_batches = run.eval_batches()
 
   def evaluate(params):
     faults.point("during_eval", done)
@@ -349,9 +383,7 @@ def _train(config, workdir: str) -> dict:
       val = evaluate(state.params)
       metrics_file.write({"step": 0, "val_loss": val, **probe(state.params, 0)})
     for step in range(start, total):
-      state, m = run.step_fn(
-        state, run.put(run.task.data.batch(data_start + step))
-      )
+      state, m = run.step_fn(state, run.train_batch(data_start + step))
       record = {"step": step + 1, "lr": float(lr_fn(step))}
       record.update({k: float(v) for k, v in jax.device_get(m).items()})
       record.update(lowprec.telemetry(state.opt_state))
@@ -368,7 +400,7 @@ def _train(config, workdir: str) -> dict:
       # this step, else the loss on the next step's batch.
       check = record.get("val_loss")
       if save and check is None:
-        batch = run.put(run.task.data.batch(data_start + done))
+        batch = run.train_batch(data_start + done)
         check = float(run.eval_fn(state.params, batch, run.eval_key))
       metrics_file.write(record)
       faults.point("after_metrics", done)
@@ -383,7 +415,7 @@ def _train(config, workdir: str) -> dict:
         now = time.time()
         rate = (done - s_last) / max(now - t_last, 1e-9)
         t_last, s_last = now, done
-        print(
+        say(
           tag,
           _progress(
             done, total, record["loss"], record.get("val_loss"), rate, now - t0
@@ -432,5 +464,5 @@ def params_digest(params) -> str:
   h = hashlib.sha256()
   for path, x in jax.tree_util.tree_leaves_with_path(params):
     h.update(jax.tree_util.keystr(path).encode())
-    h.update(np.asarray(jax.device_get(x)).tobytes())
+    h.update(distributed.to_host(x).tobytes())
   return h.hexdigest()
