@@ -436,8 +436,20 @@ def _train(config, workdir: str) -> dict:
     "param_count": int(sum(np.size(x) for x in jax.tree.leaves(state.params))),
     "param_digest": params_digest(state.params),
   }
-  results.write_json(os.path.join(workdir, "summary.json"), summary)
+  _check_complete(summary, tag, workdir)
+  write_json(os.path.join(workdir, "summary.json"), summary)
   return summary
+
+
+def _check_complete(summary: dict, tag: str, workdir: str) -> None:
+  """A summary marks a run finished, so it is written only when whole."""
+  final = (summary["final_loss"], summary["final_val_loss"])
+  if not all(isinstance(x, float) and math.isfinite(x) for x in final):
+    raise ledger.RunError(
+      f"{tag} the final losses {final} are incomplete, so no summary.json "
+      f"was written; check metrics.jsonl in {workdir}, or start the run over "
+      "with --restart"
+    )
 
 
 def _non_finite(tag, loss, step, ckpt, what) -> str:
