@@ -1,6 +1,6 @@
 """Make `train.bin` / `val.bin` token files from local text.
 
-  python scripts/prepare_text.py --input TEXT [TEXT ...] --out DIR \\
+  python -m scripts.prepare_text --input TEXT [TEXT ...] --out DIR \\
       [--tokenizer byte|gpt2] [--tokenizer-path PATH] [--val-fraction 0.1] \\
       [--suffixes .txt,.md,.rst]
 
@@ -29,9 +29,7 @@ import os
 import shutil
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from experiments import data  # noqa: E402  (needs the root on sys.path)
+from experiments import data
 
 
 def main(argv=None) -> None:

@@ -276,9 +276,9 @@ def test_prepare_text_byte_level_round_trip(tmp_path):
 def test_prepare_text_script(tmp_path):
   src, _, expected = _text_dir(tmp_path)
   out = tmp_path / "out"
-  cmd = [sys.executable, os.path.join(ROOT, "scripts", "prepare_text.py")]
+  cmd = [sys.executable, "-m", "scripts.prepare_text"]  # from the root
   args = ["--input", str(src), "--out", str(out), "--suffixes", "txt,.MD"]
-  res = subprocess.run(cmd + args, capture_output=True, text=True, cwd=tmp_path)
+  res = subprocess.run(cmd + args, capture_output=True, text=True, cwd=ROOT)
   assert res.returncode == 0, res.stderr
   meta = json.loads((out / "meta.json").read_text())
   assert len(meta["sources"]) == 2
@@ -287,6 +287,7 @@ def test_prepare_text_script(tmp_path):
     cmd + ["--input", str(tmp_path / "nope"), "--out", str(out)],
     capture_output=True,
     text=True,
+    cwd=ROOT,
   )
   assert bad.returncode != 0 and "neither a file nor a directory" in bad.stderr
 

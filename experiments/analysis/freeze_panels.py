@@ -1,7 +1,8 @@
 """Erased fraction vs step, predicted and measured, crossings marked (PNG).
 
-One panel per low-precision run (up to 12), its reference arm's predicted
-curve beside its measured one, and the loss of both below.
+One row per low-precision run (up to 12): its measured erased fraction with
+its reference arm's predicted curve, and beside it the validation loss of
+both, where the freeze shows.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
 
 from experiments.analysis.freeze_tables import (  # noqa: E402
   measured,
@@ -29,45 +31,8 @@ def plot(
   theta: float = 0.5,
   max_panels: int = 12,
 ) -> str:
-  runs = load_runs(results, study)
-  low = [r for r in runs if r.config["lowprec"]["writeback"]][:max_panels]
-  if not low:
-    raise ValueError(f"{study} has no write-back runs to plot")
-  cols = min(3, len(low))
-  rows = -(-len(low) // cols)
-  fig, axes = plt.subplots(
-    2 * rows, cols, figsize=(4.2 * cols, 4.4 * rows), squeeze=False
-  )
-  for i, run in enumerate(low):
-    ax = axes[2 * (i // cols)][i % cols]
-    lx = axes[2 * (i // cols) + 1][i % cols]
-    fmt = run.config["lowprec"]["writeback"]
-    rounding = run.config["lowprec"]["rounding"]
-    steps, e = measured(run)
-    ax.plot(steps, e, lw=1, label=f"measured ({rounding})")
-    _mark(ax, e, steps, theta, "C0")
-    ref = reference_for(run, runs)
-    if ref is not None:
-      ps, p = predicted(ref, fmt)
-      if p.size:
-        ax.plot(ps, p, lw=1, ls="--", color="C1", label="predicted (fp32)")
-        _mark(ax, p, ps, theta, "C1")
-      s, loss = ref.curve("loss")
-      lx.plot(s, loss, lw=0.8, color="C1", label="fp32 reference")
-    s, loss = run.curve("loss")
-    lx.plot(s, loss, lw=0.8, color="C0", label=run.arm)
-    ax.axhline(theta, color="grey", lw=0.5)
-    ax.set_ylim(-0.02, 1.02)
-    ax.set_title(f"{run.arm} seed{run.seed}: {fmt}", fontsize=9)
-    ax.set_ylabel("erased fraction")
-    ax.legend(fontsize=7)
-    lx.set_xlabel("step")
-    lx.set_ylabel("train loss")
-    lx.legend(fontsize=7)
-  for j in range(len(low), rows * cols):
-    axes[2 * (j // cols)][j % cols].axis("off")
-    axes[2 * (j // cols) + 1][j % cols].axis("off")
-  fig.tight_layout()
+  """Draws `figure` for the study's runs; returns the path of the PNG."""
+  fig = figure(load_runs(results, study), theta, max_panels)
   out = out or os.path.join(results, study, "tables")
   os.makedirs(out, exist_ok=True)
   path = os.path.join(out, f"{study}.png")
@@ -76,7 +41,76 @@ def plot(
   return path
 
 
+def figure(runs, theta: float = 0.5, max_panels: int = 12):
+  """One row per low-precision run (up to `max_panels`): erased fraction,
+  measured and predicted, with crossings marked; beside it the validation
+  loss of the run and of its float32 reference."""
+  low = [r for r in runs if r.config["lowprec"]["writeback"]][:max_panels]
+  if not low:
+    raise ValueError("no write-back runs to plot")
+  fig, axes = plt.subplots(
+    len(low), 2, figsize=(9.0, 3.2 * len(low)), squeeze=False
+  )
+  for (ax, lx), run in zip(axes, low, strict=True):
+    fmt = run.config["lowprec"]["writeback"]
+    rounding = run.config["lowprec"]["rounding"]
+    nearest = rounding == "nearest"
+    steps, e = measured(run)
+    ref = reference_for(run, runs)
+    curves = []
+    if nearest:
+      ax.plot(steps, e, lw=1, label="measured (nearest)")
+      crossing = _mark(ax, e, steps, theta, "C0")
+      if crossing is not None:
+        lx.axvline(crossing, color="C0", lw=0.8, ls=":")
+    else:  # a per-step share; every coordinate keeps a chance to move
+      ax.plot(steps, e, lw=1, label=f"measured ({rounding}; not a freeze)")
+    if ref is not None:
+      ps, p = predicted(ref, fmt, rounding)
+      if p.size and nearest:
+        ax.plot(ps, p, lw=1, ls="--", color="C1", label="predicted (fp32)")
+        _mark(ax, p, ps, theta, "C1")
+      elif p.size:  # the trace predicts P(move) under stochastic rounding
+        ax.plot(ps, 1 - p, lw=1, ls="--", color="C1", label="1 - P(move)")
+      curves.append(_val_line(lx, ref, "C1", "fp32 reference"))
+    curves.append(_val_line(lx, run, "C0", run.arm))
+    ax.axhline(theta, color="grey", lw=0.5)
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title(f"{run.arm} seed{run.seed}: {fmt}, {rounding}", fontsize=9)
+    ax.set_xlabel("step")
+    ax.set_ylabel("erased fraction")
+    ax.legend(fontsize=7)
+    _zoom(lx, curves)
+    lx.set_title("validation loss (dotted: the measured crossing)", fontsize=9)
+    lx.set_xlabel("step")
+    lx.set_ylabel("validation loss")
+    lx.legend(fontsize=7)
+  fig.tight_layout()
+  return fig
+
+
+def _val_line(ax, run, color, label):
+  """Plots a run's validation loss (final value in the label)."""
+  pts = [(r["step"], r["val_loss"]) for r in run.metrics if "val_loss" in r]
+  if not pts:
+    return np.zeros(0)
+  s, v = (np.asarray(x, float) for x in zip(*pts, strict=True))
+  ax.plot(s, v, lw=1, marker=".", color=color, label=f"{label} ({v[-1]:.3f})")
+  return v
+
+
+def _zoom(ax, curves):
+  """Leaves out the initial loss, so the late differences are visible."""
+  late = [c[1:] for c in curves if c.size > 1]
+  if late:
+    late = np.concatenate(late)
+    lo, hi = float(np.min(late)), float(np.max(late))
+    pad = 0.05 * (hi - lo or 1.0)
+    ax.set_ylim(lo - pad, hi + pad)
+
+
 def _mark(ax, curve, steps, theta, color):
   step, _ = freeze.crossing(curve, theta, steps=steps)
   if step is not None:
     ax.axvline(step, color=color, lw=0.8, ls=":")
+  return step

@@ -63,6 +63,17 @@ def fmt_step(step, cat) -> str:
   return "never" if step is None else f"{step} ({cat})"
 
 
+def not_a_freeze(step, theta: float = THETA) -> str:
+  """The measured "crossing" of a stochastic or dead-zone run, labelled.
+
+  Under stochastic rounding every coordinate keeps a positive chance to
+  move, so a per-step erased share above `theta` is no freeze.
+  """
+  if step is None:
+    return "never"
+  return f"not a freeze (per-step share >= {theta:g} from step {step})"
+
+
 def _cell(run) -> str:
   return run.config["study"].get("cell") or run.arm
 
@@ -108,7 +119,11 @@ def _freeze_rows(runs, theta, tol):
       "reference_val_loss": ref.last("val_loss") if ref else None,
     }
     m_step, m_cat = freeze.crossing(meas, theta, steps=steps)
-    row["measured_crossing"] = fmt_step(m_step, m_cat)
+    row["measured_crossing"] = (
+      fmt_step(m_step, m_cat)
+      if rounding == "nearest"
+      else not_a_freeze(m_step, theta)
+    )
     _, pred = predicted(ref, fmt)
     if pred.size and rounding == "nearest":
       n = min(len(pred), len(meas))

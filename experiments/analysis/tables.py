@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 
 from experiments.analysis import bwd_tables
 from experiments.analysis.freeze_tables import (
@@ -45,14 +46,87 @@ STUDY_ANALYSIS = {  # study name -> analysis name (default "freeze")
 }
 
 
+# Column headings of the Markdown tables (the CSV keeps the row keys).
+HEADINGS = {
+  "format": "format",
+  "rounding": "write-back",
+  "final_val_loss": "final val loss",
+  "reference_val_loss": "fp32 val loss",
+  "predicted_crossing": "predicted crossing",
+  "measured_crossing": "measured crossing",
+  "error_steps": "error (steps)",
+  "relative_error": "relative error",
+  "within_tol": "within 15%",
+  "category_agrees": "categories agree",
+  "rmse": "curve RMSE",
+  "naive_rmse": "naive RMSE",
+  "reference_seed": "trace seed",
+  "measured_move_prob": "move prob., measured",
+  "predicted_move_prob": "move prob., predicted",
+  "lr": "learning rate",
+  "second_half_change": "val loss change, 2nd half",
+  "predicted_mean_erased": "mean not moved, predicted",
+  "measured_mean_erased": "mean not moved, measured",
+  "frozen_whole_run": "sampled coords never moved",
+  "frozen_second_half": "not moved in 2nd half",
+  "fp32_at_checkpoint": "fp32 val loss there",
+  "after_quantizing": "after the int grid",
+  "change": "change (nats)",
+  "change_pct": "change (relative)",
+  "fp32_same_data_step": "fp32 at the same data step",
+  "val_loss_fp32": "L fp32",
+  "val_loss_nearest": "L nearest",
+  "val_loss_stochastic": "L full SR",
+  "val_loss_deadzone": "L dead-zone SR",
+  "rn_gap": "nearest gap",
+  "recovery_full_sr": "recovery, full SR",
+  "recovery_deadzone_sr": "recovery, dead-zone SR",
+  "train_loss_last10%": "train loss, last 10%",
+  "within_margin": "within the margin",
+}
+# Per probe group `g`: `g_<suffix>` -> "g: <words>".
+_PROBE = {
+  "1-cos": "1 - cos",
+  "norm_ratio": "norm ratio",
+  "rel_err": "rel. error, mean",
+  "last_rel_err": "rel. error, last",
+  "bias_rms": "bias (rms)",
+  "bias_z": "bias z",
+}
+# Shown in other columns of the same row (`cell` is arm, or width/lr/...).
+_HIDDEN = ("cell",)
+
+
+def heading(key: str) -> str:
+  """The Markdown column heading of a row key."""
+  if key in HEADINGS:
+    return HEADINGS[key]
+  m = re.fullmatch(r"val_loss@(\d+)", key)
+  if m:
+    return f"val loss at step {m.group(1)}"
+  m = re.fullmatch(r"after_(\d+)_steps", key)
+  if m:
+    return f"after {m.group(1)} steps"
+  m = re.fullmatch(r"val_minus_(\w+)", key)
+  if m:
+    return f"val loss minus {m.group(1)}"
+  for suffix in sorted(_PROBE, key=len, reverse=True):  # last_rel_err first
+    if key.endswith("_" + suffix):
+      return f"{key[: -len(suffix) - 1]}: {_PROBE[suffix]}"
+  return key  # arm names and the like, as they are
+
+
 def to_markdown(title: str, rows: list[dict], lines: list[str]) -> str:
+  """A Markdown table of the rows (headings in words), then the lines."""
   if not rows:
     return f"## {title}\n\n(no rows)\n"
-  cols = list(dict.fromkeys(k for r in rows for k in r))
+  cols = [
+    k for k in dict.fromkeys(k for r in rows for k in r) if k not in _HIDDEN
+  ]
   out = [
     f"## {title}",
     "",
-    "| " + " | ".join(cols) + " |",
+    "| " + " | ".join(heading(c) for c in cols) + " |",
     "|" + "---|" * len(cols),
   ]
   for r in rows:
@@ -65,6 +139,8 @@ def to_markdown(title: str, rows: list[dict], lines: list[str]) -> str:
 def _cell(v) -> str:
   if v is None:
     return ""
+  if isinstance(v, bool):
+    return "yes" if v else "no"
   if isinstance(v, float):
     return f"{v:.4g}"
   return str(v)

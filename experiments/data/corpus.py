@@ -56,7 +56,7 @@ def builtin_text_bytes() -> bytes:
       "the built-in corpus needs the standard library's pydoc_data module, "
       "which this Python installation lacks; install the full standard "
       "library (e.g. Debian's libpython3-stdlib) or make token files from "
-      "your own text with `python scripts/prepare_text.py` and use "
+      "your own text with `python -m scripts.prepare_text` and use "
       "data.name = 'tokens'"
     ) from e
   return "".join(topics[k] + "\n\n" for k in sorted(topics)).encode("utf-8")

@@ -24,7 +24,7 @@ _FULL_CHECK_TOKENS = 1 << 26
 _FULL_CHECK_CHUNK = 1 << 23
 _CHECK_CHUNK = 1 << 20
 _CHECK_CHUNKS = 64
-_FIX = "make token files with `python scripts/prepare_text.py`"
+_FIX = "make token files with `python -m scripts.prepare_text`"
 
 
 def token_path(data_dir: str, split: str) -> str:
@@ -94,8 +94,8 @@ def open_tokens(
   """
   if not os.path.isfile(path):
     raise FileNotFoundError(
-      f"token file {path} not found; {_FIX} (e.g. `python "
-      f"scripts/prepare_text.py --input TEXT_DIR --out "
+      f"token file {path} not found; {_FIX} (e.g. `python -m "
+      f"scripts.prepare_text --input TEXT_DIR --out "
       f"{os.path.dirname(path) or '.'}`), or use data.name = "
       "'builtin_text', which needs no files."
     )
