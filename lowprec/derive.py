@@ -84,12 +84,13 @@ class Derivation:
   op: Custom  # the operator carrying `table`
   table: tuple[Requirement, ...]
   evidence: tuple[Evidence, ...]
-  verification: audit.Verification  # of the reference policy, every value
+  verification: audit.Verification | None  # of the reference policy
 
   @property
   def agrees(self) -> bool:
-    """Every (use, value) verified by Monte Carlo as the table predicts."""
-    return self.verification.agrees
+    """Every (use, value) verified by Monte Carlo as the table predicts
+    (False when the Monte Carlo check was skipped)."""
+    return self.verification is not None and self.verification.agrees
 
   @property
   def counts(self) -> tuple[int, int]:
@@ -115,12 +116,15 @@ class Derivation:
        _yes_no(r.linear), ", ".join(r.feeds), _yes_no(r.storage_only))
       for r in self.table
     ]  # fmt: skip
-    ok, total = self.counts
+    text = f"{self.op.name}: derived requirements\n\n" + audit._table(
+      head, rows
+    )
     v = self.verification
+    if v is None:
+      return text + "\n\nnot verified by Monte Carlo (n_forward=0)"
+    ok, total = self.counts
     return (
-      f"{self.op.name}: derived requirements\n\n"
-      + audit._table(head, rows)
-      + f"\n\nverified by Monte Carlo (n_forward={v.n_forward}, "
+      text + f"\n\nverified by Monte Carlo (n_forward={v.n_forward}, "
       f"n_backward={v.n_backward}, |z| >= {v.z_threshold:g} biased): "
       f"{ok}/{total} checks as predicted"
     )
@@ -145,7 +149,8 @@ def derive(
     inputs: example inputs, in `op.args` order (None for an absent one).
     key: PRNG key for every draw.
     n_exact: forward draws for the deterministic checks.
-    n_forward, n_backward: draws for `audit.verify` (see there).
+    n_forward, n_backward: draws for `audit.verify` (see there);
+      `n_forward=0` skips the Monte Carlo check (`verification` is None).
     loss: scalar function of the output for both; default as in `verify`.
     z_threshold: `|z|` at or above which `verify` calls a difference biased.
 
@@ -172,8 +177,10 @@ def derive(
   exact_key, loss_key, mc_key = jax.random.split(key, 3)
   kfs = jax.random.split(exact_key, n_exact)
   combos = tuple(itertools.product((0, 1), repeat=m))  # 0 rounded, 1 original
-  diffs, storage = jax.device_get(
-    _exact_program(probe, loss, inputs, kfs, loss_key, jnp.array(combos))
+  # The forward's own values are the first guess of the must-read values.
+  guess = probe.forward_values(*inputs)
+  diffs, storage, mids = jax.device_get(
+    _exact_program(probe, loss, inputs, kfs, loss_key, jnp.array(combos), guess)
   )
   # diffs[f, combo, input]: relative max difference from the reference.
   worst = diffs.max(axis=(0, 2))
@@ -182,16 +189,21 @@ def derive(
     raise ValueError(_ambiguous(op, combos, worst, exact))
   best = exact[0]
   names = [n for n, x in zip(op.args, inputs, strict=True) if x is not None]
-  mids = jax.device_get(
-    _linearity_program(probe, loss, inputs, kfs, loss_key, best)
-  )
+  values = tuple(VALUES[b] for b in best)
+  if values != guess:
+    mids = jax.device_get(
+      _linearity_program(probe, loss, inputs, kfs, loss_key, values)
+    )
   table, evidence = [], []
   for i, use in enumerate(op.uses):
     flip = best[:i] + (1 - best[i],) + best[i + 1 :]
     other = diffs[:, combos.index(flip)].max(0)  # per input
     tensor = op.tensor_of(use)
     must = VALUES[best[i]]
-    feeds = tuple(n for n, d in zip(names, other, strict=True) if d > 0)
+    # Below ROUNDOFF the flip is float32 reassociation, not a dependence.
+    feeds = tuple(
+      n for n, d in zip(names, other, strict=True) if d > audit.ROUNDOFF
+    )
     nonlin = float(mids[:, i].max())
     linear = nonlin <= audit.ROUNDOFF
     storage_only = bool(storage[:, op.tensors.index(tensor)].all())
@@ -216,6 +228,8 @@ def derive(
       Requirement(use, tensor, must, linear, feeds, reason, storage_only)
     )
   out = op.with_table(table)
+  if n_forward == 0:
+    return Derivation(out, tuple(table), tuple(evidence), None)
   verification = audit.verify(
     out,
     out.reference_policy,
@@ -234,26 +248,55 @@ def _rel(g, ref):
   return jnp.max(jnp.abs(g - ref)) / jnp.where(top > 0, top, 1.0)
 
 
-def _setup(op, loss, inputs, kf, loss_key):
+def _loss(op, loss, inputs, loss_key):
+  if loss is not None:
+    return loss
   values = ("original",) * len(op.uses)  # the output ignores the policy
-  if loss is None:
-    loss = audit._default_loss(op, values, inputs, loss_key)
+  return audit._default_loss(op, values, inputs, loss_key)
+
+
+def _setup(op, loss, inputs, kf):
   out, res = op._forward(KEEP_ALL, inputs, op._forward_keys(kf))
   dy = jax.grad(loss)(out)
   ref = jax.grad(lambda a: loss(op.reference(*a, key=kf)))(inputs)
   present = [i for i, x in enumerate(inputs) if x is not None]
-  # Only rounded / original are read; traced reads compute every value.
-  res = dict(res, backward_key=jax.random.fold_in(kf, 1))
+  # Traced reads choose between rounded and original only (`choices`).
+  res = dict(res, backward_key=None, choices=("rounded", "original"))
   return out, res, dy, [ref[i] for i in present], present
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _exact_program(op: Custom, loss, inputs, kfs, loss_key, combos):
+def _nonlinearity(op, res, dy, present, values):
+  """Per use: how far the gradient at the midpoint read is from the
+  midpoint of the gradients at `original` and `rounded`."""
+  kept = res["kept"]
+  out = []
+  for u, use in enumerate(op.uses):
+    t = op.tensor_of(use)
+
+    def at(v, u=u, **kw):
+      return op._backward(values[:u] + (v,) + values[u + 1 :], res, dy, **kw)
+
+    g_r, g_o = at("rounded"), at("original")
+    mid = {
+      use: lambda x, t=t: (
+        0.5 * (kept[t]["original"] + kept[t]["rounded"].value().astype(x.dtype))
+      )
+    }
+    g_m = at(values[u], overrides=mid)
+    rel = [_rel(g_m[i], 0.5 * (g_r[i] + g_o[i])) for i in present]
+    out.append(jnp.max(jnp.stack(rel)))
+  return jnp.stack(out)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 6))
+def _exact_program(op: Custom, loss, inputs, kfs, loss_key, combos, guess):
   """Per forward draw: each combo's relative difference from the reference
-  per input, and whether the output ignores each tensor's rounding."""
+  per input; whether the output ignores each tensor's rounding; and the
+  nonlinearity of each use with the others reading as in `guess`."""
+  loss = _loss(op, loss, inputs, loss_key)
 
   def one(kf):
-    out, res, dy, ref, present = _setup(op, loss, inputs, kf, loss_key)
+    out, res, dy, ref, present = _setup(op, loss, inputs, kf)
 
     def row(idx):
       g = op._backward(tuple(idx), res, dy)
@@ -267,35 +310,20 @@ def _exact_program(op: Custom, loss, inputs, kfs, loss_key, combos):
       off = op.with_roundings(**{t: None})
       y = off._forward(KEEP_ALL, inputs, off._forward_keys(kf))[0]
       storage.append(jnp.all(y == out))
-    return diffs, jnp.stack(storage)
+    mids = _nonlinearity(op, res, dy, present, guess)
+    return diffs, jnp.stack(storage), mids
 
   return jax.vmap(one)(kfs)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 5))
-def _linearity_program(op: Custom, loss, inputs, kfs, loss_key, best):
-  """Per forward draw and use: how far the gradient at the midpoint read is
-  from the midpoint of the gradients at `original` and `rounded`."""
-  values = tuple(VALUES[b] for b in best)
+def _linearity_program(op: Custom, loss, inputs, kfs, loss_key, values):
+  """`_exact_program`'s nonlinearities for other reads `values`."""
+  loss = _loss(op, loss, inputs, loss_key)
 
   def one(kf):
-    _, res, dy, ref, present = _setup(op, loss, inputs, kf, loss_key)
-    kept = res["kept"]
-    out = []
-    for u, use in enumerate(op.uses):
-      t = op.tensor_of(use)
-      at = lambda v, u=u: op._backward(
-        values[:u] + (v,) + values[u + 1 :], res, dy
-      )
-      g_r, g_o = at("rounded"), at("original")
-      mid = {use: lambda x, t=t: 0.5 * (x + kept[t].value().astype(x.dtype))}
-      g_m = op._backward(values, res, dy, overrides=mid)
-      out.append(
-        jnp.max(
-          jnp.stack([_rel(g_m[i], 0.5 * (g_r[i] + g_o[i])) for i in present])
-        )
-      )
-    return jnp.stack(out)
+    _, res, dy, _, present = _setup(op, loss, inputs, kf)
+    return _nonlinearity(op, res, dy, present, values)
 
   return jax.vmap(one)(kfs)
 

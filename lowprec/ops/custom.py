@@ -48,12 +48,14 @@ import dataclasses
 from collections.abc import Callable, Mapping
 
 import jax
+import jax.numpy as jnp
 
 from lowprec import policy as policy_lib
 from lowprec.ops import saved as saved_lib
 from lowprec.ops.base import KEEP_ALL, Op, per_value
 from lowprec.ops.requirements import Requirement
 from lowprec.ops.saved import Rounding
+from lowprec.policy import VALUES
 
 _NONE = Rounding()
 
@@ -79,7 +81,7 @@ class Reader:
     self._state = state
     self._first = {}  # tensor -> the array its first read was given
     self._cache = {}  # tensor -> its rounded value (one draw per tensor)
-    self.kept = {}  # forward: tensor -> narrow rounded value, or None
+    self.kept = {}  # forward: tensor -> {"rounded": Stored, "original": t}
     self.seen = {}  # use -> True (forward goes on rounded) / False
 
   def __call__(self, use: str, t):
@@ -122,15 +124,23 @@ class Reader:
         key = self._state["keys"][tensor]
         self._cache[tensor] = saved_lib.straight_through(r, t, key)
       return self._cache[tensor]
-    # forward: round once per tensor, keep the narrow copy if read later.
-    if r.is_identity:
-      self.kept[tensor] = None
-      return t
+    # forward: round once per tensor; keep the narrow copy if a use reads
+    # it, the original if a use reads it or a draw of it (the backward's
+    # recomputation of `t` follows the other uses' reads, not the forward).
     if tensor not in self._cache:
-      value, stored = r.round(t, self._state["keys"][tensor])
       need = self._state["reads"][tensor]
+      kept = {}
+      if r.is_identity:
+        value = t
+        kept["original"] = t
+      else:
+        value, stored = r.round(t, self._state["keys"][tensor])
+        if "rounded" in need:
+          kept["rounded"] = stored
+        if need - {"rounded"}:
+          kept["original"] = t
       self._cache[tensor] = value
-      self.kept[tensor] = stored if "rounded" in need else None
+      self.kept[tensor] = kept
     return self._cache[tensor] if rounded else t
 
   def _backward_value(self, use, tensor, r, t):
@@ -138,24 +148,30 @@ class Reader:
     if use in overrides:  # lowprec.derive's midpoint reads
       value = overrides[use]
       return _straight(t, value(t) if callable(value) else value)
+    kept = self._state["kept"][tensor]
+    x = kept.get("original", t)
     if r.is_identity:
-      return t
+      return _straight(t, x)
     values = self._state["values"]
     bkey = self._state["bkey"]
-    kept = self._state["kept"]
 
     def value(v):
       if v == "original":
-        return t
+        return x
       if v == "rounded":
-        return kept[tensor].value().astype(t.dtype)
-      if v == "nearest":
-        return r.round(t, mode="nearest")[0]
+        return kept["rounded"].value().astype(t.dtype)
+      if v == "nearest":  # as the built-ins read it: through the format
+        return r.quantize(x, mode="nearest").value().astype(t.dtype)
       key = saved_lib.derive(bkey, use)
-      return r.round(t, key, mode="stochastic")[0]
+      return r.round(x, key, mode="stochastic")[0]
 
-    v = per_value(values[self._op.uses.index(use)], value)
-    return _straight(t, v)
+    v = values[self._op.uses.index(use)]
+    choices = self._state.get("choices")
+    if choices is None or isinstance(v, str):
+      return _straight(t, per_value(v, value))
+    # A traced index into VALUES, restricted to `choices` (lowprec.derive).
+    which = [v == VALUES.index(c) for c in choices]
+    return _straight(t, jnp.select(which, [value(c) for c in choices]))
 
   def check_complete(self):
     """Every declared use was read (after running the forward)."""
@@ -322,6 +338,20 @@ class Custom(Op):
       for u, v in zip(self.uses, values, strict=True)
     )
 
+  def forward_values(self, *args) -> tuple[str, ...]:
+    """Per use, the value its read takes in the forward: `rounded` for
+    `read(use, t)`, `original` for `read.stored(use, t)` (traced, not run).
+    """
+    reader = Reader(
+      self, "forward", keys={t: jax.random.key(0) for t in self.tensors},
+      reads={t: frozenset() for t in self.tensors},
+    )  # fmt: skip
+    shapes = [None if a is None else jax.ShapeDtypeStruct(
+      jnp.shape(a), jnp.result_type(a)) for a in args]  # fmt: skip
+    jax.eval_shape(lambda *a: self.fn(*a, reader), *shapes)
+    reader.check_complete()
+    return tuple("rounded" if reader.seen[u] else "original" for u in self.uses)
+
   # ---- forward and backward -------------------------------------------------
 
   def _forward(self, values, args, keys):
@@ -347,6 +377,7 @@ class Custom(Op):
         kept=res["kept"],
         bkey=res.get("backward_key"),
         overrides=overrides,
+        choices=res.get("choices"),
       )
       return self.fn(*args, reader)
 
