@@ -2,7 +2,8 @@
 
   python -m scripts.bench [section ...] [--quick]
 
-Sections: rounding, writeback, trace, ops, train (default: all that exist).
+Sections: rounding, writeback, trace, ops, train, user_ops (default: all
+that exist).
 Each lives in `scripts/bench_<section>.py` with `run(quick: bool) -> str`.
 Numbers are machine-dependent; docs/benchmarks.md records the ratios measured
 on the 2-core CPU machine. Never used as timed assertions in tests.
@@ -14,7 +15,7 @@ import argparse
 import importlib
 import os
 
-SECTIONS = ("rounding", "writeback", "trace", "ops", "train")
+SECTIONS = ("rounding", "writeback", "trace", "ops", "train", "user_ops")
 
 
 def main(argv=None) -> None:
