@@ -8,8 +8,9 @@
   low-precision run next to the predicted ones.
 
 Definitions (erased, erased fraction, frozen, crossing step, categories)
-follow the freeze paper (`papers/001_*`): a nonzero proposal below half the
-grid gap at `w` is rounded away by nearest write-back.
+follow the write-back freezing paper (see docs/freeze.md): a nonzero
+proposal below half the grid gap at `w` is rounded away by nearest
+write-back.
 """
 
 from lowprec.freeze.coords import (

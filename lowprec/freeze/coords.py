@@ -160,8 +160,9 @@ def audit_coordinates(
   Raises:
     ValueError: mismatched shapes.
 
-  Reference: `papers/001_*`: the exact target-code event is auditable
-  coordinatewise on a realized target trajectory.
+  Reference: the write-back freezing paper (see docs/freeze.md): the exact
+  target-code event is auditable coordinatewise on a realized target
+  trajectory.
 
   Example:
     >>> a = audit_coordinates(ref_w, ref_u, lp_w, lp_u, "bfloat16")

@@ -115,7 +115,8 @@ def compare(
   Raises:
     ValueError: curves of different lengths.
 
-  Reference: `papers/001_*`; crossing step and categories as defined there.
+  Reference: the write-back freezing paper (see docs/freeze.md); crossing
+  step and categories as defined there.
 
   Example:
     >>> c = compare([0.1, 0.2, 0.6, 0.9], [0.1, 0.3, 0.4, 0.8])
@@ -219,7 +220,7 @@ def summarize(
   Raises:
     ValueError: no cells, or a cell whose two curves differ in length.
 
-  Reference: the write-back freezing study, `papers/001_*`, reports its
+  Reference: the write-back freezing paper (see docs/freeze.md) reports its
   grid this way (52/55 post-initialization crossings within 15%, 4/72
   categories differing; macro RMSE and skill for the E4M3 audit).
 

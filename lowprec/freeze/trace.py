@@ -267,7 +267,7 @@ def reference_trace(
   coordinates in a low-precision run: put the trace just before
   `lowprec.writeback` there to record the realized trajectory.
 
-  Reference: the write-back freezing study, `papers/001_*` (the half-ULP
+  Reference: the write-back freezing paper (see docs/freeze.md; the half-ULP
   condition, predicted from a high-precision trace and the target format
   alone, and audited coordinate by coordinate).
 
