@@ -149,8 +149,9 @@ def derive(
     inputs: example inputs, in `op.args` order (None for an absent one).
     key: PRNG key for every draw.
     n_exact: forward draws for the deterministic checks.
-    n_forward, n_backward: draws for `audit.verify` (see there);
-      `n_forward=0` skips the Monte Carlo check (`verification` is None).
+    n_forward: forward draws for `audit.verify` (see there); 0 skips the
+      Monte Carlo check (`verification` is None).
+    n_backward: backward draws per forward draw for `audit.verify`.
     loss: scalar function of the output for both; default as in `verify`.
     z_threshold: `|z|` at or above which `verify` calls a difference biased.
 
