@@ -126,6 +126,9 @@ def _check_key(config, key: str) -> None:
 def parse_flags(argv):
   """absl's flag parsing, with config mistakes as one message (exit 2)."""
   show = "--traceback" in argv
+  given = [a for a in argv if a == "--config" or a.startswith("--config=")]
+  if len(given) > 1:
+    fail(f"--config is given {len(given)} times; give one study config")
   argv, spec = _config_first(argv)
   if argv[1:] and sys.argv[1:] and sys.argv[0] == argv[0]:
     sys.argv[:] = argv  # config_flags reads the overrides from sys.argv

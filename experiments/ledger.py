@@ -175,12 +175,15 @@ class Entry:
 
   `summary` is the finished run's summary (skip it) or None (run it);
   `changed` the `opt.*` keys allowed to differ (old, new) on this launch.
+  When the changed run cannot restore its checkpoint, leaving the `with`
+  block puts the earlier config.json and env.json back.
   """
 
   path: str
   lock: RunLock
   summary: dict | None = None
   changed: dict = dataclasses.field(default_factory=dict)
+  previous: dict = dataclasses.field(default_factory=dict)  # name -> JSON
 
   def close(self) -> None:
     self.lock.release()
@@ -188,8 +191,16 @@ class Entry:
   def __enter__(self) -> Entry:
     return self
 
-  def __exit__(self, *exc) -> None:
-    self.close()
+  def __exit__(self, exc_type, exc, tb) -> None:
+    try:
+      if exc is not None and self.previous:
+        from experiments import checkpoint
+
+        if isinstance(exc, checkpoint.CheckpointReadError):
+          for name, obj in self.previous.items():
+            write_json_atomic(os.path.join(self.path, name), obj)
+    finally:
+      self.close()
 
 
 def _has_results(path: str) -> bool:
@@ -322,13 +333,18 @@ def _check(config, path, label, lock, options) -> Entry:
   try:
     old = results.read_json(file)
   except ValueError as e:
+    if not _has_results(path):
+      return Entry(path, lock)  # nothing ran: config.json is written anew
     raise RunError(
-      f"{label} {e}. Its results cannot be checked against this config; "
-      "nothing was written. Or start this run over with --restart, or "
-      "write elsewhere with --config.log.results_dir"
+      f"{label} {e}. The run's results cannot be checked against this "
+      "config; nothing was written. Restore config.json, or start this run "
+      "over with --restart (deletes its files), or write elsewhere with "
+      "--config.log.results_dir"
     ) from None
   summary, bad_summary = _finished_summary(path)
   diff = config_diff(old, new)
+  if diff and not _has_results(path):
+    return Entry(path, lock)  # only config.json and env.json: nothing ran
   if diff:
     can_amend = summary is None and all(k.startswith(AMENDABLE) for k in diff)
     if not (can_amend and options.allow_opt_change):
@@ -356,9 +372,15 @@ def _write_records(config, entry: Entry, overrides: dict) -> None:
   if os.path.exists(env_file):
     try:
       old = results.read_json(env_file)
+      if entry.changed:
+        entry.previous["env.json"] = dict(old)
       previous = old.pop("previous_launches", []) + [old]
     except ValueError as e:
       print(f"{tag(config)} {e}; its launch history is not carried over")
+  if entry.changed:
+    entry.previous["config.json"] = results.read_json(
+      os.path.join(entry.path, "config.json")
+    )
   env["previous_launches"] = previous
   env["changed_keys"] = {k: list(v) for k, v in entry.changed.items()}
   write_json_atomic(os.path.join(entry.path, "config.json"), config.to_dict())

@@ -107,8 +107,7 @@ def read_json(path: str):
     return json.loads(text)
   except json.JSONDecodeError as e:
     raise ValueError(
-      f"{path} is not valid JSON ({e}); the file is cut or edited: restore "
-      "it, or delete it to have it rebuilt where the run can rebuild it"
+      f"{path} is not valid JSON ({e}): the file was cut or edited"
     ) from None
 
 

@@ -131,7 +131,7 @@ KILLS = {
   "after_last_checkpoint": ("before_summary:8",),
   "during_summary_write": ("during_write:summary.json",),
   "during_config_write": ("during_write:config.json",),
-  "during_resume_restore": ("after_metrics:6", "after_restore:4"),
+  "during_resume_restore": ("after_metrics:6", "after_restore"),
   "during_metrics_trim": ("after_metrics:6", "during_metrics_trim"),
   "during_env_rewrite": ("after_metrics:6", "during_write:env.json"),
 }
@@ -257,7 +257,9 @@ def test_two_concurrent_launches_one_runs_one_stops(tmp_path, reference):
   # Different runs of a study still run side by side.
   other = [
     subprocess.Popen(
-      _cmd(tmp_path / "pair", [*BASE, f"--config=configs/smoke.py:arm={a}"]),
+      _cmd(
+        tmp_path / "pair", [f"--config=configs/smoke.py:arm={a}", *BASE[1:]]
+      ),
       cwd=ROOT,
       env=_env(),
       stdout=subprocess.DEVNULL,
@@ -389,6 +391,18 @@ def test_no_readable_checkpoint_stops_and_moves_nothing(killed_at_6, tmp_path):
   out = run(tmp_path)
   assert_clean_error(out, "no checkpoint in", "step 6", "step 4", "--restart")
   assert _snapshot(d) == before
+
+
+@pytest.mark.slow
+def test_opt_change_the_checkpoint_cannot_take_is_refused_unchanged(
+  killed_at_6, tmp_path
+):
+  # Dropping gradient clipping changes the optimizer state's structure.
+  d = _copy(killed_at_6, tmp_path)
+  before = _snapshot(d)
+  out = run(tmp_path, "--config.opt.clip_norm=0", "--allow_opt_change")
+  assert_clean_error(out, "no checkpoint in", "opt.clip_norm", "keep it")
+  assert _snapshot(d) == before  # config.json and env.json put back
 
 
 def _cut_line(path, index):
@@ -692,6 +706,12 @@ BAD = [
     ["--config.train.fsdp=3", "--config.train.virtual_shards=0"],
     8,
     ["train.fsdp=3"],
+  ),
+  (
+    "config-twice",
+    ["--config=configs/smoke.py", "--config=configs/smoke.py:arm=rn_bf16"],
+    1,
+    ["--config is given 2 times"],
   ),
   (
     "unknown-arm",
