@@ -18,6 +18,14 @@ rule matches no use name at all (a typo); both errors list the operator's uses.
 A policy may cover the uses of several operators, so one policy can configure
 a whole model.
 
+Which use names exist is a `Registry`, an immutable value: `BUILTIN` holds
+the operators of `lowprec.ops`, `BUILTIN.register(op)` returns a registry
+with an operator of your own added (`lowprec.ops.Custom`), and a policy
+carries the registry its rules are checked against (`Policy.parse(spec,
+registry=...)`). Resolving takes the uses from the operator passed in, so
+an operator of your own resolves without registering; registering is what
+lets one policy name the uses of built-in operators and yours together.
+
 Which value each use *must* read (the reference gradient) and which others are
 admissible is the operators' business: see the requirements tables in
 `lowprec.ops` and `lowprec.audit.predict`.

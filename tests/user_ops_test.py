@@ -1,16 +1,21 @@
 """Operators of your own: derived requirements tables, verified per use.
 
 Each operator is a plain JAX forward reading its saved tensors through
-`read`. Its table is derived by `audit.derive` (deterministic checks on
-`N_EXACT` forward draws), then checked by Monte Carlo (`audit.verify`,
-split-sample z-test, biased when |z| >= 4; sample sizes at each call).
+`read`. Its table is derived by `audit.derive` (deterministic checks on 4
+forward draws, exact up to float32 reassociation), then checked by Monte
+Carlo (`audit.verify`, split-sample z-test, biased when |z| >= 4; sample
+sizes at each call).
 Inputs come from numpy seeds 0..4; draws from the stated `jax.random.key`.
 Independent oracles: `jax.grad` of the plain (unrounded) forward, and
 gradients written out by hand in float64 numpy.
 """
 
+import contextlib
 import functools
+import io
 import math
+import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +28,9 @@ from lowprec.policy import VALUES, Policy
 
 SR8 = ops.Rounding("float8_e4m3fn", "stochastic")
 RN8 = ops.Rounding("float8_e4m3fn", "nearest")
-N_EXACT = 4
+# gelu's curvature bias (the Jensen term of a stored-only read) is small:
+# tensors read that way are stored in e5m2, and checked with 1024 draws.
+E5 = ops.Rounding("float8_e5m2", "stochastic")
 
 
 def _normal(seed, shape, scale=1.0, shift=0.0):
@@ -265,7 +272,7 @@ def conv_forward(x, w, read):
 
 CONV = ops.Custom(
   "conv_gelu", conv_forward, args=("x", "w"),
-  saved={"conv.in": SR8, "conv.kernel": RN8, "conv.out": SR8},
+  saved={"conv.in": SR8, "conv.kernel": RN8, "conv.out": E5},
   uses=("conv.in@dw", "conv.kernel@dx", "conv.out@dact"),
 )  # fmt: skip
 CONV_IN = (_normal(0, (2, 12, 4)), _normal(1, (3, 4, 6), 0.4))
@@ -280,8 +287,8 @@ CONV_TABLE = [
 
 @pytest.mark.slow
 def test_convolution_table_verified_by_monte_carlo():
-  # 256 forward draws x 1 backward draw.
-  d = audit.derive(CONV, CONV_IN, jax.random.key(2), n_forward=256)
+  # 1024 forward draws x 1 backward draw.
+  d = audit.derive(CONV, CONV_IN, jax.random.key(2), n_forward=1024)
   assert [_row(r) for r in d.table] == CONV_TABLE
   assert d.agrees, str(d.verification)
   assert d.counts == (3 * 4 + 3 + 1,) * 2
@@ -539,3 +546,18 @@ def test_custom_runs_under_jit_and_is_a_static_argument():
     SWIGLU_IN[0], jax.random.key(0)
   )
   np.testing.assert_allclose(g1, g2, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_docs_example_prints_what_the_page_shows():
+  """The first example of docs/own_operators.md, run as pasted."""
+  path = os.path.join(
+    os.path.dirname(__file__), "..", "docs", "own_operators.md"
+  )
+  text = open(path).read()
+  code, shown = re.search(r"```python\n(.*?)```\n\n```text\n(.*?)```", text,
+                          re.S).groups()  # fmt: skip
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    exec(compile(code, path, "exec"), {})
+  assert out.getvalue().rstrip() == shown.rstrip()

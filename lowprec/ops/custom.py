@@ -15,14 +15,16 @@ the saved tensors the operator declares, each with its `Rounding`. All reads
 of one tensor get the same array and share one forward draw.
 
 From this `Custom` builds a `jax.custom_vjp`. The forward runs `fn` once with
-the forward's values and keeps the inputs, plus the narrow `t~` where a use
-reads `rounded`. The backward recomputes `fn` with every `read` returning the
-value the policy names for that use (`rounded`: the kept `t~`; `original`:
-`t` recomputed; `fresh`: a new stochastic rounding of `t`; `nearest`: its
-round-to-nearest), the gradient passed straight through each read, and pulls
-the incoming gradient back through it (`jax.vjp`). So each use's part of
-the VJP is evaluated at the value its read returns, and everything the
-forward computes from a read is recomputed from it.
+the forward's values and keeps the inputs plus, per saved tensor, only what
+the policy's reads need: the narrow `t~` where a use reads `rounded`, `t`
+where one reads `original`, `fresh` or `nearest`. The backward recomputes
+`fn` with every `read` returning the value the policy names for that use
+(`rounded`: the kept `t~`; `original`: the forward's `t`; `fresh`: a new
+stochastic rounding of `t`; `nearest`: its round-to-nearest), the gradient
+passed straight through each read, and pulls the incoming gradient back
+through it (`jax.vjp`). So each use's part of the VJP is evaluated at the
+value its read returns, and everything the forward computes from a read is
+recomputed from it.
 
 The requirements table (which value each use must read; whether `fresh` is
 admissible) is derived, not written: `lowprec.audit.derive` finds it from
