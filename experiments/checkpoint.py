@@ -165,7 +165,10 @@ class Checkpointer:
       try:
         state = self.restore(step, like)
       except Exception as e:  # orbax raises many types for a broken save
-        failed.append((step, f"{type(e).__name__}: {str(e)[:200]}"))
+        why = f"{type(e).__name__}: {str(e)[:200]}"
+        failed.append((step, _diagnosis(self.directory, step) + why))
+        self._mngr.close()  # a failed restore leaves the manager confused
+        self._open()
         continue
       if failed:
         self._set_aside([s for s, _ in failed], aside)
@@ -205,6 +208,15 @@ class Checkpointer:
         self._mngr.close()
       except Exception:  # already reported by wait()
         pass
+
+
+def _diagnosis(directory: str, step: int) -> str:
+  path = os.path.join(directory, str(step))
+  if os.path.isdir(path) and not os.listdir(path):
+    return "an empty directory; "
+  if not os.path.exists(os.path.join(path, "_CHECKPOINT_METADATA")):
+    return "no _CHECKPOINT_METADATA; "
+  return ""
 
 
 def _write_error(directory: str, step, e: Exception) -> CheckpointWriteError:
