@@ -86,6 +86,32 @@ class Numerics:
     )
 
 
+def call(module: nn.Module, op: ops.Op, numerics: Numerics, *args):
+  """Runs any operator, built-in or your own, inside a linen module.
+
+  The policy is `numerics.policy` (it must cover `op`'s uses: for an
+  `ops.Custom`, combine `ops.REFERENCE.override(op.reference_policy)`); the
+  key, when `op` draws, comes from the module's `numerics.rng` stream.
+
+  Args:
+    module: the calling module (`self` inside `@nn.compact`).
+    op: an operator of `lowprec.ops`, e.g. an `ops.Custom`.
+    numerics: the module's `Numerics`.
+    *args: the operator's inputs.
+
+  Returns:
+    The operator's output.
+
+  Raises:
+    ValueError: the policy does not cover `op`; `op` draws and the module
+      has no `numerics.rng` stream.
+
+  Example:
+    >>> y = nn.call(self, my_op, self.numerics, x, kernel)
+  """
+  return _call(module, op, numerics, *args)
+
+
 def _call(module: nn.Module, op: ops.Op, num: Numerics, *args):
   """Runs `op` with the module's policy and, if it draws, a key."""
   values = op.resolve(num.policy)

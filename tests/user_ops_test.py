@@ -17,13 +17,14 @@ import math
 import os
 import re
 
+import flax.linen as fnn
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
 
-from lowprec import audit, ops, policy
+from lowprec import audit, nn, ops, policy
 from lowprec.policy import VALUES, Policy
 
 SR8 = ops.Rounding("float8_e4m3fn", "stochastic")
@@ -561,3 +562,47 @@ def test_docs_example_prints_what_the_page_shows():
   with contextlib.redirect_stdout(out):
     exec(compile(code, path, "exec"), {})
   assert out.getvalue().rstrip() == shown.rstrip()
+
+
+class _Mlp(fnn.Module):
+  """A built-in Dense feeding the custom SwiGLU, under one Numerics."""
+
+  numerics: nn.Numerics
+  op: ops.Custom
+
+  @fnn.compact
+  def __call__(self, x):
+    x = nn.Dense(16, numerics=self.numerics)(x)
+    init = fnn.initializers.normal(0.25)
+    params = [
+      self.param(n, init, s)
+      for n, s in (("w_gate", (16, 32)), ("w_up", (16, 32)),
+                   ("w_down", (32, 16)))
+    ]  # fmt: skip
+    return nn.call(self, self.op, self.numerics, x, *params)
+
+
+def test_custom_operator_in_a_linen_model_under_one_policy():
+  op = _swiglu_derived().op
+  num = nn.Numerics(
+    policy=ops.REFERENCE.override(op.reference_policy), saved=SR8
+  )
+  model = _Mlp(num, op)
+  x = jnp.asarray(SWIGLU_IN[0])
+  params = model.init(jax.random.key(0), x)
+  rngs = {"lowprec": jax.random.key(1)}
+  loss = lambda p: jnp.sum(model.apply(p, x, rngs=rngs) ** 2)
+  g = jax.jit(jax.grad(loss))(params)
+  assert all(bool(jnp.all(jnp.isfinite(v))) for v in jax.tree.leaves(g))
+  # The module's policy decides the custom operator's reads too.
+  wrong = nn.Numerics(
+    policy=num.policy.override("swiglu.act@dact=rounded"), saved=SR8
+  )
+  g2 = jax.jit(jax.grad(lambda p: jnp.sum(_Mlp(wrong, op).apply(
+    p, x, rngs=rngs) ** 2)))(params)  # fmt: skip
+  assert jnp.any(g2["params"]["w_gate"] != g["params"]["w_gate"])
+  np.testing.assert_array_equal(
+    g2["params"]["w_down"], g["params"]["w_down"]
+  )  # swiglu.act@dact feeds w_gate and x, not w_down
+  with pytest.raises(ValueError, match="no rule for use 'swiglu.act@dact'"):
+    _Mlp(nn.Numerics(saved=SR8), op).init(jax.random.key(0), x)
