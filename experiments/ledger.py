@@ -159,14 +159,24 @@ def _counts(key: str) -> bool:
 
 
 def config_diff(old: dict, new: dict) -> dict:
-  """{dotted key: (old, new)} for the keys that can change results."""
+  """{dotted key: (old, new)} for the keys that can change results.
+
+  Keys that only one side has come from another version of the code (a
+  key added with a default that keeps the old behaviour, or one removed);
+  they are listed by `version_keys`, not here.
+  """
   a, b = flatten(_normal(old)), flatten(_normal(new))
-  missing = "(absent)"
   return {
-    k: (a.get(k, missing), b.get(k, missing))
-    for k in sorted(set(a) | set(b))
-    if _counts(k) and a.get(k, missing) != b.get(k, missing)
+    k: (a[k], b[k])
+    for k in sorted(set(a) & set(b))
+    if _counts(k) and a[k] != b[k]
   }
+
+
+def version_keys(old: dict, new: dict) -> list[str]:
+  """Keys in only one of two configs (added or removed by a code change)."""
+  a, b = flatten(_normal(old)), flatten(_normal(new))
+  return sorted(k for k in set(a) ^ set(b) if _counts(k))
 
 
 @dataclasses.dataclass
@@ -175,8 +185,9 @@ class Entry:
 
   `summary` is the finished run's summary (skip it) or None (run it);
   `changed` the `opt.*` keys allowed to differ (old, new) on this launch.
-  When the changed run cannot restore its checkpoint, leaving the `with`
-  block puts the earlier config.json and env.json back.
+  When the run stops before training because its checkpoints or metrics
+  cannot be used, leaving the `with` block puts the earlier config.json and
+  env.json back, so a refused run leaves the directory as it was.
   """
 
   path: str
@@ -196,7 +207,8 @@ class Entry:
       if exc is not None and self.previous:
         from experiments import checkpoint
 
-        if isinstance(exc, checkpoint.CheckpointReadError):
+        refused = (checkpoint.CheckpointReadError, results.MetricsError)
+        if isinstance(exc, refused):
           for name, obj in self.previous.items():
             write_json_atomic(os.path.join(self.path, name), obj)
     finally:
@@ -204,8 +216,11 @@ class Entry:
 
 
 def _has_results(path: str) -> bool:
-  names = set(os.listdir(path)) - {LOCK_FILE}
-  return bool(names & {"metrics.jsonl", "summary.json", "checkpoints"})
+  names = set(os.listdir(path))
+  ckpts = os.path.join(path, "checkpoints")
+  return bool(names & {"metrics.jsonl", "summary.json"}) or (
+    os.path.isdir(ckpts) and bool(os.listdir(ckpts))
+  )
 
 
 def _clear(path: str) -> int:
@@ -343,6 +358,13 @@ def _check(config, path, label, lock, options) -> Entry:
     ) from None
   summary, bad_summary = _finished_summary(path)
   diff = config_diff(old, new)
+  added = version_keys(old, new)
+  if added:
+    print(
+      f"{label} keys only one of the configs has (another code version), "
+      f"taken as not changing results: {', '.join(added)}",
+      flush=True,
+    )
   if diff and not _has_results(path):
     return Entry(path, lock)  # only config.json and env.json: nothing ran
   if diff:
@@ -372,15 +394,16 @@ def _write_records(config, entry: Entry, overrides: dict) -> None:
   if os.path.exists(env_file):
     try:
       old = results.read_json(env_file)
-      if entry.changed:
-        entry.previous["env.json"] = dict(old)
+      entry.previous["env.json"] = dict(old)
       previous = old.pop("previous_launches", []) + [old]
     except ValueError as e:
       print(f"{tag(config)} {e}; its launch history is not carried over")
-  if entry.changed:
+  try:
     entry.previous["config.json"] = results.read_json(
       os.path.join(entry.path, "config.json")
     )
+  except (OSError, ValueError):
+    pass  # a new run, or a directory without results
   env["previous_launches"] = previous
   env["changed_keys"] = {k: list(v) for k, v in entry.changed.items()}
   write_json_atomic(os.path.join(entry.path, "config.json"), config.to_dict())

@@ -296,6 +296,29 @@ def test_changed_config_is_refused_before_anything_is_written(
   assert _snapshot(run_dir(tmp_path)) == before
 
 
+def test_fingerprint_counts_only_keys_that_change_results():
+  from configs import smoke
+
+  old = smoke.get_config("arm=sr_bf16").to_dict()
+  new = smoke.get_config("arm=sr_bf16").to_dict()
+  new["log"].update(results_dir="elsewhere", progress_every_steps=1)
+  new["ckpt"].update(every_steps=1, keep=5)
+  new["study"]["seeds"] = [0, 1]
+  assert ledger.config_diff(old, new) == {}
+  new["opt"]["lr"] = 3e-4
+  new["model"]["d_model"] = 64
+  new["lowprec"]["trace_targets"] = ["float16"]
+  assert ledger.config_diff(old, new) == {
+    "lowprec.trace_targets": ([], ["float16"]),
+    "model.d_model": (32, 64),
+    "opt.lr": (1e-3, 3e-4),
+  }
+  # A key that only one side has comes from another code version.
+  new["train"]["new_knob"] = 0
+  assert "train.new_knob" not in ledger.config_diff(old, new)
+  assert ledger.version_keys(old, new) == ["train.new_knob"]
+
+
 def _snapshot(d):
   """Every file's bytes under d (the lock file's holder line aside)."""
   out = {}
@@ -352,6 +375,12 @@ def _empty_dir(d):
 
 
 def _garbage_metadata(d):
+  with open(os.path.join(d, "default", "_METADATA"), "w") as f:
+    f.write("{not json")
+
+
+def _garbage_step_metadata(d):
+  # orbax reads this file only for timestamps: the checkpoint still loads.
   with open(os.path.join(d, "_CHECKPOINT_METADATA"), "w") as f:
     f.write("{not json")
 
@@ -365,21 +394,29 @@ def _truncate_largest(d):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-  "damage",
-  [_empty_dir, _garbage_metadata, _truncate_largest],
-  ids=["emptied", "garbage-metadata", "truncated-array-file"],
+  "damage, falls_back",
+  [
+    (_empty_dir, True),
+    (_garbage_metadata, True),
+    (_truncate_largest, True),
+    (_garbage_step_metadata, False),
+  ],
+  ids=["emptied", "garbage-_METADATA", "truncated-array-file", "garbage-step"],
 )
 def test_broken_latest_checkpoint_falls_back_to_the_previous(
-  damage, killed_at_6, tmp_path, reference
+  damage, falls_back, killed_at_6, tmp_path, reference
 ):
   d = _copy(killed_at_6, tmp_path)
   damage(os.path.join(d, "checkpoints", "6"))
   out = run(tmp_path)
   assert out.returncode == 0, out.stderr
-  assert "checkpoint 6 is unreadable" in out.stdout
-  assert "resumed from step 4" in out.stdout
   assert outcome(tmp_path) == reference
-  assert glob.glob(os.path.join(d, "bad_checkpoints", "6-*"))  # kept
+  if falls_back:
+    assert "checkpoint 6 is unreadable" in out.stdout
+    assert "resumed from step 4" in out.stdout
+    assert glob.glob(os.path.join(d, "bad_checkpoints", "6-*"))  # kept
+  else:
+    assert "resumed from step 6" in out.stdout
 
 
 @pytest.mark.slow
