@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from lowprec import _bits
 from lowprec import rng as rng_lib
@@ -25,7 +26,61 @@ def _check_overflow(overflow: str) -> None:
     )
 
 
-def round_nearest(x, fmt, *, overflow: str = "saturate") -> jax.Array:
+def _emit(q: jax.Array, fmt: Format, dtype) -> jax.Array:
+  """`q` (grid values in the carrier) as `dtype`: the carrier (None), or
+  the format's native dtype, which holds every grid value exactly."""
+  if dtype is None:
+    return q
+  dtype = jnp.dtype(dtype)
+  if dtype == q.dtype:
+    return q
+  if fmt.native_dtype is None or dtype != fmt.native_dtype:
+    native = fmt.native_dtype.name if fmt.native_dtype is not None else None
+    valid = ", ".join(n for n in (q.dtype.name, native) if n)
+    raise ValueError(
+      f"dtype={dtype.name} does not hold the {fmt} grid exactly; valid: "
+      f"{valid} (or None for {q.dtype.name})"
+    )
+  # q is on the grid (saturated or inf/NaN by `overflow` already), so the
+  # cast is exact; building the code from q's bits is exact too and lets
+  # XLA write the narrow value in the same pass as the rounding.
+  if q.dtype == jnp.float32 and fmt.bits == 8 * dtype.itemsize:
+    return _native_code(q, fmt, dtype)
+  return q.astype(dtype)
+
+
+def _native_code(q: jax.Array, fmt: Format, dtype) -> jax.Array:
+  """The native code of float32 grid values `q`, built from their bits."""
+  m, width = fmt.man_bits, fmt.bits
+  code_t = jnp.uint8 if width == 8 else jnp.uint16
+  b = jax.lax.bitcast_convert_type(q, jnp.uint32)
+  a = b & jnp.uint32(0x7FFFFFFF)
+  if fmt.exp_bits == 8:  # the target's exponent range is float32's
+    mag = a >> jnp.uint32(23 - m)
+  else:
+    e = (a >> jnp.uint32(23)).astype(jnp.int32) - 127
+    normal = ((e - fmt.emin + 1).astype(jnp.uint32) << jnp.uint32(m)) | (
+      (a & jnp.uint32(0x7FFFFF)) >> jnp.uint32(23 - m)
+    )
+    # Below the smallest normal the code counts steps of 2**(emin - m):
+    # an exact power-of-two scaling of a value far above float32's
+    # subnormals.
+    steps = (jnp.abs(q) * np.float32(2.0 ** (m - fmt.emin))).astype(jnp.uint32)
+    mag = jnp.where(e >= fmt.emin, normal, steps)
+  sign = (b >> jnp.uint32(31)) << jnp.uint32(width - 1)
+  code = (mag | sign).astype(code_t)
+  if fmt.has_inf:
+    inf = np.array(np.inf, dtype).view(code_t)
+    code = jnp.where(jnp.isinf(q), code_t(inf) | sign.astype(code_t), code)
+  if fmt.has_nan:
+    nan = np.array(np.nan, dtype).view(code_t)
+    code = jnp.where(jnp.isnan(q), code_t(nan), code)
+  return jax.lax.bitcast_convert_type(code, dtype)
+
+
+def round_nearest(
+  x, fmt, *, overflow: str = "saturate", dtype=None
+) -> jax.Array:
   """Rounds to the nearest grid value, ties to even.
 
   For named formats this equals the `ml_dtypes` cast bit for bit on every
@@ -38,9 +93,13 @@ def round_nearest(x, fmt, *, overflow: str = "saturate") -> jax.Array:
       infinities) to +-max; "ieee" does what a cast does: inf, or NaN where
       the format has no inf (formats with neither saturate, as their casts
       do). NaN stays NaN in both modes.
+    dtype: the output dtype: None (the carrier, float32 or float64) or the
+      format's native dtype (e.g. `jnp.float8_e4m3fn`), so that nothing
+      wider than the stored value is written.
 
   Returns:
-    An array of `x`'s shape and carrier dtype holding grid values.
+    An array of `x`'s shape holding grid values, in the carrier dtype or
+    `dtype`.
 
   Raises:
     TypeError: non-float input. ValueError: unknown format or overflow mode.
@@ -49,11 +108,12 @@ def round_nearest(x, fmt, *, overflow: str = "saturate") -> jax.Array:
     >>> round_nearest(jnp.array([1.06, 1.07, 500.0]), "float8_e4m3fn")
     Array([  1.  ,   1.125, 448.  ], dtype=float32)
   """
-  return round_and_flag(x, fmt, None, overflow=overflow)[0]
+  fmt = get_format(fmt)
+  return _emit(round_and_flag(x, fmt, None, overflow=overflow)[0], fmt, dtype)
 
 
 def round_stochastic(
-  x, fmt, key, *, overflow: str = "saturate", rng: str = "hash"
+  x, fmt, key, *, overflow: str = "saturate", rng: str = "hash", dtype=None
 ) -> jax.Array:
   """Rounds up or down at random, unbiased: `E[round_stochastic(x)] = x`.
 
@@ -79,6 +139,7 @@ def round_stochastic(
       saturates or overflows by the same rule.
     rng: "hash" (default) or "threefry" (`jax.random.bits`, slower, and not
       sharding-invariant in general).
+    dtype: the output dtype, as in `round_nearest`.
 
   Example:
     >>> key = jax.random.key(0)
@@ -89,7 +150,7 @@ def round_stochastic(
   _check_overflow(overflow)
   x, lay = _bits.carrier(x)
   bits = rng_lib.random_bits(key, x.shape, rng=rng, width=lay.width)
-  return round_with_bits(x, fmt, bits, overflow=overflow)
+  return _emit(round_with_bits(x, fmt, bits, overflow=overflow), fmt, dtype)
 
 
 def round_with_bits(x, fmt, bits, *, overflow: str = "saturate") -> jax.Array:

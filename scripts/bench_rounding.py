@@ -30,8 +30,14 @@ def run(quick: bool = False) -> str:
       lambda v: v.astype(jnp.float8_e4m3fn).astype(jnp.float32)
     ),
     "round_nearest": jax.jit(lambda v: lowprec.round_nearest(v, FMT)),
+    "round_nearest to float8 (dtype=)": jax.jit(
+      lambda v: lowprec.round_nearest(v, FMT, dtype=jnp.float8_e4m3fn)
+    ),
     "round_stochastic (hash bits)": jax.jit(
       lambda v, k: lowprec.round_stochastic(v, FMT, k)
+    ),
+    "round_stochastic to float8 (dtype=)": jax.jit(
+      lambda v, k: lowprec.round_stochastic(v, FMT, k, dtype=jnp.float8_e4m3fn)
     ),
     "round_stochastic (threefry bits)": jax.jit(
       lambda v, k: lowprec.round_stochastic(v, FMT, k, rng="threefry")

@@ -445,3 +445,60 @@ def test_output_keeps_shape_and_carrier_dtype():
 def test_bad_input_errors(call, err, match):
   with pytest.raises(err, match=match):
     call()
+
+
+EMITTED = [
+  "bfloat16",
+  "float16",
+  "float8_e4m3fn",
+  "float8_e5m2",
+  "float8_e4m3fnuz",
+  "float8_e5m2fnuz",
+  "float8_e3m4",
+]
+
+
+@pytest.mark.parametrize("name", EMITTED)
+def test_native_output_dtype_equals_the_ml_dtypes_cast_byte_for_byte(name):
+  fmt = lowprec.get_format(name)
+  dt = fmt.native_dtype
+  x = np.concatenate(
+    [
+      _probe_points(
+        fmt.values() if fmt.bits <= 8 else np.zeros(1), fmt.max_finite
+      ),
+      _random_float32(200_000, seed=4),
+    ]
+  )
+  if not fmt.has_nan:
+    x = x[~np.isnan(x)]
+  with np.errstate(all="ignore"):
+    want = x.astype(dt)
+  fn = jax.jit(
+    lambda v: lowprec.round_nearest(v, name, overflow="ieee", dtype=dt)
+  )
+  got = np.asarray(fn(jnp.asarray(x)))
+  assert got.dtype == dt
+  # Byte for byte, NaN payloads aside (any NaN code is the cast's NaN).
+  nan = np.isnan(want.astype(np.float32))
+  assert np.array_equal(np.isnan(got.astype(np.float32)), nan)
+  view = np.uint8 if dt.itemsize == 1 else np.uint16
+  np.testing.assert_array_equal(got[~nan].view(view), want[~nan].view(view))
+  key = jax.random.key(3)
+  sr = jax.jit(lambda v: lowprec.round_stochastic(v, name, key, dtype=dt))
+  wide = jax.jit(lambda v: lowprec.round_stochastic(v, name, key))
+  xs = jnp.asarray(x[np.isfinite(x)])
+  with np.errstate(all="ignore"):
+    want_sr = np.asarray(wide(xs)).astype(dt)
+  got_sr = np.asarray(sr(xs))
+  assert got_sr.dtype == dt
+  np.testing.assert_array_equal(got_sr.view(view), want_sr.view(view))
+
+
+def test_output_dtype_must_hold_the_grid():
+  with pytest.raises(ValueError, match="does not hold the float8_e4m3fn grid"):
+    lowprec.round_nearest(jnp.ones(2), "float8_e4m3fn", dtype=jnp.bfloat16)
+  with pytest.raises(ValueError, match="does not hold the e8m3 grid"):
+    lowprec.round_nearest(jnp.ones(2), "e8m3", dtype=jnp.bfloat16)
+  out = lowprec.round_nearest(jnp.ones(2), "e8m3", dtype=jnp.float32)
+  assert out.dtype == jnp.float32
