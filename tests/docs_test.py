@@ -20,6 +20,7 @@ import io
 import os
 import re
 
+import jax
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -107,8 +108,15 @@ def _normal(s: str) -> str:
 
 
 def check(example: Example) -> None:
-  """Raises AssertionError when the printed output differs from the shown."""
+  """Raises AssertionError when the printed output differs from the shown,
+  or when the block changed JAX's global settings."""
+  before = dict(jax.config.values)
   got = _normal(run(example))
+  # Blocks run in the test process: one that changed JAX's global settings
+  # (x64, default device, ...) would change the tests that run after it.
+  now = jax.config.values
+  changed = sorted(k for k in now if before.get(k) != now[k])
+  assert not changed, f"{example.page}:{example.line} changes {changed}"
   want = _normal(example.expected)
   where = f"{example.page}:{example.line}"
   if not want:
@@ -196,6 +204,15 @@ def test_each_block_gets_a_fresh_namespace():
   check(Example("p", 1, "x = 1", "", None))
   with pytest.raises(NameError):
     check(Example("p", 2, "print(x)", "1", None))
+
+
+def test_a_block_that_changes_jax_settings_fails():
+  code = "import jax\njax.config.update('jax_enable_x64', True)"
+  try:
+    with pytest.raises(AssertionError, match="jax_enable_x64"):
+      check(Example("p", 1, code, "", None))
+  finally:
+    jax.config.update("jax_enable_x64", False)
 
 
 def test_an_unclosed_block_is_an_error():
