@@ -6,6 +6,8 @@
   predicted against measured curves, per cell and over many cells.
 * `audit_coordinates`: exact erasure events at sampled coordinates of a
   low-precision run next to the predicted ones.
+* `stuck`: the share of coordinates of a checkpoint still at their initial
+  value, per group of tensors (norm gains, embeddings, ...).
 
 Definitions (erased, erased fraction, frozen, crossing step, categories)
 follow the write-back freezing paper (see docs/freeze.md): a nonzero
@@ -29,6 +31,7 @@ from lowprec.freeze.curves import (
   rmse,
   summarize,
 )
+from lowprec.freeze.stuck import StuckShare, stuck
 from lowprec.freeze.trace import (
   ROUNDINGS,
   ReferenceTraceState,
@@ -44,6 +47,7 @@ __all__ = [
   "CellComparison",
   "CoordinateAudit",
   "ReferenceTraceState",
+  "StuckShare",
   "Summary",
   "Target",
   "TraceLayout",
@@ -56,5 +60,6 @@ __all__ = [
   "predicted_events",
   "reference_trace",
   "rmse",
+  "stuck",
   "summarize",
 ]
