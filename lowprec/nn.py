@@ -13,7 +13,9 @@ what the plain Flax layers compute (`flax.linen.Dense`, `LayerNorm` with
 Parameter names follow `flax.linen`: `kernel`/`bias` for dense layers;
 `norm_scale`/`norm_bias` for the norm fused into `NormDense`.
 
-Example (a GPT-2 block with an emulated FP8 forward and backward):
+Examples:
+  A GPT-2 block with an emulated FP8 forward and backward:
+
   >>> import flax.linen as fnn
   >>> from lowprec import nn
   >>> num = nn.Numerics.fp8()  # e4m3 SR activations and e4m3 weights,
