@@ -137,6 +137,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.train.probe_every_steps = 0  # 0: off
   c.train.probe_draws = 4  # keys per probe
   c.train.probe_batch_size = 0  # rows of the first eval batch; 0: all
+  c.train.probe_chunk_rows = 0  # rows per probe gradient pass; 0: all at once
   c.train.probe_groups = "all=.*"  # name=regex over parameter paths, ...
   c.train.probe_grad_rounding = True  # False: the run's reads only
 

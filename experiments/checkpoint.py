@@ -90,7 +90,11 @@ class Checkpointer:
       self._mngr = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(
-          max_to_keep=self._keep, create=True
+          max_to_keep=self._keep,
+          create=True,
+          # On several processes orbax finalises an async save only when
+          # the next one starts, so a kill in between would lose it.
+          enable_async_checkpointing=jax.process_count() == 1,
         ),
       )
     except OSError as e:

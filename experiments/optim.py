@@ -6,6 +6,7 @@ import math
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -126,6 +127,52 @@ def trace_targets(lp):
   }
 
 
+def _pairwise_sum(v: jax.Array) -> jax.Array:
+  """Sum of a 1-D array in a fixed tree: halves added until one is left."""
+  n = 1 << max(0, (v.size - 1).bit_length())
+  v = jnp.pad(v, (0, n - v.size))
+  while v.size > 1:
+    v = v[: v.size // 2] + v[v.size // 2 :]
+  return v[0]
+
+
+def global_norm(tree) -> jax.Array:
+  """`optax.tree.norm`, summed in a fixed order.
+
+  XLA's reductions sum in an order that depends on the program around them
+  (fusion, the number of devices), so the same gradient can have norms a
+  rounding apart on 1 and 8 devices, and clipping by them gives different
+  parameters. Adding halves of zero-padded vectors (each leaf, then the
+  leaves' sums) fixes the order: the same bits on any device count.
+  """
+  leaves = [x.astype(jnp.float32) for x in jax.tree.leaves(tree)]
+  if not leaves:
+    return jnp.float32(0)
+  sums = [_pairwise_sum(jnp.ravel(jnp.square(x))) for x in leaves]
+  return jnp.sqrt(_pairwise_sum(jnp.stack(sums)))
+
+
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+  """`optax.clip_by_global_norm` with the fixed-order `global_norm`."""
+
+  def update(updates, state, params=None):
+    del params
+    g_norm = global_norm(updates)
+    trigger = g_norm < max_norm
+
+    # One scalar factor, then a product: XLA may turn a division by a
+    # broadcast scalar into a multiplication by its reciprocal in one
+    # program and not in another.
+    scale = (max_norm / g_norm).astype(jnp.float32)
+
+    def clip(t):
+      return jax.lax.select(trigger, t, (t * scale).astype(t.dtype))
+
+    return jax.tree.map(clip, updates), state
+
+  return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
 def build(config, key: jax.Array, params=None) -> optax.GradientTransformation:
   """clip -> AdamW/SGD -> write-back (low precision) or trace (float32).
 
@@ -140,7 +187,7 @@ def build(config, key: jax.Array, params=None) -> optax.GradientTransformation:
   lr = schedule(opt, config.train.steps)
   parts = []
   if opt.clip_norm > 0:
-    parts.append(optax.clip_by_global_norm(opt.clip_norm))
+    parts.append(clip_by_global_norm(opt.clip_norm))
   if opt.name == "adamw":
     parts.append(
       optax.adamw(

@@ -28,7 +28,11 @@ Gradient rounding (stochastic, unbiased) adds noise but no bias to `g`; a
 probe may leave it out (`train.probe_grad_rounding=False`) to see a read's
 bias with fewer draws.
 
-Memory is O(selected parameters): the draws are a scan with running sums.
+Memory is O(selected parameters) plus one gradient pass: the draws are a
+scan with running sums, the reference pass starts after the run's, and with
+`chunk_rows` the batch's rows go through in chunks one after another (each
+chunk with its own key folded from the draw's), so the probe of a large
+model needs the activations of `chunk_rows` rows, not of the whole batch.
 """
 
 from __future__ import annotations
@@ -83,6 +87,7 @@ def gradient_probe(
   batch,
   groups: dict[str, str],
   draws: int,
+  chunk_rows: int = 0,
 ) -> Callable:
   """A jittable `probe(params, key) -> {"probe/<group>/<stat>": scalar}`.
 
@@ -94,10 +99,19 @@ def gradient_probe(
     batch: the fixed probe batch.
     groups: `{name: regex}` over parameter paths.
     draws: keys per probe (at least 2).
+    chunk_rows: rows per gradient pass (the gradient is the mean over the
+      chunks); 0: the whole batch in one pass.
   """
   if draws < 2:
     raise ValueError(f"train.probe_draws must be at least 2, got {draws}")
-  run_grad, ref_grad = jax.grad(run_loss), jax.grad(ref_loss)
+  rows = len(jax.tree.leaves(batch)[0]) if chunk_rows else 0
+  if chunk_rows < 0 or (chunk_rows and rows % chunk_rows):
+    raise ValueError(
+      f"train.probe_chunk_rows={chunk_rows} must divide the probe batch's "
+      f"{rows} rows (or be 0: all at once)"
+    )
+  run_grad = _in_chunks(jax.grad(run_loss), chunk_rows)
+  ref_grad = _in_chunks(jax.grad(ref_loss), chunk_rows)
 
   def probe(params, key):
     members = _members(params, groups)
@@ -110,7 +124,11 @@ def gradient_probe(
       }
 
     def body(acc, k):
-      g, r = pick(run_grad(params, batch, k)), pick(ref_grad(params, batch, k))
+      g = pick(run_grad(params, batch, k))
+      # The reference pass waits for the run's, so their activations are
+      # never live at once.
+      after, g = jax.lax.optimization_barrier((params, g))
+      r = pick(ref_grad(after, batch, k))
       new = {}
       for n in groups:
         d = g[n] - r[n]
@@ -132,6 +150,28 @@ def gradient_probe(
     return out
 
   return probe
+
+
+def _in_chunks(grad_fn: Callable, rows: int) -> Callable:
+  """`grad_fn(params, batch, key)` as the mean over chunks of `rows` rows,
+  computed in sequence; chunk `i` reads `fold_in(key, i)`."""
+  if not rows:
+    return grad_fn
+
+  def chunked(params, batch, key):
+    n = len(jax.tree.leaves(batch)[0]) // rows
+    parts = jax.tree.map(lambda x: x.reshape(n, rows, *x.shape[1:]), batch)
+
+    def body(acc, xs):
+      part, i = xs
+      g = grad_fn(params, part, jax.random.fold_in(key, i))
+      return jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc, g), None
+
+    zero = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    total, _ = jax.lax.scan(body, zero, (parts, jnp.arange(n)))
+    return jax.tree.map(lambda t: t / n, total)
+
+  return chunked
 
 
 def _norm(x):

@@ -89,6 +89,7 @@ def _gpt_probe(t, model, loss, batch):
     batch,
     probes.parse_groups(t.probe_groups),
     t.probe_draws,
+    t.probe_chunk_rows,
   )
 
 

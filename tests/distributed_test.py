@@ -35,7 +35,7 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _launch(tmp, processes: int, devices: int, *args) -> list:
+def _launch(tmp, processes: int, devices: int, *args, base=ARGS) -> list:
   env = dict(os.environ)
   env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
   env["JAX_PLATFORMS"] = "cpu"
@@ -43,7 +43,7 @@ def _launch(tmp, processes: int, devices: int, *args) -> list:
     sys.executable,
     "-m",
     "experiments.run",
-    *ARGS,
+    *base,
     *args,
     f"--config.log.results_dir={tmp}",
   ]
@@ -53,6 +53,7 @@ def _launch(tmp, processes: int, devices: int, *args) -> list:
       f"--num_processes={processes}",
       f"--heartbeat_timeout_seconds={HEARTBEAT_S}",
     ]
+  os.makedirs(tmp, exist_ok=True)
   procs = []
   for i in range(processes):
     extra = [f"--process_id={i}"] if processes > 1 else []
@@ -104,9 +105,9 @@ def _ok(outs) -> None:
     assert rc == 0, f"process {i} {why}:\n{stdout}\n{stderr[-4000:]}"
 
 
-def _record(tmp) -> tuple:
+def _record(tmp, run=RUN) -> tuple:
   """What must be the same bits: params digest, metrics lines."""
-  d = os.path.join(tmp, RUN)
+  d = os.path.join(tmp, run)
   with open(os.path.join(d, "summary.json")) as f:
     digest = json.load(f)["param_digest"]
   recs = results.read_metrics(os.path.join(d, "metrics.jsonl"))
@@ -114,17 +115,21 @@ def _record(tmp) -> tuple:
   return digest, [{k: v for k, v in r.items() if k not in timing} for r in recs]
 
 
-def _wait_for_lines(tmp, n: int, procs, timeout=TIMEOUT_S) -> None:
+def _lines(tmp) -> int:
   path = os.path.join(tmp, RUN, "metrics.jsonl")
+  return len(open(path).read().splitlines()) if os.path.exists(path) else 0
+
+
+def _wait_until(ready, procs, what: str, timeout=TIMEOUT_S) -> None:
   deadline = time.time() + timeout
   while time.time() < deadline:
-    if os.path.exists(path) and len(open(path).read().splitlines()) >= n:
+    if ready():
       return
     if any(p.poll() is not None for p in procs):
       break
     time.sleep(0.05)
-  _finish(procs, 1)
-  pytest.fail(f"{path} never reached {n} lines")
+  outs = _finish(procs, 1)
+  pytest.fail(f"never {what}: {[o[2][-2000:] for o in outs]}")
 
 
 _REFERENCE = {}  # the one-process record, computed once per session
@@ -175,7 +180,8 @@ def test_both_processes_killed_then_rerun_give_the_same_bits(
   reference, tmp_path
 ):
   procs = _launch(tmp_path, 2, 1)
-  _wait_for_lines(tmp_path, 6, procs)  # past the checkpoint at step 4
+  ckpt = os.path.join(tmp_path, RUN, "checkpoints", "4")
+  _wait_until(lambda: os.path.isdir(ckpt), procs, "saved step 4")
   for p in procs:
     p.send_signal(signal.SIGKILL)
   _finish(procs, 30)
@@ -189,7 +195,7 @@ def test_both_processes_killed_then_rerun_give_the_same_bits(
 @pytest.mark.slow
 def test_a_killed_process_makes_the_other_exit_in_bounded_time(tmp_path):
   procs = _launch(tmp_path, 2, 1, "--config.train.steps=400")
-  _wait_for_lines(tmp_path, 3, procs)
+  _wait_until(lambda: _lines(tmp_path) >= 3, procs, "reached step 2")
   procs[1].send_signal(signal.SIGKILL)
   killed = time.time()
   (rc, _, stderr), _ = _finish(procs, HEARTBEAT_S + distributed.SLACK_S + 30)
@@ -197,3 +203,18 @@ def test_a_killed_process_makes_the_other_exit_in_bounded_time(tmp_path):
   assert rc != 0
   assert waited < HEARTBEAT_S + distributed.SLACK_S, waited
   assert "lost process(es) [1]" in stderr, stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_fsdp_on_two_processes_gives_the_bits_of_one_device(tmp_path):
+  # float32 parameters: no grid rounding hides a last-bit difference.
+  base = ("--config=configs/smoke.py:arm=fp32_reference",)
+  one, two = tmp_path / "one", tmp_path / "two"
+  _ok(
+    _finish(
+      _launch(one, 1, 1, base=base)
+      + _launch(two, 2, 4, "--config.train.fsdp=8", base=base)
+    )
+  )
+  run = os.path.join("smoke", "fp32_reference", "seed0")
+  assert _record(one, run) == _record(two, run)

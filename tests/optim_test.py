@@ -1,0 +1,46 @@
+"""Clipping by a gradient norm summed in a fixed order."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from experiments import optim
+
+
+def _tree(seed=0):
+  rng = np.random.default_rng(seed)
+  return {
+    "a": jnp.asarray(rng.normal(size=(37, 5)), jnp.float32),
+    "b": jnp.asarray(rng.normal(size=(3,)), jnp.float32),
+    "c": jnp.asarray(rng.normal(size=()), jnp.float32),
+  }
+
+
+def test_global_norm_is_the_norm():
+  t = _tree()
+  want = float(optax.tree.norm(t))
+  assert float(optim.global_norm(t)) == pytest.approx(want, rel=1e-6)
+  assert float(optim.global_norm({})) == 0.0
+
+
+def test_global_norm_is_the_same_bits_on_one_and_eight_devices():
+  t = {**_tree(1), "a": _tree(1)["a"][:32]}
+  mesh = jax.sharding.Mesh(np.array(jax.devices()), ("d",))
+  spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"))
+  t8 = {**t, "a": jax.device_put(t["a"], spec)}
+  norm = jax.jit(optim.global_norm)
+  assert np.asarray(norm(t)).tobytes() == np.asarray(norm(t8)).tobytes()
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 100.0], ids=["clips", "passes"])
+def test_clip_matches_optax(max_norm):
+  t = _tree(2)
+  ours, _ = optim.clip_by_global_norm(max_norm).update(t, optax.EmptyState())
+  theirs, _ = optax.clip_by_global_norm(max_norm).update(t, optax.EmptyState())
+  for k in t:
+    np.testing.assert_allclose(ours[k], theirs[k], rtol=1e-6)
+  assert float(optim.global_norm(ours)) <= max_norm * (1 + 1e-6) or (
+    max_norm == 100.0
+  )
