@@ -1,0 +1,347 @@
+"""What the full-scale configs cost: FLOPs, bytes per device, wall-clock.
+
+For each full-scale study config (`PLANNED`: the arm planned), from XLA's
+own analyses of the compiled programs on this machine's backend:
+
+* FLOPs per step: `cost_analysis()` of one gradient pass over a
+  per-device batch (no microbatch scan, whose loop body XLA would count
+  once), scaled to the global batch; checked against the model FLOPs
+  `6 N T + 12 L d s T` (`model_flops`);
+* bytes per device: parameters and optimizer state from the state's arrays
+  (divided by `train.fsdp` where sharded), activations and temporaries of
+  one microbatch of `per_device_batch` rows from `memory_analysis()` of the
+  train step, and the probe's temporaries likewise;
+* wall-clock of the whole run on `chips` chips at `ASSUMED_MFU` of each
+  device's peak (`PEAK_FLOPS`), and the MFU a step time would give.
+
+Emulated low precision (the roundings, the reference trace) runs in float32
+on every backend, so XLA's FLOPs exceed the model's; their ratio is in the
+table. `scripts/plan_full_scale.py` prints the table; `synthetic_tokens`
+makes token files to compile and step on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Dense bf16 peak FLOP/s per chip (no sparsity), from the vendors' sheets:
+# H100 SXM5 and H200 SXM: 989.4 TFLOPS BF16 Tensor Core dense (NVIDIA H100
+# datasheet, "1,979 teraFLOPS*" with *sparsity, halved; NVIDIA H200
+# datasheet, same figure); TPU v5e: 197 TFLOPS bf16 per chip (Google Cloud
+# TPU v5e documentation, "System architecture").
+PEAK_FLOPS = {"H100": 989.4e12, "H200": 989.4e12, "TPU v5e": 197e12}
+# Bytes of HBM per chip, same sources: H100 SXM 80 GB, H200 141 GB, v5e 16 GB.
+HBM_BYTES = {"H100": 80e9, "H200": 141e9, "TPU v5e": 16e9}
+# A typical MFU for a GPT of this size in JAX; wall-clock is stated at it.
+ASSUMED_MFU = 0.4
+
+# config module -> the arm planned (the most expensive one of the study)
+PLANNED = {"freeze_gpt2_fp8": "rn_e4m3", "attention_reuse": "reuse"}
+
+
+def model_flops(params: int, n_layer: int, d_model: int, seq_len: int) -> float:
+  """Training FLOPs per token: 6 N + 12 L d s (PaLM, Appendix B).
+
+  `N` counts the parameters of matmuls (everything but position
+  embeddings; a tied token embedding is the output layer's matmul); the
+  second term is attention's QK^T and AV, forward and backward.
+  """
+  return 6 * params + 12 * n_layer * d_model * seq_len
+
+
+def synthetic_tokens(
+  directory: str, vocab_size: int, tokens: int = 1 << 20, seed: int = 0
+) -> str:
+  """Uniform random `train.bin` / `val.bin` (uint16) and `meta.json`."""
+  os.makedirs(directory, exist_ok=True)
+  rng = np.random.default_rng(seed)
+  for split, n in (("train", tokens), ("val", max(tokens // 8, 1 << 14))):
+    ids = rng.integers(0, vocab_size, n, dtype=np.int64).astype("<u2")
+    ids.tofile(os.path.join(directory, f"{split}.bin"))
+  with open(os.path.join(directory, "meta.json"), "w") as f:
+    json.dump({"vocab_size": vocab_size, "tokenizer": "synthetic"}, f)
+  return directory
+
+
+def full_config(name: str, data_dir: str, **train):
+  """The resolved full-scale config of `PLANNED[name]`, seed 0."""
+  import importlib
+
+  from experiments import study
+
+  module = importlib.import_module(f"configs.{name}")
+  c = module.get_config(f"scale=full,arm={PLANNED[name]},seed=0")
+  c = study.resolve(c, PLANNED[name], 0)
+  c.unlock()
+  c.data.path = data_dir
+  c.train.update(train)
+  c.lock()
+  return c
+
+
+def _bytes(tree, fsdp: int) -> int:
+  """Bytes per device of a state's arrays (sharded ones divided)."""
+  total = 0
+  for x in jax.tree.leaves(tree):
+    n = x.size * x.dtype.itemsize
+    shards = getattr(getattr(x, "sharding", None), "num_devices", 1)
+    sharded = shards > 1 and not x.sharding.is_fully_replicated
+    total += n // fsdp if sharded else n
+  return total
+
+
+@dataclasses.dataclass
+class Plan:
+  name: str
+  params: int
+  tokens_per_step: int
+  steps: int
+  model_flops_per_step: float
+  xla_flops_per_step: float
+  bytes_params: int
+  bytes_opt_state: int
+  bytes_step_temp: int  # activations and temporaries of one microbatch
+  bytes_probe_temp: int
+  per_device_batch: int
+  compile_s: float
+
+  def wall_clock_s(self, device: str, chips: int, mfu=ASSUMED_MFU) -> float:
+    return (
+      self.steps
+      * self.model_flops_per_step
+      / (chips * PEAK_FLOPS[device] * mfu)
+    )
+
+  def mfu(self, device: str, chips: int, step_s: float) -> float:
+    return self.model_flops_per_step / (step_s * chips * PEAK_FLOPS[device])
+
+
+def microbatch(config) -> int:
+  """Rows of one microbatch: what one device holds activations for."""
+  parts = config.train.virtual_shards or 1
+  return config.data.batch_size // parts
+
+
+def plan(name: str, data_dir: str, per_device_batch: int | None = None) -> Plan:
+  """Compiles (does not run) the full-scale step and probe of `name`.
+
+  `per_device_batch` rows per microbatch; by default the config's
+  (`microbatch`).
+  """
+  from experiments import train
+
+  t0 = time.time()
+  c = full_config(name, data_dir)
+  per_device_batch = per_device_batch or microbatch(c)
+  c = full_config(name, data_dir, virtual_shards=0, fsdp=1)
+  full_batch, seq = c.data.batch_size, c.model.seq_len
+  c.unlock()
+  c.data.batch_size = per_device_batch
+  c.train.probe_batch_size = min(c.train.probe_batch_size, per_device_batch)
+  c.lock()
+  run = train.build_run(c)
+  batch = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, jnp.int32, sharding=run.mesh.batch),
+    run.task.data.batch(0),
+  )
+  step = run.step_fn.lower(run.state, batch).compile()
+  flops = float(step.cost_analysis()["flops"]) * full_batch / per_device_batch
+  mem = step.memory_analysis()
+  probe_temp = 0
+  if run.probe_fn is not None:
+    probe = run.probe_fn.lower(run.state.params, run.eval_key).compile()
+    probe_temp = int(probe.memory_analysis().temp_size_in_bytes)
+  params = run.state.params
+  n = sum(int(x.size) for x in jax.tree.leaves(params))
+  matmul = n - int(params["wpe"].size) if "wpe" in params else n
+  m = c.model
+  return Plan(
+    name=name,
+    params=n,
+    tokens_per_step=full_batch * seq,
+    steps=c.train.steps,
+    model_flops_per_step=model_flops(matmul, m.n_layer, m.d_model, seq)
+    * full_batch
+    * seq,
+    xla_flops_per_step=flops,
+    bytes_params=_bytes(params, c.train.fsdp),
+    bytes_opt_state=_bytes(run.state.opt_state, c.train.fsdp),
+    bytes_step_temp=int(mem.temp_size_in_bytes),
+    bytes_probe_temp=probe_temp,
+    per_device_batch=per_device_batch,
+    compile_s=time.time() - t0,
+  )
+
+
+def _gb(b: float) -> str:
+  return f"{b / 1e9:.2f}"
+
+
+def table(plans: list[Plan], chips: int = 8) -> str:
+  """The plans as a Markdown table (one row per config, then per device)."""
+  rows = [
+    "| config | params | tokens/step | model TFLOP/step | XLA/model | "
+    "GB params | GB opt state | GB step temp | GB probe temp |",
+    "|---|---|---|---|---|---|---|---|---|",
+  ]
+  for p in plans:
+    rows.append(
+      f"| {p.name} | {p.params:,} | {p.tokens_per_step:,} | "
+      f"{p.model_flops_per_step / 1e12:,.0f} | "
+      f"{p.xla_flops_per_step / p.model_flops_per_step:.2f} | "
+      f"{_gb(p.bytes_params)} | {_gb(p.bytes_opt_state)} | "
+      f"{_gb(p.bytes_step_temp)} | {_gb(p.bytes_probe_temp)} |"
+    )
+  rows += [
+    "",
+    f"Wall-clock of the whole run on {chips} chips at "
+    f"{ASSUMED_MFU:.0%} MFU (hours):",
+    "",
+    "| config | steps | " + " | ".join(PEAK_FLOPS) + " |",
+    "|---|---|" + "---|" * len(PEAK_FLOPS),
+  ]
+  for p in plans:
+    hours = [p.wall_clock_s(d, chips) / 3600 for d in PEAK_FLOPS]
+    rows.append(
+      f"| {p.name} | {p.steps:,} | "
+      + " | ".join(f"{h:.1f}" for h in hours)
+      + " |"
+    )
+  return "\n".join(rows)
+
+
+def describe(result: dict) -> str:
+  """One line of `step`'s measurements."""
+  mfu = result["mfu"]
+  mem = result["peak_device_bytes"] or result["peak_rss_bytes"]
+  return (
+    f"{result['config']}: {result['tokens_per_s']:,.0f} tokens/s on "
+    f"{result['chips']} x {result['device']}, MFU "
+    f"{'n/a' if mfu is None else f'{mfu:.1%}'}, step "
+    f"{result['step_s']:.2f} s (first {result['first_step_s']:.0f} s), peak "
+    f"memory {mem / 1e9:.1f} GB, loss {result['losses'][-1]:.3f}"
+  )
+
+
+def main(
+  names: list[str], data_dir: str, per_device_batch: int | None = None
+) -> list:
+  """Plans every config in `names` and prints the table; returns the plans."""
+  plans = []
+  for name in names:
+    if name not in PLANNED:
+      raise ValueError(f"unknown config {name!r}; valid: {', '.join(PLANNED)}")
+    c = full_config(name, data_dir)
+    synthetic_tokens(data_dir, c.model.vocab_size)
+    p = plan(name, data_dir, per_device_batch)
+    print(
+      f"{name}: built and compiled in {p.compile_s:.0f} s; temporaries for "
+      f"{p.per_device_batch} row(s) of {c.model.seq_len} tokens per "
+      f"microbatch, probe in chunks of {c.train.probe_chunk_rows or 'all'} "
+      "row(s)",
+      flush=True,
+    )
+    plans.append(p)
+  print(table(plans))
+  return plans
+
+
+def device_name(kind: str) -> str | None:
+  """The `PEAK_FLOPS` key of a `device_kind` string, or None (e.g. CPU)."""
+  k = kind.lower()
+  for key, pattern in (("H100", "h100"), ("H200", "h200")):
+    if pattern in k:
+      return key
+  if "v5e" in k or "v5 lite" in k or "v5litepod" in k:
+    return "TPU v5e"
+  return None
+
+
+def peak_rss_bytes() -> int:
+  """This process's peak resident memory (Linux reports KiB)."""
+  import resource
+
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def peak_device_bytes() -> int | None:
+  """Peak bytes in use on the first local device, where the backend says."""
+  stats = jax.local_devices()[0].memory_stats() or {}
+  return stats.get("peak_bytes_in_use")
+
+
+def step(name: str, data_dir: str, steps: int = 1, **overrides) -> dict:
+  """Builds the full-scale config, runs `steps` steps and a probe; measures.
+
+  `overrides` are `train.*` or `data.batch_size` values (a small batch for
+  the CPU). Returns losses, probe values, the time of the steps after the
+  first (compilation) and peak memory, as a dict.
+  """
+  from experiments import train
+
+  batch_size = overrides.pop("batch_size", None)
+  c = full_config(name, data_dir, **overrides)
+  if batch_size:
+    c.unlock()
+    c.data.batch_size = batch_size
+    c.lock()
+  synthetic_tokens(data_dir, c.model.vocab_size)
+  t0 = time.time()
+  run = train.build_run(c)
+  state, losses, times = run.state, [], []
+  for i in range(steps):
+    t = time.time()
+    state, m = run.step_fn(state, run.train_batch(i))
+    losses.append(float(m["loss"]))
+    times.append(time.time() - t)
+  probe = {}
+  if run.probe_fn is not None:
+    t = time.time()
+    out = run.probe_fn(state.params, run.eval_key)
+    probe = {k: float(v) for k, v in jax.device_get(out).items()}
+    probe_s = time.time() - t
+  params = run.state.params if steps == 0 else state.params
+  n = sum(int(x.size) for x in jax.tree.leaves(params))
+  tokens = c.data.batch_size * c.model.seq_len
+  after = times[1:] or times
+  step_s = float(np.mean(after)) if after else float("nan")
+  flops = (
+    model_flops(
+      n - int(params["wpe"].size),
+      c.model.n_layer,
+      c.model.d_model,
+      c.model.seq_len,
+    )
+    * tokens
+  )
+  device = device_name(jax.devices()[0].device_kind)
+  chips = jax.device_count()
+  mfu = (
+    None if device is None else flops / step_s / (chips * PEAK_FLOPS[device])
+  )
+  return {
+    "config": name,
+    "mfu": mfu,
+    "chips": chips,
+    "params": n,
+    "batch_size": c.data.batch_size,
+    "tokens_per_step": tokens,
+    "losses": losses,
+    "probe": probe,
+    "probe_s": probe_s if probe else None,
+    "first_step_s": times[0] if times else None,
+    "step_s": step_s,
+    "tokens_per_s": tokens / step_s,
+    "model_flops_per_s": flops / step_s,
+    "total_s": time.time() - t0,
+    "peak_rss_bytes": peak_rss_bytes(),
+    "peak_device_bytes": peak_device_bytes(),
+    "device": str(jax.devices()[0].device_kind),
+  }

@@ -1,0 +1,64 @@
+"""What the full-scale configs cost, and a check that they step.
+
+  python -m scripts.plan_full_scale                 # the table (compiles)
+  python -m scripts.plan_full_scale --step --config attention_reuse \
+      --batch_size 2 --steps 1                      # build, step, measure
+
+The table: parameters, tokens and model FLOPs per step (checked against
+XLA's cost analysis), bytes per device from XLA's memory analysis, and
+wall-clock at each device's peak (see experiments/plan.py). `--step` runs
+the full-scale model on synthetic token files and prints one JSON line:
+losses, probe, step time, tokens/s and peak memory. docs/scaling.md holds
+the numbers measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import tempfile
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument(
+    "--config", action="append", help="config name(s); default: all"
+  )
+  parser.add_argument("--data_dir", default="", help="token files (made)")
+  parser.add_argument(
+    "--per_device_batch",
+    type=int,
+    default=None,
+    help="rows per microbatch for the memory analysis (default: config's)",
+  )
+  parser.add_argument("--step", action="store_true", help="run steps")
+  parser.add_argument("--steps", type=int, default=1)
+  parser.add_argument("--batch_size", type=int, default=None)
+  parser.add_argument("--virtual_shards", type=int, default=None)
+  parser.add_argument("--probe_draws", type=int, default=None)
+  parser.add_argument("--probe_batch_size", type=int, default=None)
+  parser.add_argument("--probe_chunk_rows", type=int, default=None)
+  args = parser.parse_args(argv)
+  importlib.import_module("experiments.xla_flags")  # before jax starts
+  from experiments import plan
+
+  names = args.config or list(plan.PLANNED)
+  data_dir = args.data_dir or tempfile.mkdtemp(prefix="lowprec_tokens_")
+  if not args.step:
+    plan.main(names, data_dir, args.per_device_batch)
+    return
+  keys = ("batch_size", "virtual_shards", "probe_draws", "probe_batch_size")
+  keys += ("probe_chunk_rows",)
+  overrides = {
+    k: getattr(args, k) for k in keys if getattr(args, k) is not None
+  }
+  for name in names:
+    result = plan.step(name, data_dir, args.steps, **overrides)
+    print(plan.describe(result), file=sys.stderr, flush=True)
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+  main()
