@@ -58,12 +58,7 @@ def check_batch(c, n_devices: int) -> None:
     raise ValueError(
       f"train.fsdp={fsdp} must divide the device count {n_devices}"
     )
-  if parts:
-    if fsdp > 1:
-      raise ValueError(
-        "train.virtual_shards (deterministic reduction) needs replicated "
-        "parameters; set train.virtual_shards=0 to use train.fsdp > 1"
-      )
+  if parts:  # with train.fsdp > 1 too: same bits as replicated
     if not (_is_pow2(parts) and parts % n_devices == 0):
       raise ValueError(
         f"train.virtual_shards={parts} must be a power of two and a "
