@@ -1,19 +1,24 @@
 """Benchmarks, side by side in one run, printed as Markdown tables of ratios.
 
-  python -m scripts.bench [section ...] [--quick]
+  python -m scripts.bench [section ...] [--quick] [--json FILE]
 
 Sections: rounding, writeback, trace, ops, train, user_ops (default: all
-that exist).
-Each lives in `scripts/bench_<section>.py` with `run(quick: bool) -> str`.
-Numbers are machine-dependent; docs/benchmarks.md records the ratios measured
-on the 2-core CPU machine. Never used as timed assertions in tests.
+that exist). Each lives in `scripts/bench_<section>.py` with
+`run(quick: bool) -> benchlib.Result`. Within a section the cases run
+interleaved, round by round, and every ratio is reported as the median of
+same-round ratios with its range. `--json FILE` (or `-` for standard
+output) also writes every section's times and ratios as JSON.
+Numbers are machine-dependent; docs/benchmarks.md records the ratios
+measured on the 2-core CPU machine. Never used as timed assertions in tests.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
+import sys
 
 SECTIONS = ("rounding", "writeback", "trace", "ops", "train", "user_ops")
 
@@ -28,6 +33,11 @@ def main(argv=None) -> None:
     action="store_true",
     help="smaller sizes and fewer repeats (smoke test)",
   )
+  parser.add_argument(
+    "--json",
+    metavar="FILE",
+    help="also write the results as JSON to FILE ('-': standard output)",
+  )
   args = parser.parse_args(argv)
   unknown = sorted(set(args.sections) - set(SECTIONS))
   if unknown:
@@ -37,10 +47,21 @@ def main(argv=None) -> None:
   names = args.sections or [
     s for s in SECTIONS if os.path.exists(os.path.join(here, f"bench_{s}.py"))
   ]
+  out = sys.stderr if args.json == "-" else sys.stdout
+  results = {}
   for name in names:
     module = importlib.import_module(f"scripts.bench_{name}")
-    print(module.run(quick=args.quick), flush=True)
-    print()
+    result = module.run(quick=args.quick)
+    print(result.markdown(), file=out, flush=True)
+    print(file=out)
+    results[name] = result.as_dict()
+  if args.json:
+    text = json.dumps(results, indent=1)
+    if args.json == "-":
+      print(text)
+    else:
+      with open(args.json, "w") as f:
+        f.write(text + "\n")
 
 
 if __name__ == "__main__":

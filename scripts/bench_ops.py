@@ -11,14 +11,12 @@ off (plain float32).
 
 from __future__ import annotations
 
-import statistics
-
 import flax.linen as fnn
 import jax
 import jax.numpy as jnp
 
 from lowprec import nn, ops
-from scripts.benchlib import median_time, table
+from scripts.benchlib import Result, interleave
 
 # The reference reads, and an admissible variant that reads fresh copies
 # where the original is required (no fp32 copy kept for those uses).
@@ -54,7 +52,7 @@ def _step(numerics, x):
   return step
 
 
-def run(quick: bool = False) -> str:
+def run(quick: bool = False) -> Result:
   batch, length, width = (2, 64, 128) if quick else (8, 128, 256)
   rounds = 5 if quick else 21
   x = jax.random.normal(jax.random.key(0), (batch, length, width))
@@ -65,23 +63,16 @@ def run(quick: bool = False) -> str:
     cases[f"FP8 e4m3 SR / e5m2 SR grads, {name} reads"] = nn.Numerics.fp8(
       policy
     )
-  steps = {name: _step(num, x) for name, num in cases.items()}
   args = (params, x, key)
-  for step in steps.values():
-    median_time(step, *args, repeats=1, warmup=2)
-  # Round robin, so that a change in the machine's load hits every case.
-  times = {name: [] for name in steps}
-  for _ in range(rounds):
-    for name, step in steps.items():
-      times[name].append(median_time(step, *args, repeats=1, warmup=0))
-  rows = [(name, statistics.median(ts)) for name, ts in times.items()]
-  return table(
+  calls = {name: (_step(num, x), args) for name, num in cases.items()}
+  times = interleave(calls, rounds=rounds)
+  return Result(
     f"ops: GPT block fwd+bwd (batch {batch}, length {length}, width "
-    f"{width}, 4 heads), CPU, median of {rounds} round-robin runs",
-    rows,
-    "float32 (no rounding)",
+    f"{width}, 4 heads), {jax.devices()[0].platform}",
+    times,
+    ("float32 (no rounding)",),
   )
 
 
 if __name__ == "__main__":
-  print(run())
+  print(run().markdown())

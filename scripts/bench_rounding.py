@@ -11,14 +11,14 @@ import numpy as np
 from gfloat.formats import format_info_ocp_e4m3
 
 import lowprec
-from scripts.benchlib import median_time, table
+from scripts.benchlib import Result, interleave
 
 FMT = "float8_e4m3fn"
 
 
-def run(quick: bool = False) -> str:
+def run(quick: bool = False) -> Result:
   n = 1 << (20 if quick else 24)
-  repeats = 3 if quick else 11
+  repeats = 3 if quick else 9  # rounds
   x = jnp.asarray(np.random.default_rng(0).normal(0, 30, n).astype(np.float32))
   key = jax.random.key(0)
   fns = {
@@ -43,20 +43,19 @@ def run(quick: bool = False) -> str:
       lambda v, k: lowprec.round_stochastic(v, FMT, k, rng="threefry")
     ),
   }
-  rows = []
-  for name, fn in fns.items():
-    args = (x, key) if "stochastic" in name else (x,)
-    rows.append((name, median_time(fn, *args, repeats=repeats)))
+  calls = {
+    name: (fn, (x, key) if "stochastic" in name else (x,))
+    for name, fn in fns.items()
+  }
+  times = interleave(calls, rounds=repeats, repeats=3 if quick else 5)
   # gfloat is a numpy reference implementation: time a slice and scale up.
   part = np.asarray(x[: n // 64], np.float64)
   t0 = time.perf_counter()
   gfloat.round_ndarray(format_info_ocp_e4m3, part, sat=True)
-  rows.append(
-    ("gfloat round_ndarray (numpy, scaled)", (time.perf_counter() - t0) * 64)
-  )
-  return table(
+  scaled = (time.perf_counter() - t0) * 64
+  times["gfloat round_ndarray (numpy, scaled; one run)"] = [scaled] * repeats
+  return Result(
     f"rounding: 2^{n.bit_length() - 1} float32 values to {FMT}",
-    rows,
-    "native astype float8_e4m3fn",
-    "native astype e4m3fn and back",
+    times,
+    ("native astype float8_e4m3fn", "native astype e4m3fn and back"),
   )

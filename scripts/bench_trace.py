@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import optax
 
 import lowprec
-from scripts.benchlib import median_time, table
+from scripts.benchlib import Result, interleave
 
 TARGETS = ("bfloat16", "float8_e4m3fn", "float8_e5m2")
 
@@ -71,7 +71,7 @@ def _step_fn(opt, heads):
   return step
 
 
-def run(quick: bool = False) -> str:
+def run(quick: bool = False) -> Result:
   if quick:
     size = dict(vocab=512, d=64, layers=1, seq=32)
     batch, heads, repeats, rounds = 4, 2, 3, 1
@@ -102,17 +102,9 @@ def run(quick: bool = False) -> str:
     jax.jit(lambda g, s, p: alone.update(g, s, p)[1]),
     (grads, alone.init(params), params),
   )
-  for fn, args in calls.values():
-    jax.block_until_ready(fn(*args))  # compile
-  # Arms take turns, so drifting load on a shared machine hits all of them,
-  # and each reports its best round: load only ever adds time.
-  times = {name: [] for name in calls}
-  for _ in range(rounds):
-    for name, (fn, args) in calls.items():
-      times[name].append(median_time(fn, *args, repeats=repeats, warmup=1))
-  rows = [(name, min(t)) for name, t in times.items()]
+  times = interleave(calls, rounds=rounds, repeats=repeats, warmup=1)
   title = (
     f"trace: small GPT float32 step ({n / 1e6:.1f}M params, "
     f"{batch * size['seq']} tokens/step)"
   )
-  return table(title, rows, baseline="float32 AdamW step")
+  return Result(title, times, ("float32 AdamW step",))

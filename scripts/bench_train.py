@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import time
+import statistics
 
 import jax
 
 from configs import common
 from experiments import train
+from scripts.benchlib import Result, interleave
 
 ARMS = {
   "float32 AdamW": {},
@@ -34,43 +35,41 @@ def _config(quick: bool, lp: dict):
   return c
 
 
-def run(quick: bool = False) -> str:
+def run(quick: bool = False) -> Result:
   steps = 5 if quick else 10
-  rounds = 2 if quick else 5
-  runs = {}
+  rounds = 2 if quick else 7
+  calls = {}
   for name, lp in ARMS.items():
     c = _config(quick, lp)
     r = train.build_run(c)
     batches = [r.put(r.task.data.batch(i)) for i in range(steps)]
-    state = r.state
-    for b in batches[:2]:  # compile and warm up
-      state, m = r.step_fn(state, b)
-    jax.block_until_ready(m)
-    runs[name] = [r, state, batches]
-  # Interleave the arms round by round and keep each arm's best round, so
-  # that load from other processes hits every arm alike.
-  best = dict.fromkeys(runs, float("inf"))
-  for _ in range(rounds):
-    for name, entry in runs.items():
-      r, state, batches = entry
-      t0 = time.perf_counter()
-      for b in batches:
-        state, m = r.step_fn(state, b)
-      jax.block_until_ready((state, m))
-      best[name] = min(best[name], (time.perf_counter() - t0) / steps)
-      entry[1] = state
-  rows = list(best.items())
+    calls[name] = (_steps(r, batches), ())
+  # Seconds per call are per `steps` steps; per step below.
+  times = {
+    name: [t / steps for t in ts]
+    for name, ts in interleave(calls, rounds=rounds).items()
+  }
   tokens = c.data.batch_size * c.model.seq_len
-  base = rows[0][1]
-  lines = [
-    f"### train: small GPT step ({tokens} tokens/step, "
+  base = statistics.median(times["float32 AdamW"])
+  return Result(
+    f"train: small GPT step ({tokens} tokens/step, "
     f"{jax.device_count()} CPU device(s))",
-    "",
-    "| arm | ms/step | tokens/s | ratio to float32 |",
-    "|---|---:|---:|---:|",
-  ]
-  for name, dt in rows:
-    lines.append(
-      f"| {name} | {dt * 1e3:.1f} | {tokens / dt:,.0f} | {dt / base:.2f}x |"
-    )
-  return "\n".join(lines)
+    times,
+    ("float32 AdamW",),
+    notes=(f"float32 AdamW: {tokens / base:,.0f} tokens/s.",),
+    extra={"tokens_per_step": tokens},
+  )
+
+
+def _steps(r, batches):
+  """Runs the arm's steps from where its last call stopped."""
+  box = [r.state]
+
+  def run_steps():
+    state = box[0]
+    for b in batches:
+      state, m = r.step_fn(state, b)
+    box[0] = state
+    return state, m
+
+  return run_steps

@@ -8,20 +8,18 @@ of the forward recomputed with per-use reads), against a hand-written
 `jax.custom_vjp` doing the same arithmetic with the derivative written out.
 Both run the reference policy under `jax.jit` of `value_and_grad`; the two
 are timed in alternation, round by round, so load on a shared machine hits
-both alike. Reported: median and spread (min-max of the rounds) per case,
-and the median of the per-round ratios.
+both alike; the ratio is the median of the per-round ratios, with its
+range.
 """
 
 from __future__ import annotations
-
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
 from lowprec import ops
 from lowprec.ops import saved
+from scripts.benchlib import Result, interleave
 
 SR8 = ops.Rounding("float8_e4m3fn", "stochastic")
 
@@ -108,13 +106,7 @@ def _steps():
   return {"by hand": grad(loss_by_hand), "ops.Custom": grad(loss_declared)}
 
 
-def _time(fn, *args) -> float:
-  t0 = time.perf_counter()
-  jax.block_until_ready(fn(*args))
-  return time.perf_counter() - t0
-
-
-def run(quick: bool = False) -> str:
+def run(quick: bool = False) -> Result:
   tokens, width = (256, 64) if quick else (2048, 256)
   rounds = 5 if quick else 31
   ks = jax.random.split(jax.random.key(0), 5)
@@ -131,36 +123,15 @@ def run(quick: bool = False) -> str:
     float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(a)))
     for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1), strict=True)
   )
-  for f in steps.values():  # compile and warm up
-    for _ in range(2):
-      jax.block_until_ready(f(params, x, ks[4]))
-  times = {name: [] for name in steps}
-  order = list(steps)
-  for r in range(rounds):
-    for name in order if r % 2 == 0 else order[::-1]:
-      times[name].append(_time(steps[name], params, x, ks[4]))
-  ratios = [
-    b / a for a, b in zip(times["by hand"], times["ops.Custom"], strict=True)
-  ]
-  lines = [
-    "### Operators of your own: SwiGLU, fwd+bwd, ops.Custom vs by hand",
-    "",
-    f"tokens {tokens}, width {width}, hidden {4 * width}; {rounds} "
-    f"interleaved rounds; max relative gradient difference {err:.1e}",
-    "",
-    "| case | median ms | min ms | max ms |",
-    "|---|---:|---:|---:|",
-  ]
-  for name, ts in times.items():
-    lines.append(
-      f"| {name} | {statistics.median(ts) * 1e3:.2f} | "
-      f"{min(ts) * 1e3:.2f} | {max(ts) * 1e3:.2f} |"
-    )
-  q = statistics.quantiles(ratios, n=4) if len(ratios) >= 4 else ratios
-  lines += [
-    "",
-    f"ops.Custom / by hand, per round: median "
-    f"{statistics.median(ratios):.3f}x (quartiles {q[0]:.3f}x - "
-    f"{q[-1]:.3f}x; target <= 1.1x)",
-  ]
-  return "\n".join(lines)
+  args = (params, x, ks[4])
+  times = interleave({n: (f, args) for n, f in steps.items()}, rounds=rounds)
+  return Result(
+    "Operators of your own: SwiGLU, fwd+bwd, ops.Custom vs by hand",
+    times,
+    ("by hand",),
+    notes=(
+      f"tokens {tokens}, width {width}, hidden {4 * width}; max relative "
+      f"gradient difference {err:.1e}; target: ops.Custom <= 1.1x by hand.",
+    ),
+    extra={"max_relative_gradient_difference": err},
+  )

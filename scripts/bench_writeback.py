@@ -6,9 +6,9 @@ biases. Write-back params are float32 holding bfloat16 grid values. Rows:
 nearest, stochastic and dead-zone write-back, each with telemetry on and
 off. Target: stochastic with telemetry at most 1.3x the plain adamw step.
 
-The cases run in interleaved rounds and each keeps its fastest round's
-median, so load from other processes on a shared machine biases all rows
-alike.
+The cases run in interleaved rounds; ratios are medians of same-round
+ratios, with their range, so load from other processes on a shared machine
+biases all rows alike.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import optax
 
 import lowprec
-from scripts.benchlib import median_time, table
+from scripts.benchlib import Result, interleave
 
 
 def _params(n_params: int) -> dict:
@@ -42,8 +42,8 @@ def _step(opt):
   return step
 
 
-def run(quick: bool) -> str:
-  n_params, repeats, rounds = (2_000_000, 5, 2) if quick else (20_000_000, 5, 3)
+def run(quick: bool) -> Result:
+  n_params, repeats, rounds = (2_000_000, 3, 3) if quick else (20_000_000, 3, 9)
   params = lowprec.to_grid(_params(n_params), "bfloat16")
   grads = jax.tree.map(lambda p: 1e-3 * jnp.sign(p) + 1e-4, params)
   count = sum(p.size for p in jax.tree.leaves(params))
@@ -56,15 +56,13 @@ def run(quick: bool) -> str:
       )
       name = f"+ {rounding}" + (" + telemetry" if on else "")
       cases[name] = optax.chain(adamw, wb)
-  steps = {name: _step(opt) for name, opt in cases.items()}
-  states = {name: opt.init(params) for name, opt in cases.items()}
-  best = {}
-  for _ in range(rounds):
-    for name, step in steps.items():
-      t = median_time(step, params, states[name], grads, repeats=repeats)
-      best[name] = min(best.get(name, t), t)
+  calls = {
+    name: (_step(opt), (params, opt.init(params), grads))
+    for name, opt in cases.items()
+  }
+  times = interleave(calls, rounds=rounds, repeats=repeats)
   title = (
     f"write-back step, {count / 1e6:.1f}M params, "
     f"{jax.devices()[0].platform} x{jax.device_count()}"
   )
-  return table(title, list(best.items()), baseline="adamw")
+  return Result(title, times, ("adamw",))

@@ -1,9 +1,18 @@
-"""Timing helpers shared by the benchmark sections of `scripts/bench.py`."""
+"""Timing helpers shared by the benchmark sections of `scripts/bench.py`.
+
+Every comparison runs its cases interleaved, round by round (the order
+reversed every other round), so that a change in the machine's load hits
+every case alike; a ratio is taken between two cases of the same round, and
+its median and range over the rounds are reported together.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
+from collections.abc import Callable
+from typing import Any
 
 import jax
 
@@ -20,20 +29,98 @@ def median_time(fn, *args, repeats: int = 7, warmup: int = 2) -> float:
   return statistics.median(times)
 
 
-def table(
-  title: str, rows: list[tuple[str, float]], baseline: str, *more: str
-) -> str:
-  """A Markdown table of times and ratios to the rows named as baselines."""
-  bases = [baseline, *more]
-  times = dict(rows)
-  head = " | ".join(f"ratio to {b}" for b in bases)
-  lines = [
-    f"### {title}",
-    "",
-    f"| case | median ms | {head} |",
-    "|---|---:|" + "---:|" * len(bases),
-  ]
-  for name, t in rows:
-    ratios = " | ".join(f"{t / times[b]:.2f}x" for b in bases)
-    lines.append(f"| {name} | {t * 1e3:.2f} | {ratios} |")
-  return "\n".join(lines)
+def interleave(
+  calls: dict[str, tuple[Callable, tuple]],
+  rounds: int,
+  repeats: int = 1,
+  warmup: int = 2,
+) -> dict[str, list[float]]:
+  """Per case, one time per round: the median of `repeats` calls.
+
+  `calls` maps a case name to `(fn, args)`. Each case is compiled and warmed
+  up first; then every round times every case, in reversed order every
+  other round.
+  """
+  for fn, args in calls.values():
+    for _ in range(warmup):
+      jax.block_until_ready(fn(*args))
+  times: dict[str, list[float]] = {name: [] for name in calls}
+  order = list(calls)
+  for r in range(rounds):
+    for name in order if r % 2 == 0 else order[::-1]:
+      fn, args = calls[name]
+      times[name].append(median_time(fn, *args, repeats=repeats, warmup=0))
+  return times
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+  """The times of one comparison, and its ratios to baseline cases.
+
+  Attributes:
+    title: what was measured (sizes, device).
+    times: case -> seconds per call, one entry per round (rounds paired).
+    baselines: the cases ratios are taken to.
+    notes: lines printed under the table.
+    extra: numbers for the JSON output only (tokens per step, errors).
+  """
+
+  title: str
+  times: dict[str, list[float]]
+  baselines: tuple[str, ...]
+  notes: tuple[str, ...] = ()
+  extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+  def ratios(self, case: str, baseline: str) -> list[float]:
+    """Per-round ratios of `case` to `baseline`."""
+    return [
+      t / b for t, b in zip(self.times[case], self.times[baseline], strict=True)
+    ]
+
+  def as_dict(self) -> dict[str, Any]:
+    cases = {}
+    for name, ts in self.times.items():
+      ratio = {}
+      for b in self.baselines:
+        r = self.ratios(name, b)
+        ratio[b] = {
+          "median": statistics.median(r),
+          "min": min(r),
+          "max": max(r),
+        }
+      cases[name] = {
+        "median_ms": statistics.median(ts) * 1e3,
+        "min_ms": min(ts) * 1e3,
+        "max_ms": max(ts) * 1e3,
+        "ratio_to": ratio,
+      }
+    rounds = len(next(iter(self.times.values()), []))
+    return {
+      "title": self.title,
+      "rounds": rounds,
+      "cases": cases,
+      "notes": list(self.notes),
+      **self.extra,
+    }
+
+  def markdown(self) -> str:
+    data = self.as_dict()
+    head = " | ".join(f"ratio to {b} (range)" for b in self.baselines)
+    lines = [
+      f"### {self.title}",
+      "",
+      f"{data['rounds']} interleaved rounds; ratios are medians over the "
+      "rounds of same-round ratios, with their range.",
+      "",
+      f"| case | median ms | {head} |",
+      "|---|---:|" + "---:|" * len(self.baselines),
+    ]
+    for name, c in data["cases"].items():
+      cells = " | ".join(
+        f"{r['median']:.2f}x ({r['min']:.2f}-{r['max']:.2f})"
+        for r in c["ratio_to"].values()
+      )
+      lines.append(f"| {name} | {c['median_ms']:.2f} | {cells} |")
+    if self.notes:
+      lines += ["", *self.notes]
+    return "\n".join(lines)

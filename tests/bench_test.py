@@ -1,0 +1,47 @@
+"""The benchmark driver: interleaved rounds, paired ratios, JSON output.
+
+Nothing here asserts a timing; it checks the bookkeeping with made-up
+times and runs the smallest section once end to end.
+"""
+
+import json
+
+from scripts import bench, benchlib
+
+
+def test_ratios_pair_cases_round_by_round():
+  r = benchlib.Result(
+    "t", {"base": [1.0, 2.0, 4.0], "x": [2.0, 2.0, 2.0]}, ("base",)
+  )
+  assert r.ratios("x", "base") == [2.0, 1.0, 0.5]
+  d = r.as_dict()["cases"]["x"]
+  assert d["ratio_to"]["base"] == {"median": 1.0, "min": 0.5, "max": 2.0}
+  assert d["median_ms"] == 2000.0
+  md = r.markdown()
+  assert "| x | 2000.00 | 1.00x (0.50-2.00) |" in md
+  assert "3 interleaved rounds" in md
+
+
+def test_interleave_times_every_case_every_round_in_alternating_order():
+  order = []
+
+  def fn(name):
+    order.append(name)
+    return 0
+
+  calls = {"a": (fn, ("a",)), "b": (fn, ("b",))}
+  times = benchlib.interleave(calls, rounds=3, repeats=1, warmup=1)
+  assert {k: len(v) for k, v in times.items()} == {"a": 3, "b": 3}
+  assert order == ["a", "b", "a", "b", "b", "a", "a", "b"]
+
+
+def test_driver_writes_json_for_a_section(tmp_path, capsys):
+  path = tmp_path / "bench.json"
+  bench.main(["rounding", "--quick", "--json", str(path)])
+  data = json.loads(path.read_text())
+  cases = data["rounding"]["cases"]
+  base = cases["native astype float8_e4m3fn"]
+  assert base["ratio_to"]["native astype float8_e4m3fn"]["median"] == 1.0
+  assert "round_stochastic to float8 (dtype=)" in cases
+  assert all(c["median_ms"] > 0 for c in cases.values())
+  assert "### rounding" in capsys.readouterr().out
