@@ -98,26 +98,14 @@ def format_lookup(spec) -> FormatLookup:
       for a parameter path that the specification does not cover.
   """
   if _is_rules(spec):
-    rules = []
-    for pattern, f in spec:
-      try:
-        rules.append((re.compile(pattern), _as_format(f)))
-      except re.error as e:
-        raise ValueError(f"bad regex {pattern!r} in format rules: {e}") from e
-
-    def by_rule(path) -> Format | None:
-      name = path_name(path)
-      for regex, f in rules:
-        if regex.fullmatch(name):
-          return f
-      shown = ", ".join(repr(p) for p, _ in spec)
-      raise ValueError(
-        f"no format rule matches parameter {name!r} (rules, matched with "
-        f"re.fullmatch in order: {shown}); add a rule for it, e.g. a last "
-        "catch-all (r'.*', None) to leave the remaining parameters float32"
-      )
-
-    return by_rule
+    by_name = rule_lookup(
+      spec,
+      _as_format,
+      what="format rule",
+      fix="e.g. a last catch-all (r'.*', None) to leave the remaining "
+      "parameters float32",
+    )
+    return lambda path: by_name(path_name(path))
 
   entries, _ = jax.tree_util.tree_flatten_with_path(
     spec, is_leaf=_is_format_leaf
@@ -140,6 +128,34 @@ def format_lookup(spec) -> FormatLookup:
     )
 
   return by_tree
+
+
+def rule_lookup(rules, parse, *, what: str, fix: str) -> Callable:
+  """`name -> parse(value)` of the first `(regex, value)` rule whose regex
+  `re.fullmatch`es the "/"-joined parameter name.
+
+  Values are parsed and regexes compiled here, so a bad rule fails at once;
+  a name that no rule matches raises a ValueError naming it, the rules and
+  `fix`.
+  """
+  compiled = []
+  for pattern, value in rules:
+    try:
+      compiled.append((re.compile(pattern), parse(value)))
+    except re.error as e:
+      raise ValueError(f"bad regex {pattern!r} in {what}s: {e}") from e
+
+  def lookup(name: str):
+    for regex, value in compiled:
+      if regex.fullmatch(name):
+        return value
+    shown = ", ".join(repr(p) for p, _ in rules)
+    raise ValueError(
+      f"no {what} matches parameter {name!r} (rules, matched with "
+      f"re.fullmatch in order: {shown}); add a rule for it, {fix}"
+    )
+
+  return lookup
 
 
 def _key_names(path) -> tuple[str, ...]:

@@ -54,6 +54,16 @@ def _loss(model, x, y):
   return jnp.mean((model(x) - y) ** 2)
 
 
+def _train_step(x, y):
+  @nnx.jit
+  def step(model, opt):
+    loss, grads = nnx.value_and_grad(_loss)(model, x, y)
+    opt.update(model, grads)
+    return loss
+
+  return step
+
+
 def tap():
   """Pass-through transform keeping the last updates it saw (test only)."""
   return optax.GradientTransformation(
@@ -185,14 +195,7 @@ def test_nnx_rules_mean_the_same_leaves_as_in_linen_and_plain_pytrees():
 
 
 def test_nnx_checkpoint_restores_into_a_fresh_optimizer_bit_for_bit(tmp_path):
-  x, y = _data()
-
-  @nnx.jit
-  def step(model, opt):
-    loss, grads = nnx.value_and_grad(_loss)(model, x, y)
-    opt.update(model, grads)
-    return loss
-
+  step = _train_step(*_data())
   model, opt, _ = _build("float8_e4m3fn", "stochastic", storage="native")
   for _ in range(3):
     step(model, opt)
@@ -224,13 +227,7 @@ def test_nnx_native_float8_params_train_through_lowprec_optimizer():
   moments = jax.tree.leaves(nnx.as_pure(opt.opt_state[0]))
   assert {m.dtype for m in moments if m.ndim} == {np.dtype(np.float32)}
   x, y = _data()
-
-  @nnx.jit
-  def step(model, opt):
-    loss, grads = nnx.value_and_grad(_loss)(model, x, y)
-    opt.update(model, grads)
-    return loss
-
+  step = _train_step(x, y)
   losses = [float(step(model, opt)) for _ in range(30)]
   assert model.l1.kernel[...].dtype == jnp.float8_e4m3fn
   assert model.l1.bias[...].dtype == jnp.float32

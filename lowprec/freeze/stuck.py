@@ -9,7 +9,6 @@ tensors, the coordinates whose value is still the initial one.
 from __future__ import annotations
 
 import dataclasses
-import re
 
 import jax
 import numpy as np
@@ -116,21 +115,9 @@ def _f32(x) -> np.ndarray:
 def _grouping(groups):
   if groups is None:
     return lambda name: name
-  rules = []
-  for pattern, group in groups:
-    try:
-      rules.append((re.compile(pattern), group))
-    except re.error as e:
-      raise ValueError(f"bad regex {pattern!r} in groups: {e}") from e
-
-  def group_of(name):
-    for regex, group in rules:
-      if regex.fullmatch(name):
-        return group
-    shown = ", ".join(repr(p) for p, _ in groups)
-    raise ValueError(
-      f"no group rule matches parameter {name!r} (rules: {shown}); add "
-      "one, e.g. a last catch-all (r'.*', 'other')"
-    )
-
-  return group_of
+  return storage.rule_lookup(
+    groups,
+    lambda group: group,
+    what="group rule",
+    fix="e.g. a last catch-all (r'.*', 'other')",
+  )
