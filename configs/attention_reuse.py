@@ -79,6 +79,9 @@ def get_config(arg=None):
     )
     c.model.vocab_size = vocab
     c.data.update(dict(name="tokens", batch_size=256, eval_batches=20))
+    # Microbatches of 4 x 1024 tokens: their activations (not the batch's)
+    # are what a device holds (docs/scaling.md, scripts/plan_full_scale.py).
+    c.train.virtual_shards = 64
     c.opt.update(dict(lr=3e-4, warmup_steps=1000))
     c.train.steps = 20000
     c.train.eval_every_steps = 500

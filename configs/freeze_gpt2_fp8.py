@@ -75,6 +75,9 @@ def get_config(arg=None):
     c.model.update(dict(n_layer=12, n_head=12, d_model=768, seq_len=1024))
     c.model.vocab_size = 50257
     c.data.update(dict(name="tokens", batch_size=512, eval_batches=20))
+    # Microbatches of 8 x 1024 tokens: their activations (not the batch's)
+    # are what a device holds (docs/scaling.md, scripts/plan_full_scale.py).
+    c.train.virtual_shards = 64
     c.opt.warmup_steps = 500
     c.train.steps = 5000
     c.train.eval_every_steps = 250
