@@ -73,11 +73,18 @@ def make_mesh(config) -> Mesh:
   return Mesh(mesh, NamedSharding(mesh, P(("data", "fsdp"))))
 
 
-def param_sharding(mesh: Mesh, tree, fsdp: int):
-  """FSDP: shard each array's largest dimension divisible by `fsdp`."""
+def param_sharding(mesh: Mesh, tree, fsdp: int, shapes=None):
+  """FSDP: shard each array's largest dimension divisible by `fsdp`.
+
+  With `shapes` (a set of parameter shapes), only arrays of those shapes
+  (optimizer moments, say) are sharded; small state such as telemetry
+  counts stays replicated, so every process can read it.
+  """
 
   def leaf(x):
     if fsdp == 1 or not getattr(x, "ndim", 0):
+      return mesh.replicated()
+    if shapes is not None and tuple(x.shape) not in shapes:
       return mesh.replicated()
     dims = sorted(range(x.ndim), key=lambda d: -x.shape[d])
     for d in dims:
@@ -267,10 +274,11 @@ def build_run(config) -> Run:
     return TrainState(jnp.int32(0), params, tx.init(params))
 
   abstract = jax.eval_shape(init_state, source)
+  shapes = {tuple(x.shape) for x in jax.tree.leaves(abstract.params)}
   state_shard = TrainState(
     mesh.replicated(),
     param_sharding(mesh, abstract.params, fsdp),
-    param_sharding(mesh, abstract.opt_state, fsdp),
+    param_sharding(mesh, abstract.opt_state, fsdp, shapes),
   )
   state = jax.jit(init_state, out_shardings=state_shard)(source)
   loss_and_grad = make_loss_and_grad(task, mesh, parts)
