@@ -224,9 +224,9 @@ def _diagnosis(directory: str, step: int) -> str:
 
 
 def _write_error(directory: str, step, e: Exception) -> CheckpointWriteError:
-  what = f"the checkpoint of step {step}" if step else "a checkpoint"
+  when = f" (noticed when saving step {step})" if step else ""
   return CheckpointWriteError(
-    f"writing {what} in {directory} failed: {type(e).__name__}: "
+    f"writing a checkpoint in {directory} failed{when}: {type(e).__name__}: "
     f"{str(e)[:300]}. Earlier checkpoints and the metrics are kept; free "
     "space (or fix permissions) and rerun the same command to resume"
   )

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import logging
 import os
 import sys
 import threading
+import time
 
 from absl import flags
 
@@ -56,10 +58,14 @@ def _exit(code: int) -> None:
     for t in threading.enumerate()
     if t is not threading.main_thread() and not t.daemon
   ]
+  deadline = time.monotonic() + 10
   for t in others:
-    t.join(timeout=10)
+    try:
+      t.join(timeout=max(0.0, deadline - time.monotonic()))
+    except Exception:  # orbax's threads raise from join() when late
+      pass
   if any(t.is_alive() for t in others):
-    os._exit(code)
+    os._exit(code)  # a failed save's thread would block the exit for good
   sys.exit(code)
 
 
@@ -151,6 +157,36 @@ def parse_flags(argv):
     fail(text[-1] if text else type(e).__name__)
 
 
+class _NoLibraryTracebacks(logging.Filter):
+  """Keeps the one-line message of orbax's logged errors, not their
+  tracebacks, and drops asyncio's "exception was never retrieved" echoes of
+  them: a failed background write is reported by the runner itself
+  (`--traceback` keeps everything)."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    if not record.exc_info:
+      return True
+    if record.name == "asyncio" or "never retrieved" in str(record.msg):
+      return False
+    if f"{os.sep}orbax{os.sep}" in record.pathname:
+      record.exc_info = None
+      record.exc_text = None
+    return True
+
+
+def _quiet(hook, exc_of):
+  """`hook`, silent for the "Event loop is closed" errors that orbax's I/O
+  callbacks raise after a failed save has shut its event loop down."""
+
+  def quiet(*args):
+    exc = exc_of(args)
+    if isinstance(exc, RuntimeError) and "Event loop is closed" in str(exc):
+      return
+    hook(*args)
+
+  return quiet
+
+
 def guard(fn):
   """Runs `fn()`; errors the user can act on become one message and an exit
   status (unless --traceback)."""
@@ -165,6 +201,10 @@ def guard(fn):
   stops = (train.NonFiniteLoss, checkpoint.CheckpointWriteError)
   if _TRACEBACK.value:
     return fn()
+  for name in ("absl", "asyncio"):
+    logging.getLogger(name).addFilter(_NoLibraryTracebacks())
+  sys.excepthook = _quiet(sys.excepthook, lambda a: a[1])
+  sys.unraisablehook = _quiet(sys.unraisablehook, lambda a: a[0].exc_value)
   try:
     return fn()
   except usage as e:

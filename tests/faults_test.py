@@ -590,12 +590,12 @@ def test_damaged_token_files_name_the_file(damage, needle, tmp_path):
 # --- failed writes and non-finite losses
 
 
-def _mount_tmpfs(path, size):
+def _mount_tmpfs(path, options):
   os.makedirs(path, exist_ok=True)
   if os.geteuid() != 0 or not shutil.which("mount"):
     return False
   r = subprocess.run(
-    ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path],
+    ["mount", "-t", "tmpfs", "-o", options, "tmpfs", path],
     capture_output=True,
   )
   return r.returncode == 0
@@ -609,11 +609,18 @@ def _small_files():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+  "options, reason",
+  [("size=150k", "No space left"), ("size=1m,ro", "Read-only file system")],
+  ids=["no-space", "read-only"],
+)
 def test_failed_checkpoint_write_exits_promptly_and_keeps_the_rest(
-  tmp_path, reference
+  options, reason, tmp_path, reference
 ):
   ckpts = os.path.join(run_dir(tmp_path), "checkpoints")
-  mounted = _mount_tmpfs(ckpts, "150k")
+  mounted = _mount_tmpfs(ckpts, options)
+  if not mounted and "ro" in options:
+    pytest.skip("no tmpfs can be mounted here")
   try:
     t0 = time.time()
     out = run(
@@ -623,12 +630,12 @@ def test_failed_checkpoint_write_exits_promptly_and_keeps_the_rest(
   finally:
     if mounted:
       subprocess.run(["umount", ckpts], check=True)
-  assert_clean_error(out, "checkpoint", "failed", "rerun", code=1)
-  assert took < 120
+  assert_clean_error(out, "writing a checkpoint", "failed", "rerun", code=1)
+  assert took < 120  # it used to hang at exit on orbax's threads
   kept = results.read_metrics(os.path.join(run_dir(tmp_path), "metrics.jsonl"))
   assert kept and kept[0]["step"] == 0  # the lines written are kept
   if mounted:
-    assert "No space left" in out.stderr
+    assert reason in out.stderr
   out = run(tmp_path)  # space again: the rerun equals the uninterrupted run
   assert out.returncode == 0, out.stderr
   assert outcome(tmp_path) == reference
