@@ -133,6 +133,13 @@ class ReferenceTraceState(NamedTuple):
   sample_w: jax.Array | None  # [N] float32: their weights w_t at this step.
   sample_u: jax.Array | None  # [N] float32: their proposals u_t.
   layout: TraceLayout  # static: names, formats, sizes (no arrays).
+  # With at_init=True (else None): per nearest target and leaf, the initial
+  # weights on the target grid (float32, shaped like the leaf; None where
+  # not tracked), whether each coordinate is still predicted at its
+  # initial value (bool), and those counts ([T, L] int32).
+  init_q: tuple[tuple[jax.Array | None, ...], ...] | None = None
+  still: tuple[tuple[jax.Array | None, ...], ...] | None = None
+  at_init: jax.Array | None = None
 
   def report(self) -> dict[str, Any]:
     """This step's prediction as `{"pred/<target>/...": value}`.
@@ -142,11 +149,15 @@ class ReferenceTraceState(NamedTuple):
     far, -1 for none) and `erased_fraction/<leaf>`. For a stochastic or
     dead-zone target: `proposals`, `move_prob` (mean probability that a
     proposal moves its coordinate) and `move_prob/<leaf>`. With a sample:
-    `pred/sample/w` and `pred/sample/u`. Counts are exact integers and
-    fractions float64, computed on the host; a state with leading
-    (ensemble) axes gives nested lists.
+    `pred/sample/w` and `pred/sample/u`. With `at_init=True`, for a
+    nearest target: `at_init` (coordinates predicted still at their
+    initial value), `at_init_fraction` (of the target's coordinates) and
+    `at_init/<leaf>` (counts, so groups of leaves add up exactly). Counts
+    are exact integers and fractions float64, computed on the host; a
+    state with leading (ensemble) axes gives nested lists.
     """
-    host = jax.device_get(self)
+    # The O(params) tracking arrays stay on the device: only counts move.
+    host = jax.device_get(self._replace(init_q=None, still=None))
     return self._collect(host, np, _host_ratio, _host_value)
 
   def arrays(self) -> dict[str, jax.Array]:
@@ -178,6 +189,15 @@ class ReferenceTraceState(NamedTuple):
       out[pre + key] = ratio(num[..., counted].sum(axis=-1), n)
       for i in counted:
         out[f"{pre}{key}/{lay.leaves[i]}"] = ratio(num[..., i], props[..., i])
+      if nearest and st.at_init is not None:
+        kept = xp.asarray(st.at_init).astype(wide)[..., j, :]
+        total = sum(lay.sizes[i] for i in counted)
+        out[pre + "at_init"] = value(kept[..., counted].sum(axis=-1))
+        out[pre + "at_init_fraction"] = ratio(
+          kept[..., counted].sum(axis=-1), xp.asarray(total, wide)
+        )
+        for i in counted:
+          out[f"{pre}at_init/{lay.leaves[i]}"] = value(kept[..., i])
     if st.sample_index is not None:
       out["pred/sample/w"] = xp.asarray(st.sample_w)
       out["pred/sample/u"] = xp.asarray(st.sample_u)
@@ -233,6 +253,7 @@ def reference_trace(
   sample: int = 0,
   key: jax.Array | None = None,
   theta: float = 0.5,
+  at_init: bool = False,
 ) -> optax.GradientTransformation:
   """Records the predicted erased fraction of each step for target formats.
 
@@ -267,6 +288,15 @@ def reference_trace(
   coordinates in a low-precision run: put the trace just before
   `lowprec.writeback` there to record the realized trajectory.
 
+  With `at_init=True` the trace also predicts which coordinates a nearest
+  write-back leaves at their initial value: coordinate `i` is predicted
+  still there after step `t` when every reference proposal so far would be
+  erased at its initial grid value, `Q_RN(q0 + u_s) == q0` with
+  `q0 = Q_RN(w_0)`, for all `s <= t` (norm gains at 1.0 under bf16, weight
+  decay too small to register). This keeps `q0` (float32) and a flag per
+  coordinate and nearest target: O(params) memory, by choice. Compare with
+  `lowprec.freeze.stuck` on the low-precision run's params.
+
   Reference: the write-back freezing paper (see docs/freeze.md; the half-ULP
   condition, predicted from a high-precision trace and the target format
   alone, and audited coordinate by coordinate).
@@ -281,6 +311,8 @@ def reference_trace(
     key: a PRNG key choosing the sample at init; required when
       `sample > 0`. No other randomness is drawn.
     theta: threshold of the online crossing step reported as `crossing`.
+    at_init: also predict the coordinates still at their initial value
+      (nearest targets; see above).
 
   Returns:
     An `optax.GradientTransformation` whose state is a `ReferenceTraceState`.
@@ -344,6 +376,7 @@ def reference_trace(
     else:
       index = None
     empty = None if not sample else jnp.zeros([sample], jnp.float32)
+    tracked = _init_tracking(float_leaves(params), lay) if at_init else {}
     return ReferenceTraceState(
       count=jnp.zeros([], jnp.int32),
       proposals=jnp.zeros([n_l], jnp.int32),
@@ -354,6 +387,7 @@ def reference_trace(
       sample_w=empty,
       sample_u=empty,
       layout=lay,
+      **tracked,
     )
 
   def update_fn(updates, state, params=None):
@@ -395,10 +429,65 @@ def reference_trace(
       sample_w=sample_w,
       sample_u=sample_u,
       layout=lay,
+      **(_track(state, us, lay) if state.still is not None else {}),
     )
     return updates, new
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _tracked(lay: TraceLayout, j: int, i: int) -> bool:
+  return lay.roundings[j] == "nearest" and lay.formats[j][i] is not None
+
+
+def _init_tracking(ws, lay: TraceLayout) -> dict:
+  """`init_q`, `still` and `at_init` at step 0: every coordinate at init."""
+  init_q, still = [], []
+  for j in range(len(lay.targets)):
+    qs, st = [], []
+    for i, w in enumerate(ws):
+      on = _tracked(lay, j, i)
+      w32 = jnp.asarray(w, jnp.float32)
+      qs.append(rounding.round_nearest(w32, lay.formats[j][i]) if on else None)
+      st.append(jnp.ones(w32.shape, bool) if on else None)
+    init_q.append(tuple(qs))
+    still.append(tuple(st))
+  sizes = jnp.asarray(lay.sizes, jnp.int32)
+  on = jnp.asarray(
+    [[_tracked(lay, j, i) for i in range(len(ws))] for j in range(len(still))],
+    bool,
+  ).reshape(len(still), len(ws))
+  return {
+    "init_q": tuple(init_q),
+    "still": tuple(still),
+    "at_init": jnp.where(on, sizes[None, :], 0).astype(jnp.int32),
+  }
+
+
+def _track(state, us, lay: TraceLayout) -> dict:
+  """Clears the flag of every coordinate this step's proposal would move
+  from its initial grid value (non-finite proposals move nothing)."""
+  still, counts = [], []
+  for j, (qs, flags) in enumerate(zip(state.init_q, state.still, strict=True)):
+    row_flags, row = [], []
+    for i, (q0, flag) in enumerate(zip(qs, flags, strict=True)):
+      if flag is None:
+        row_flags.append(None)
+        row.append(jnp.zeros([], jnp.int32))
+        continue
+      u = us[i]
+      moves = (u != 0) & jnp.isfinite(u)
+      moves &= rounding.round_nearest(q0 + u, lay.formats[j][i]) != q0
+      flag = flag & ~moves
+      row_flags.append(flag)
+      row.append(_count(flag))
+    still.append(tuple(row_flags))
+    counts.append(jnp.stack(row) if row else jnp.zeros([0], jnp.int32))
+  return {
+    "init_q": state.init_q,
+    "still": tuple(still),
+    "at_init": jnp.stack(counts).reshape(state.at_init.shape),
+  }
 
 
 def _leaf_counts(w, u, formats, kinds):
