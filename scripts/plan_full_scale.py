@@ -37,6 +37,7 @@ def main(argv=None) -> None:
   parser.add_argument("--steps", type=int, default=1)
   parser.add_argument("--batch_size", type=int, default=None)
   parser.add_argument("--virtual_shards", type=int, default=None)
+  parser.add_argument("--probe_every_steps", type=int, default=None)
   parser.add_argument("--probe_draws", type=int, default=None)
   parser.add_argument("--probe_batch_size", type=int, default=None)
   parser.add_argument("--probe_chunk_rows", type=int, default=None)
@@ -50,7 +51,7 @@ def main(argv=None) -> None:
     plan.main(names, data_dir, args.per_device_batch)
     return
   keys = ("batch_size", "virtual_shards", "probe_draws", "probe_batch_size")
-  keys += ("probe_chunk_rows",)
+  keys += ("probe_chunk_rows", "probe_every_steps")
   overrides = {
     k: getattr(args, k) for k in keys if getattr(args, k) is not None
   }

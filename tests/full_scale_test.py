@@ -1,10 +1,12 @@
 """The full-scale configs build, compile and step on the CPU (slow).
 
-GPT-2 124M (`freeze_gpt2_fp8`) and the 390M GPT (`attention_reuse`, with
-its gradient probe, rows in chunks) on synthetic token files, one process
-and one device, a batch of 2 x 1024 tokens: the loss is finite, the probe
-gives finite numbers, and the process stays within the memory of a 24 GB
-machine. About 10 and 20 minutes on 2 CPU cores; run with `-m slow`.
+GPT-2 124M (`freeze_gpt2_fp8`, with the gradient probe turned on, rows in
+chunks of one) and the 390M GPT (`attention_reuse`, probe off: compiling
+its probe as well takes XLA's CPU compiler past 24 GB) on synthetic token
+files, one process and one device, a batch of 2 x 1024 tokens: the loss is
+finite, the probe gives finite numbers, and the process stays within the
+memory of a 24 GB machine. 10 to 20 minutes each on 2 CPU cores; run with
+`-m slow`, one at a time.
 """
 
 import json
@@ -16,13 +18,18 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = {
-  "freeze_gpt2_fp8": ("--batch_size=2", "--virtual_shards=2"),
-  "attention_reuse": (
+  "freeze_gpt2_fp8": (
     "--batch_size=2",
     "--virtual_shards=2",
+    "--probe_every_steps=1",
     "--probe_draws=2",
     "--probe_batch_size=2",
     "--probe_chunk_rows=1",
+  ),
+  "attention_reuse": (
+    "--batch_size=2",
+    "--virtual_shards=2",
+    "--probe_every_steps=0",
   ),
 }
 PARAMS = {"freeze_gpt2_fp8": 124_439_808, "attention_reuse": 389_000_000}
@@ -54,7 +61,7 @@ def test_full_scale_config_steps_on_the_cpu(name, tmp_path):
   assert result["losses"][0] < 20  # about ln(vocab) = 10.8 at init
   if name == "freeze_gpt2_fp8":
     assert result["params"] == PARAMS[name]
+    assert result["probe"] and all(v == v for v in result["probe"].values())
   else:
     assert abs(result["params"] - PARAMS[name]) < 0.05 * PARAMS[name]
-    assert result["probe"] and all(v == v for v in result["probe"].values())
   assert result["peak_rss_bytes"] < MEMORY_BYTES
