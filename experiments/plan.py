@@ -129,11 +129,17 @@ def microbatch(config) -> int:
   return config.data.batch_size // parts
 
 
-def plan(name: str, data_dir: str, per_device_batch: int | None = None) -> Plan:
+def plan(
+  name: str,
+  data_dir: str,
+  per_device_batch: int | None = None,
+  probe: bool = True,
+) -> Plan:
   """Compiles (does not run) the full-scale step and probe of `name`.
 
   `per_device_batch` rows per microbatch; by default the config's
-  (`microbatch`).
+  (`microbatch`). `probe=False` leaves the probe out (its compilation is
+  the largest).
   """
   from experiments import train
 
@@ -155,9 +161,9 @@ def plan(name: str, data_dir: str, per_device_batch: int | None = None) -> Plan:
   flops = float(step.cost_analysis()["flops"]) * full_batch / per_device_batch
   mem = step.memory_analysis()
   probe_temp = 0
-  if run.probe_fn is not None:
-    probe = run.probe_fn.lower(run.state.params, run.eval_key).compile()
-    probe_temp = int(probe.memory_analysis().temp_size_in_bytes)
+  if probe and run.probe_fn is not None:
+    compiled = run.probe_fn.lower(run.state.params, run.eval_key).compile()
+    probe_temp = int(compiled.memory_analysis().temp_size_in_bytes)
   params = run.state.params
   n = sum(int(x.size) for x in jax.tree.leaves(params))
   matmul = n - int(params["wpe"].size) if "wpe" in params else n
@@ -231,7 +237,10 @@ def describe(result: dict) -> str:
 
 
 def main(
-  names: list[str], data_dir: str, per_device_batch: int | None = None
+  names: list[str],
+  data_dir: str,
+  per_device_batch: int | None = None,
+  probe: bool = True,
 ) -> list:
   """Plans every config in `names` and prints the table; returns the plans."""
   plans = []
@@ -240,12 +249,16 @@ def main(
       raise ValueError(f"unknown config {name!r}; valid: {', '.join(PLANNED)}")
     c = full_config(name, data_dir)
     synthetic_tokens(data_dir, c.model.vocab_size)
-    p = plan(name, data_dir, per_device_batch)
+    p = plan(name, data_dir, per_device_batch, probe)
+    probed = (
+      f", probe in chunks of {c.train.probe_chunk_rows or 'all'} row(s)"
+      if p.bytes_probe_temp
+      else ""
+    )
     print(
       f"{name}: built and compiled in {p.compile_s:.0f} s; temporaries for "
       f"{p.per_device_batch} row(s) of {c.model.seq_len} tokens per "
-      f"microbatch, probe in chunks of {c.train.probe_chunk_rows or 'all'} "
-      "row(s)",
+      f"microbatch{probed}",
       flush=True,
     )
     plans.append(p)

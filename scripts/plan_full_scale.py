@@ -33,6 +33,9 @@ def main(argv=None) -> None:
     default=None,
     help="rows per microbatch for the memory analysis (default: config's)",
   )
+  parser.add_argument(
+    "--skip_probe", action="store_true", help="table without the probe"
+  )
   parser.add_argument("--step", action="store_true", help="run steps")
   parser.add_argument("--steps", type=int, default=1)
   parser.add_argument("--batch_size", type=int, default=None)
@@ -48,7 +51,7 @@ def main(argv=None) -> None:
   names = args.config or list(plan.PLANNED)
   data_dir = args.data_dir or tempfile.mkdtemp(prefix="lowprec_tokens_")
   if not args.step:
-    plan.main(names, data_dir, args.per_device_batch)
+    plan.main(names, data_dir, args.per_device_batch, not args.skip_probe)
     return
   keys = ("batch_size", "virtual_shards", "probe_draws", "probe_batch_size")
   keys += ("probe_chunk_rows", "probe_every_steps")
