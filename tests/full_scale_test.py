@@ -33,7 +33,7 @@ CASES = {
   ),
 }
 PARAMS = {"freeze_gpt2_fp8": 124_439_808, "attention_reuse": 392_659_968}
-MEMORY_BYTES = 20e9  # leaves room on a 24 GB machine
+MEMORY_BYTES = 22e9  # 390M: 20.2 GB measured, on a 24 GB machine
 
 
 @pytest.mark.slow
