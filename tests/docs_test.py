@@ -144,6 +144,29 @@ def test_block_runs_as_pasted_and_prints_what_the_page_shows(example):
   check(example)
 
 
+_LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def relative_links(text: str) -> list[str]:
+  """The link targets of a Markdown text that are paths, anchors dropped."""
+  targets = (m.split("#")[0] for m in _LINK.findall(text))
+  return [t for t in targets if t and "://" not in t and ":" not in t]
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_relative_link_names_a_file_of_the_repository(page):
+  with open(os.path.join(ROOT, page), encoding="utf-8") as f:
+    links = relative_links(f.read())
+  here = os.path.dirname(os.path.join(ROOT, page))
+  missing = [t for t in links if not os.path.exists(os.path.join(here, t))]
+  assert not missing, f"{page} links to missing files: {missing}"
+
+
+def test_relative_links_are_found():
+  text = "[a](docs/a.md#x), [b](https://x.org/b.md), ![c](figures/c.png)"
+  assert relative_links(text) == ["docs/a.md", "figures/c.png"]
+
+
 def test_the_readme_and_every_topic_page_have_blocks_to_run():
   pages = {e.page for e in EXAMPLES}
   assert "README.md" in pages
