@@ -144,6 +144,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.log = ml_collections.ConfigDict()
   c.log.results_dir = "results"
   c.log.progress_every_steps = 10
+  c.log.tensorboard = False  # also write TensorBoard event files
 
   c.ckpt = ml_collections.ConfigDict()
   c.ckpt.every_steps = 50

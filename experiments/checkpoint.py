@@ -164,6 +164,7 @@ class Checkpointer:
     Raises:
       CheckpointReadError: checkpoints exist but none restores into `like`.
     """
+    self._drop_unfinished()
     failed = []
     for step in sorted(self._mngr.all_steps(), reverse=True):
       try:
@@ -186,6 +187,19 @@ class Checkpointer:
         "as it was; else start the run over with --restart"
       )
     return 0, like, []
+
+  def _drop_unfinished(self) -> None:
+    """Removes the temporary directories of saves that never finished.
+
+    The run directory has one writer (its lock), so such a directory was
+    left by a process that died mid-save; orbax would remove it too, with
+    an alarming warning, at the next save of that step.
+    """
+    if not os.path.isdir(self.directory):
+      return
+    for name in os.listdir(self.directory):
+      if ".orbax-checkpoint-tmp" in name:
+        shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
   def _set_aside(self, steps, aside: str) -> None:
     self._mngr.close()

@@ -83,6 +83,10 @@ def check_batch(c, n_devices: int) -> None:
 def check(c, n_devices: int | None = None) -> None:
   """Every check above; `n_devices` defaults to `jax.device_count()`."""
   check_minimums(c)
+  if c.log.get("tensorboard", False):
+    from experiments import tensorboard
+
+    tensorboard.require()
   if c.study.kind == "train":
     if n_devices is None:
       import jax

@@ -44,6 +44,7 @@ from experiments import faults, results
 NON_RESULT_KEYS = (
   "log.results_dir",
   "log.progress_every_steps",
+  "log.tensorboard",
   "ckpt.every_steps",
   "ckpt.keep",
   "study.arms",

@@ -40,6 +40,7 @@ from experiments import (
   optim,
   results,
   tasks,
+  tensorboard,
 )
 
 
@@ -193,12 +194,15 @@ def make_eval_loss(task, mesh: Mesh, parts: int):
 
 
 def _progress(step, total, loss, val, rate, elapsed):
-  eta = (total - step) / rate if rate > 0 else float("nan")
+  """A progress line; `rate` (steps/s, compilation excluded) may be None
+  when no step has run since the compiled one."""
   val_s = f" val {val:.4f}" if val is not None else ""
-  return (
-    f"step {step}/{total} loss {loss:.4f}{val_s} | {rate:.2f} steps/s | "
-    f"elapsed {elapsed:.0f}s ETA {eta:.0f}s"
-  )
+  if rate:
+    speed = f"{rate:.2f} steps/s | elapsed {elapsed:.0f}s ETA "
+    speed += f"{(total - step) / rate:.0f}s"
+  else:
+    speed = f"-- steps/s | elapsed {elapsed:.0f}s ETA --"
+  return f"step {step}/{total} loss {loss:.4f}{val_s} | {speed}"
 
 
 @dataclasses.dataclass
@@ -355,10 +359,19 @@ def _train(config, workdir: str) -> dict:
     say(f"{tag} resumed from step {start}", flush=True)
   faults.point("after_restore", start)
   metrics_file = distributed.NullWriter()
+  events = None
   if distributed.is_primary():
     metrics_file = results.MetricsWriter(
       os.path.join(workdir, "metrics.jsonl"), resume_step=start
     )
+    if config.log.get("tensorboard", False):
+      events = tensorboard.EventWriter(workdir)
+
+  def write(record):
+    metrics_file.write(record)
+    if events is not None:
+      events.write(record)
+
   lr_fn = optim.schedule(config.opt, config.train.steps)
 
   eval_batches = run.eval_batches()
@@ -384,19 +397,27 @@ def _train(config, workdir: str) -> dict:
   t0, t_last, s_last = time.time(), time.time(), start
   last = metrics_file.last or {}  # the restored step's line
   done = start
+  compiled = False
   try:
     if start == 0:
       val = evaluate(state.params)
-      metrics_file.write({"step": 0, "val_loss": val, **probe(state.params, 0)})
+      write({"step": 0, "val_loss": val, **probe(state.params, 0)})
+    if start < total:
+      say(f"{tag} compiling the train step ...", flush=True)
     for step in range(start, total):
       state, m = run.step_fn(state, run.train_batch(data_start + step))
       record = {"step": step + 1, "lr": float(lr_fn(step))}
       record.update({k: float(v) for k, v in jax.device_get(m).items()})
       record.update(lowprec.telemetry(state.opt_state))
       done = step + 1
+      if not compiled:
+        # Rates and ETAs count from the end of the first (compiled) step.
+        compiled = True
+        t_last, s_last = time.time(), done
+        say(f"{tag} compiled ({t_last - t0:.1f}s to the first step)", flush=True)
       faults.point("after_step", done)
       if not math.isfinite(record["loss"]):
-        metrics_file.write(record)
+        write(record)
         raise NonFiniteLoss(_non_finite(tag, record["loss"], done, ckpt, ""))
       if done % config.train.eval_every_steps == 0 or done == total:
         record["val_loss"] = evaluate(state.params)
@@ -408,7 +429,7 @@ def _train(config, workdir: str) -> dict:
       if save and check is None:
         batch = run.train_batch(data_start + done)
         check = float(run.eval_fn(state.params, batch, run.eval_key))
-      metrics_file.write(record)
+      write(record)
       faults.point("after_metrics", done)
       if save and not math.isfinite(check):
         raise NonFiniteLoss(
@@ -419,7 +440,9 @@ def _train(config, workdir: str) -> dict:
         ckpt.save(done, state)
       if done % config.log.progress_every_steps == 0 or done == total:
         now = time.time()
-        rate = (done - s_last) / max(now - t_last, 1e-9)
+        rate = (
+          (done - s_last) / max(now - t_last, 1e-9) if done > s_last else None
+        )
         t_last, s_last = now, done
         say(
           tag,
@@ -430,6 +453,8 @@ def _train(config, workdir: str) -> dict:
         )
   finally:
     metrics_file.close()
+    if events is not None:
+      events.close()
     ckpt.close()
   faults.point("before_summary", done)
   summary = {
