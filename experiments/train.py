@@ -414,7 +414,9 @@ def _train(config, workdir: str) -> dict:
         # Rates and ETAs count from the end of the first (compiled) step.
         compiled = True
         t_last, s_last = time.time(), done
-        say(f"{tag} compiled ({t_last - t0:.1f}s to the first step)", flush=True)
+        say(
+          f"{tag} compiled ({t_last - t0:.1f}s to the first step)", flush=True
+        )
       faults.point("after_step", done)
       if not math.isfinite(record["loss"]):
         write(record)
