@@ -67,7 +67,10 @@ def test_attention_full_scale_is_the_390m_preset():
   assert c.study.seeds == (0, 1, 2)
 
 
-@pytest.mark.parametrize("name", ["attention_reuse", "norm_store"])
+@pytest.mark.parametrize(
+  "name",
+  [pytest.param("attention_reuse", marks=pytest.mark.slow), "norm_store"],
+)
 def test_full_scale_probe_groups_name_parameters_of_the_model(name):
   c = _load(name, "scale=full")
   c = study.resolve(c, next(iter(c.study.arms)), 0)
@@ -413,6 +416,7 @@ def test_probe_metrics_and_params_survive_a_resume(tmp_path):
   assert os.path.getsize(figures.plot("attention_reuse", str(tmp_path))) > 1000
 
 
+@pytest.mark.slow
 def test_operator_checks_smoke_writes_the_layout(tmp_path):
   c, md = _smoke("bwd_operator_checks", tmp_path)
   for arm in c.study.arms:

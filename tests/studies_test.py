@@ -441,6 +441,7 @@ def _smoke(name, tmp_path):
   return c, md
 
 
+@pytest.mark.slow
 def test_int3_replay_smoke_restores_checkpoints_and_tabulates(tmp_path):
   c, md = _smoke("int3_replay", tmp_path)
   assert "stochastic write-back, 2 checkpoint(s)" in md
@@ -468,6 +469,7 @@ def test_int3_replay_smoke_restores_checkpoints_and_tabulates(tmp_path):
     assert np.abs(x / scale).max() <= 3
 
 
+@pytest.mark.slow
 def test_grid_smoke_makes_its_table(tmp_path):
   _, md = _smoke("freeze_grid", tmp_path)
   assert "cells with predicted and measured post-init crossings: " in md
@@ -488,6 +490,7 @@ def test_slow_smoke_study_makes_its_table(name, tmp_path):
   assert expect in md
 
 
+@pytest.mark.slow
 def test_reproduce_runs_the_audit_smoke_through_the_entry_point(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   out = subprocess.run(

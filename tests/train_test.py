@@ -75,6 +75,7 @@ def test_entry_point_runs_every_arm_and_writes_the_layout(tmp_path):
   assert again.returncode == 0 and again.stdout.count("skipped") == 3
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_to_the_same_bits(tmp_path):
   args = [
     "--config=configs/smoke.py:arm=sr_bf16",
@@ -105,6 +106,7 @@ def test_killed_run_resumes_to_the_same_bits(tmp_path):
   )
 
 
+@pytest.mark.slow
 def test_one_and_eight_devices_give_the_same_bits(tmp_path):
   args = ["--config=configs/smoke.py:arm=sr_bf16"]
   one = _run(tmp_path / "one", *args, devices=1)

@@ -295,6 +295,7 @@ def test_convolution_table_verified_by_monte_carlo():
   assert d.counts == (3 * 4 + 3 + 1,) * 2
 
 
+@pytest.mark.slow
 def test_convolution_table_derived():
   d = audit.derive(CONV, CONV_IN, jax.random.key(2), n_forward=0)
   assert [_row(r) for r in d.table] == CONV_TABLE
@@ -354,6 +355,7 @@ def _grads(op, inputs, policy, key, dy):
   return jax.jit(lambda *a: jax.vjp(f, *a)[1](dy))(*inputs)
 
 
+@pytest.mark.slow
 def test_dense_as_custom_same_table_and_bit_identical_gradients():
   builtin = ops.Dense(x=RN8, kernel=RN8)
   mine = _as_custom(
@@ -582,6 +584,7 @@ class _Mlp(fnn.Module):
     return nn.call(self, self.op, self.numerics, x, *params)
 
 
+@pytest.mark.slow
 def test_custom_operator_in_a_linen_model_under_one_policy():
   op = _swiglu_derived().op
   num = nn.Numerics(
