@@ -152,6 +152,7 @@ class _Block(fnn.Module):
     return x + nn.MLP(numerics=self.numerics)(x)
 
 
+@pytest.mark.slow
 def test_fp8_block_draws_from_its_rng_stream():
   block = _Block(nn.Numerics.fp8())
   # Init needs no 'lowprec' stream (it falls back to 'params'), and the

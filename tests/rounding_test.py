@@ -376,6 +376,7 @@ def test_stochastic_is_the_same_eager_jit_and_on_eight_devices():
   assert np.any(one != np.asarray(fn(x, jax.random.key(43))))
 
 
+@pytest.mark.slow
 def test_float64_input_under_x64():
   with jax.enable_x64(True):
     x = jnp.asarray([1.0 + 2.0**-9 + 2.0**-40, 3.0e-42, 1e300, -0.0])
