@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from experiments import faults
+from experiments import distributed, faults
 
 
 class CheckpointWriteError(OSError):
@@ -164,13 +164,19 @@ class Checkpointer:
     Raises:
       CheckpointReadError: checkpoints exist but none restores into `like`.
     """
-    self._drop_unfinished()
+    if distributed.is_primary():
+      self._drop_unfinished()
+    distributed.barrier("checkpoint: unfinished saves removed")
     failed = []
     for step in sorted(self._mngr.all_steps(), reverse=True):
       try:
-        state = self.restore(step, like)
+        state, why = self.restore(step, like), None
       except Exception as e:  # orbax raises many types for a broken save
-        why = f"{type(e).__name__}: {str(e)[:200]}"
+        state, why = None, f"{type(e).__name__}: {str(e)[:200]}"
+      # Every process reads its own shards; a step counts as restored only
+      # where it restored on all of them, so all resume from the same step.
+      if not distributed.all_processes(why is None):
+        why = why or "it failed to restore on another process"
         failed.append((step, _diagnosis(self.directory, step) + why))
         self._mngr.close()  # a failed restore leaves the manager confused
         self._open()
@@ -202,13 +208,16 @@ class Checkpointer:
         shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
   def _set_aside(self, steps, aside: str) -> None:
+    """Process 0 moves `steps` into `aside`; every process then reopens."""
     self._mngr.close()
-    os.makedirs(aside, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    for step in steps:
-      src = os.path.join(self.directory, str(step))
-      if os.path.exists(src):
-        shutil.move(src, os.path.join(aside, f"{step}-{stamp}"))
+    if distributed.is_primary():
+      os.makedirs(aside, exist_ok=True)
+      stamp = time.strftime("%Y%m%d-%H%M%S")
+      for step in steps:
+        src = os.path.join(self.directory, str(step))
+        if os.path.exists(src):
+          shutil.move(src, os.path.join(aside, f"{step}-{stamp}"))
+    distributed.barrier("checkpoint: broken steps set aside")
     self._open()
 
   def wait(self) -> None:

@@ -116,6 +116,24 @@ class NullWriter:
     pass
 
 
+def all_processes(ok: bool) -> bool:
+  """Whether `ok` holds on every process (a collective: all call it)."""
+  if jax.process_count() == 1:
+    return bool(ok)
+  from jax.experimental import multihost_utils
+
+  flags = multihost_utils.process_allgather(np.int32(bool(ok)))
+  return bool(np.all(np.asarray(flags)))
+
+
+def barrier(name: str) -> None:
+  """Waits until every process reaches `name` (no-op on one process)."""
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices(name)
+
+
 _GO, _FINISHED, _REFUSED = 0, 1, 2
 
 

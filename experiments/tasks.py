@@ -176,8 +176,8 @@ class _EvalLimited:
   def batch(self, step: int, rows=None):
     return self._data.batch(step, rows=rows)
 
-  def eval_batches(self):
-    return self._data.eval_batches(self._n)
+  def eval_batches(self, rows=None):
+    return self._data.eval_batches(self._n, rows=rows)
 
 
 TASKS: dict[str, Callable[[Any], Task]] = {

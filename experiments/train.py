@@ -237,12 +237,8 @@ class Run:
     return self.put(self.task.data.batch(step, rows=rows))
 
   def eval_batches(self) -> list:
-    """The fixed evaluation batches, each process keeping only its rows."""
-    out = []
-    for b in self.task.data.eval_batches():
-      rows = self.rows(len(b[0]))
-      out.append(self.put(tuple(x[rows] for x in b)))
-    return out
+    """The fixed evaluation batches, each process reading only its rows."""
+    return [self.put(b) for b in self.task.data.eval_batches(rows=self.rows)]
 
 
 def build_run(config) -> Run:

@@ -560,3 +560,25 @@ def test_sampling_rejects_bad_seeds():
     sampling.random_bits(-1, 1, 0, 4)
   bits = sampling.random_bits(2**64 - 1, 1, 2**100, 4)
   assert bits.dtype == np.uint64 and bits.shape == (4,)
+
+
+def test_eval_batches_read_only_a_process_rows(tmp_path):
+  d = data.TokenData(_token_dir(tmp_path, n_val=700), seq_len=10, batch_size=4)
+  full = d.eval_batches()
+  read = []
+  windows = d.windows
+  d.windows = lambda starts, split: (
+    read.append(len(starts)) or windows(starts, split)
+  )
+  half = d.eval_batches(rows=lambda n: slice(n // 2, n))
+  assert read == [2] * len(full)  # two of each batch's four windows
+  for (x, y), (hx, hy) in zip(full, half, strict=True):
+    np.testing.assert_array_equal(hx, x[2:])
+    np.testing.assert_array_equal(hy, y[2:])
+  x = np.arange(10)
+  for test in (x, x[:3]):  # full batches of 4, and one short batch
+    a = data.ArrayData(x, x, test, test, batch_size=4, seed=0)
+    rows = lambda n: slice(0, n // 2)  # noqa: E731
+    got = [b[0] for b in a.eval_batches(rows=rows)]
+    want = [b[0][: len(b[0]) // 2] for b in a.eval_batches()]
+    assert [g.tolist() for g in got] == [w.tolist() for w in want]

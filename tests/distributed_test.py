@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from experiments import distributed, results
+from experiments import distributed, faults, results
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN = os.path.join("smoke", "sr_bf16", "seed0")
@@ -35,8 +35,13 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _launch(tmp, processes: int, devices: int, *args, base=ARGS) -> list:
+def _launch(
+  tmp, processes: int, devices: int, *args, base=ARGS, fault=None
+) -> list:
   env = dict(os.environ)
+  env.pop(faults.ENV, None)
+  if fault:
+    env[faults.ENV] = fault
   env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
   env["JAX_PLATFORMS"] = "cpu"
   cmd = [
@@ -189,6 +194,32 @@ def test_both_processes_killed_then_rerun_give_the_same_bits(
   outs = _run(tmp_path, 2, 1)
   _ok(outs)
   assert "resumed from step" in outs[0][1]
+  assert _record(tmp_path) == reference
+
+
+@pytest.mark.slow
+def test_a_broken_checkpoint_is_set_aside_once_and_both_fall_back(
+  reference, tmp_path
+):
+  every = "--config.ckpt.every_steps=2"
+  procs = _launch(tmp_path, 2, 1, every, fault="after_checkpoint:6")
+  outs = _finish(procs, TIMEOUT_S)
+  assert [rc for rc, *_ in outs] == [-signal.SIGKILL] * 2, outs[0][2][-2000:]
+  ckpts = os.path.join(tmp_path, RUN, "checkpoints")
+  files = [
+    os.path.join(d, f)
+    for d, _, fs in os.walk(os.path.join(ckpts, "6"))
+    for f in fs
+  ]
+  big = max(files, key=os.path.getsize)
+  with open(big, "r+b") as f:
+    f.truncate(os.path.getsize(big) // 3)
+  outs = _run(tmp_path, 2, 1, every)
+  _ok(outs)
+  assert "checkpoint 6 is unreadable" in outs[0][1]
+  assert "resumed from step 4" in outs[0][1]
+  aside = os.listdir(os.path.join(tmp_path, RUN, "bad_checkpoints"))
+  assert len(aside) == 1 and aside[0].startswith("6-"), aside
   assert _record(tmp_path) == reference
 
 

@@ -15,6 +15,7 @@ problem: inputs `x ~ N(0, I)` in `d_in` dimensions, a frozen random map
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -114,7 +115,7 @@ class ArrayData:
     return x[idx], y[idx]
 
   def eval_batches(
-    self, num_batches: int | None = None
+    self, num_batches: int | None = None, rows: Callable | None = None
   ) -> list[tuple[np.ndarray, np.ndarray]]:
     """Consecutive full batches of the held-out arrays, in order.
 
@@ -122,6 +123,8 @@ class ArrayData:
       num_batches: how many (at most the number of full batches); default
         all full batches, or one smaller batch if fewer than `batch_size`
         held-out examples exist.
+      rows: `num_rows -> slice`, the rows of each batch to keep (a process's
+        share of it); default all.
 
     Returns:
       A list of (inputs, targets); the same on every call and seed.
@@ -129,13 +132,21 @@ class ArrayData:
     n = len(self.test_x)
     full = n // self.batch_size
     if full == 0:
-      return [(self.test_x, self.test_y)]
-    count = full if num_batches is None else min(num_batches, full)
-    b = self.batch_size
-    return [
-      (self.test_x[i * b : (i + 1) * b], self.test_y[i * b : (i + 1) * b])
-      for i in range(count)
-    ]
+      spans = [(0, n)]
+    else:
+      count = full if num_batches is None else min(num_batches, full)
+      b = self.batch_size
+      spans = [(i * b, (i + 1) * b) for i in range(count)]
+    out = []
+    for lo, hi in spans:
+      part = slice(lo, hi)
+      if rows is not None:
+        r = rows(hi - lo)
+        part = slice(
+          lo + (r.start or 0), lo + (hi - lo if r.stop is None else r.stop)
+        )
+      out.append((self.test_x[part], self.test_y[part]))
+    return out
 
 
 class Regression(NamedTuple):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 
 import numpy as np
 
@@ -272,16 +273,21 @@ class TokenData:
     return sampling.even_starts(count, num_starts).reshape(num_batches, -1)
 
   def eval_batches(
-    self, num_batches: int | None = None
+    self, num_batches: int | None = None, rows: Callable | None = None
   ) -> list[tuple[np.ndarray, np.ndarray]]:
     """The fixed evaluation set: `num_batches` (inputs, targets) from val.
 
     Args:
       num_batches: how many batches; by default as many full batches of
         non-overlapping windows as `val.bin` holds (at least one).
+      rows: `num_rows -> slice`, the rows of each batch to read (a process's
+        share of it); default all. Only those windows are read.
 
     Returns:
       A list of (inputs, targets), int32 [batch_size, seq_len]; the same for
       every seed and every call.
     """
-    return [self.windows(s, "val") for s in self.eval_starts(num_batches)]
+    starts = self.eval_starts(num_batches)
+    if rows is not None:
+      starts = starts[:, rows(starts.shape[1])]
+    return [self.windows(s, "val") for s in starts]
