@@ -82,6 +82,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.model.hidden = (128,)  # mlp hidden widths
   c.model.channels = (8, 16)  # cnn channels
   c.model.activation = "gelu"
+  c.model.remat = False  # recompute each block's forward in its backward
 
   c.data = ml_collections.ConfigDict()
   c.data.name = "builtin_text"  # see experiments/data registry
@@ -115,6 +116,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.lowprec.keep_float32 = ""  # regex of param paths left in float32
   c.lowprec.trace_targets = ()  # formats predicted by a reference trace
   c.lowprec.trace_sample = 0  # coordinates whose (w, u) are logged
+  c.lowprec.trace_at_init = False  # also predict coordinates left at init
+  c.lowprec.decay_erasure = False  # count erased proposals of decay alone
   c.lowprec.policy = ""  # backward-state policy string ("" = reference)
   c.lowprec.fwd_format = "float32"  # rounding of saved forward tensors
   c.lowprec.fwd_rounding = "nearest"
@@ -140,6 +143,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.train.probe_chunk_rows = 0  # rows per probe gradient pass; 0: all at once
   c.train.probe_groups = "all=.*"  # name=regex over parameter paths, ...
   c.train.probe_grad_rounding = True  # False: the run's reads only
+  # Probe memory (experiments/probes.py): lean = separate programs, one
+  # backward pass compiled and live at a time (same bits); remat = each
+  # block's forward recomputed in the probe's backward passes (one block's
+  # activations; the recomputed forward may differ in its last bits)
+  c.train.probe_lean = False
+  c.train.probe_remat = False
 
   c.log = ml_collections.ConfigDict()
   c.log.results_dir = "results"

@@ -197,6 +197,8 @@ def build(config, key: jax.Array, params=None) -> optax.GradientTransformation:
   else:
     parts.append(optax.sgd(lr, momentum=opt.momentum or None))
   target = writeback_target(lp, params)
+  if lp.get("decay_erasure", False):
+    parts.append(_decay_erasure(config, lr, target))
   wb_key, trace_key = jax.random.split(key)
   if target is not None:
     needs_key = lp.rounding != "nearest"
@@ -214,6 +216,26 @@ def build(config, key: jax.Array, params=None) -> optax.GradientTransformation:
         trace_targets(lp),
         sample=lp.trace_sample,
         key=trace_key,
+        at_init=lp.get("trace_at_init", False),
       )
     )
   return optax.chain(*parts)
+
+
+def _decay_erasure(config, lr, target):
+  """`lowprec.freeze.decay_erasure` on the write-back grid, or on the first
+  reference-trace target of a float32 run."""
+  opt, lp = config.opt, config.lowprec
+  if opt.name != "adamw":
+    raise ValueError(
+      "lowprec.decay_erasure splits AdamW's proposals; set opt.name='adamw' "
+      "or lowprec.decay_erasure=False"
+    )
+  if target is None:
+    if not lp.trace_targets:
+      raise ValueError(
+        "lowprec.decay_erasure needs a grid: set lowprec.writeback or "
+        "lowprec.trace_targets"
+      )
+    target = trace_target(lp.trace_targets[0], lp.keep_float32).fmt
+  return lowprec.freeze.decay_erasure(target, lr, opt.weight_decay)

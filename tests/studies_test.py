@@ -6,6 +6,7 @@ arm and seed; the smoke variant of each study runs through the runner and
 produces its table and figure.
 """
 
+import csv
 import importlib
 import json
 import math
@@ -39,6 +40,7 @@ STUDIES = [
   "deadzone_vs_sr",
   "int3_replay",
   "e4m3_audit",
+  "freeze_user_reports",
 ]
 
 
@@ -488,6 +490,28 @@ def test_slow_smoke_study_makes_its_table(name, tmp_path):
     "deadzone_vs_sr": "mean recovery, full SR / dead-zone SR",
   }[name]
   assert expect in md
+
+
+@pytest.mark.slow
+def test_user_reports_smoke_predicts_the_stuck_gains(tmp_path):
+  _, md = _smoke("freeze_user_reports", tmp_path)
+  rows = {
+    (r["group"], r["step"]): r
+    for r in csv.DictReader(
+      open(
+        tmp_path / "freeze_user_reports" / "tables" / "freeze_user_reports.csv"
+      )
+    )
+  }
+  # Six steps of lr <= 6.5e-4: no bf16 gain of 1.0 can move under nearest
+  # write-back; the trace predicts it, the checkpoints show it.
+  for step in ("3", "6"):
+    gains = rows[("norm gains", step)]
+    assert float(gains["at_init_predicted"]) == 1.0
+    assert float(gains["at_init_nearest"]) == 1.0
+    assert float(gains["at_init_stochastic"]) < 1.0
+  assert float(rows[("MLP kernels", "6")]["at_init_nearest"]) < 0.1
+  assert "tolerance 0.05 (met)" in md
 
 
 @pytest.mark.slow

@@ -225,6 +225,64 @@ def audit_curves(study, results="results", out=None) -> str:
   return _save(fig, study, results, out)
 
 
+def user_reports_panels(study, results="results", out=None) -> str:
+  """Per group of tensors: the share of coordinates at their initial value
+  against the step, predicted by the float32 trace (every step) and
+  measured on each write-back run's checkpoints; last panel: the share of
+  erased proposals that are weight decay only, predicted and measured."""
+  from experiments.analysis import user_reports as ur
+
+  runs = load_runs(results, study)
+  groups, steps = ur._groups(runs)
+  seed = min(r.seed for r in runs)
+  by = {r.arm: r for r in runs if r.seed == seed}
+  ref = by.get("fp32_reference")
+  total = runs[0].config["train"]["steps"]
+  every = range(1, total + 1, max(1, total // 100))
+  pred = ur.predicted_at_init(ref, every, groups) if ref else {}
+  meas = {
+    arm: ur.measured_at_init(by[arm], steps, groups)
+    for arm in ("nearest", "stochastic", "deadzone")
+    if arm in by
+  }
+  fig, axes = plt.subplots(
+    1, len(groups) + 1, figsize=(3.2 * (len(groups) + 1), 3.4)
+  )
+  for ax, (_, group) in zip(axes, groups, strict=False):
+    xs = sorted(pred)
+    ax.plot(
+      xs, [pred[x].get(group) for x in xs], "k--", lw=1, label="predicted (RN)"
+    )
+    for i, (arm, m) in enumerate(meas.items()):
+      ms = sorted(m)
+      ax.plot(
+        ms,
+        [m[x].get(group) for x in ms],
+        "os^"[i % 3],
+        ms=7 - 1.5 * i,
+        mfc="none",
+        color=f"C{i}",
+        label=arm,
+      )
+    ax.set_ylim(-0.03, 1.03)
+    ax.set_title(group, fontsize=9)
+    ax.set_xlabel("step")
+  axes[0].set_ylabel("share still at its initial value")
+  axes[0].legend(fontsize=7)
+  ax = axes[-1]
+  names = [g for _, g in groups]
+  p = ur.decay_only_share(ref, groups) if ref else {}
+  m = ur.decay_only_share(by["nearest"], groups) if "nearest" in by else {}
+  x = np.arange(len(names))
+  ax.bar(x - 0.2, [p.get(n, np.nan) for n in names], 0.4, label="predicted")
+  ax.bar(x + 0.2, [m.get(n, np.nan) for n in names], 0.4, label="nearest")
+  ax.set_xticks(x, names, rotation=45, ha="right", fontsize=7)
+  ax.set_ylim(0, 1.05)
+  ax.set_title("erased proposals: weight decay only", fontsize=9)
+  ax.legend(fontsize=7)
+  return _save(fig, study, results, out)
+
+
 PLOTS = {
   "freeze_gpt2_fp8": fp8_panels,
   "freeze_grid": crossing_scatter,
@@ -232,6 +290,7 @@ PLOTS = {
   "deadzone_vs_sr": val_curves,
   "int3_replay": replay_curves,
   "e4m3_audit": audit_curves,
+  "freeze_user_reports": user_reports_panels,
 }
 
 

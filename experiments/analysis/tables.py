@@ -24,6 +24,7 @@ from experiments.analysis.freeze_tables import (
   transfer_table,
 )
 from experiments.analysis.runs import load_runs
+from experiments.analysis.user_reports import user_reports_table
 
 ANALYSES = {
   "freeze": freeze_table,
@@ -33,6 +34,7 @@ ANALYSES = {
   "audit": audit_table,
   "recovery": recovery_table,
   "replay": replay_table,
+  "user_reports": user_reports_table,
   **bwd_tables.ANALYSES,
 }
 STUDY_ANALYSIS = {  # study name -> analysis name (default "freeze")
@@ -42,6 +44,7 @@ STUDY_ANALYSIS = {  # study name -> analysis name (default "freeze")
   "deadzone_vs_sr": "recovery",
   "int3_replay": "replay",
   "e4m3_audit": "audit",
+  "freeze_user_reports": "user_reports",
   **bwd_tables.STUDY_ANALYSIS,
 }
 
@@ -83,6 +86,11 @@ HEADINGS = {
   "recovery_deadzone_sr": "recovery, dead-zone SR",
   "train_loss_last10%": "train loss, last 10%",
   "within_margin": "within the margin",
+  "at_init_predicted": "predicted (fp32 trace)",
+  "at_init_nearest": "nearest",
+  "at_init_stochastic": "stochastic",
+  "at_init_deadzone": "dead-zone",
+  "error": "|predicted - nearest|",
 }
 # Per probe group `g`: `g_<suffix>` -> "g: <words>".
 _PROBE = {

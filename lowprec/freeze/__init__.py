@@ -6,6 +6,8 @@
   predicted against measured curves, per cell and over many cells.
 * `audit_coordinates`: exact erasure events at sampled coordinates of a
   low-precision run next to the predicted ones.
+* `decay_erasure`: an optax pass-through after AdamW that counts the
+  erased proposals that are weight decay only, per tensor.
 * `stuck`: the share of coordinates of a checkpoint still at their initial
   value, per group of tensors (norm gains, embeddings, ...).
 
@@ -31,6 +33,7 @@ from lowprec.freeze.curves import (
   rmse,
   summarize,
 )
+from lowprec.freeze.decay import DecayErasureState, decay_erasure
 from lowprec.freeze.stuck import StuckShare, stuck
 from lowprec.freeze.trace import (
   ROUNDINGS,
@@ -46,6 +49,7 @@ __all__ = [
   "ROUNDINGS",
   "CellComparison",
   "CoordinateAudit",
+  "DecayErasureState",
   "ReferenceTraceState",
   "StuckShare",
   "Summary",
@@ -54,6 +58,7 @@ __all__ = [
   "audit_coordinates",
   "compare",
   "crossing",
+  "decay_erasure",
   "frozen_from",
   "leaf_paths",
   "measured_events",
