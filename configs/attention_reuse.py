@@ -89,6 +89,7 @@ def get_config(arg=None):
     c.train.probe_draws = 4
     c.train.probe_batch_size = 8
     c.train.probe_chunk_rows = 1  # memory of one row's backward, not eight
+    c.train.probe_lean = True  # one backward pass compiled and live at once
     c.ckpt.every_steps = 1000
     c.log.progress_every_steps = 100
   if c.study.scale == "smoke":

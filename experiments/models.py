@@ -139,8 +139,12 @@ class GPT(nn.Module):
       raise ValueError(
         f"unknown model.positions {c['positions']!r}; valid: learned, rotary"
       )
+    # With `remat`, each block's backward recomputes its forward (the same
+    # draws: the rng of a block is the same on recompute), so a backward
+    # pass holds one block's activations rather than every block's.
+    block = nn.remat(Block) if c.get("remat") else Block
     for i in range(c["n_layer"]):
-      x = Block(c, self.numerics, name=f"h_{i}")(x)
+      x = block(c, self.numerics, name=f"h_{i}")(x)
     # Final norm and the head as one NormDense: its output is a saved
     # tensor read by the head's weight gradient and the norm's gain gradient.
     head = lpnn.NormDense(

@@ -162,8 +162,10 @@ def plan(
   mem = step.memory_analysis()
   probe_temp = 0
   if probe and run.probe_fn is not None:
-    compiled = run.probe_fn.lower(run.state.params, run.eval_key).compile()
-    probe_temp = int(compiled.memory_analysis().temp_size_in_bytes)
+    probe_temp = max(
+      int(compiled.memory_analysis().temp_size_in_bytes)
+      for compiled in run.probe_fn.programs(run.state.params, run.eval_key)
+    )
   params = run.state.params
   n = sum(int(x.size) for x in jax.tree.leaves(params))
   matmul = n - int(params["wpe"].size) if "wpe" in params else n

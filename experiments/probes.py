@@ -29,14 +29,17 @@ probe may leave it out (`train.probe_grad_rounding=False`) to see a read's
 bias with fewer draws.
 
 Memory is O(selected parameters) plus one gradient pass: the draws are a
-scan with running sums, the reference pass starts after the run's, and with
-`chunk_rows` the batch's rows go through in chunks one after another (each
-chunk with its own key folded from the draw's), so the probe of a large
-model needs the activations of `chunk_rows` rows, not of the whole batch.
+scan with running sums of the selected gradients only, the reference pass
+starts after the run's, and with `chunk_rows` the batch's rows go through
+in chunks one after another (each chunk with its own key folded from the
+draw's), so the probe of a large model needs the activations of
+`chunk_rows` rows, not of the whole batch; with a rematerialised model
+(`train.probe_remat`) those of one block of them.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
 
@@ -110,8 +113,6 @@ def gradient_probe(
       f"train.probe_chunk_rows={chunk_rows} must divide the probe batch's "
       f"{rows} rows (or be 0: all at once)"
     )
-  run_grad = _in_chunks(jax.grad(run_loss), chunk_rows)
-  ref_grad = _in_chunks(jax.grad(ref_loss), chunk_rows)
 
   def probe(params, key):
     members = _members(params, groups)
@@ -123,12 +124,17 @@ def gradient_probe(
         for n, ix in members.items()
       }
 
+    # Only the groups' gradients are kept (and summed over chunks): the
+    # other parameters' weight gradients are never computed.
+    run_grad = _in_chunks(lambda *a: pick(jax.grad(run_loss)(*a)), chunk_rows)
+    ref_grad = _in_chunks(lambda *a: pick(jax.grad(ref_loss)(*a)), chunk_rows)
+
     def body(acc, k):
-      g = pick(run_grad(params, batch, k))
+      g = run_grad(params, batch, k)
       # The reference pass waits for the run's, so their activations are
       # never live at once.
       after, g = jax.lax.optimization_barrier((params, g))
-      r = pick(ref_grad(after, batch, k))
+      r = ref_grad(after, batch, k)
       new = {}
       for n in groups:
         d = g[n] - r[n]
@@ -152,9 +158,104 @@ def gradient_probe(
   return probe
 
 
+def lean_gradient_probe(
+  run_loss: Callable,
+  ref_loss: Callable,
+  batch,
+  groups: dict[str, str],
+  draws: int,
+  chunk_rows: int = 0,
+) -> Callable:
+  """`gradient_probe` as separately compiled programs and a host loop.
+
+  The same statistics from the same keys, for models too large for the
+  one-program probe: the run's gradient, the reference gradient and the
+  running sums are three jitted programs called once per draw, so a
+  compilation holds one backward pass, not two inside a scan, and at run
+  time only one pass's temporaries are live. The results have the bits of
+  `gradient_probe`'s (tests/probes_test.py). Given the losses of a
+  rematerialised model (`model.remat`, `train.probe_remat`) a pass holds
+  one block's activations; the recomputed forward is then not always the
+  same bits as the forward (XLA compiles it apart), so two passes with the
+  same numerics may differ by about 1e-5 relative. Not itself jittable;
+  `probe.programs(params, key)` lists the compiled programs (for their
+  memory analysis).
+  """
+  gradient_probe(run_loss, ref_loss, batch, groups, draws, chunk_rows)
+
+  def selected(loss):
+    def grads(params, key):
+      members = _members(params, groups)
+
+      def pick(tree):
+        leaves = jax.tree.leaves(tree)
+        return {
+          n: jnp.concatenate(
+            [leaves[i].ravel().astype(jnp.float32) for i in ix]
+          )
+          for n, ix in members.items()
+        }
+
+      one = _in_chunks(lambda *a: pick(jax.grad(loss)(*a)), chunk_rows)
+      return one(params, batch, key)
+
+    return jax.jit(grads)
+
+  run_grad, ref_grad = selected(run_loss), selected(ref_loss)
+
+  @jax.jit
+  def init(g):
+    zero = jnp.float32(0)
+    return {
+      n: (jnp.zeros_like(v), jnp.zeros_like(v), zero, zero)
+      for n, v in g.items()
+    }
+
+  @functools.partial(jax.jit, donate_argnums=0)
+  def add(acc, g, r):
+    new = {}
+    for n in groups:
+      d = g[n] - r[n]
+      cos1 = jnp.vdot(g[n], r[n]) / _safe(_norm(g[n]) * _norm(r[n]))
+      sg, sr, sdd, sc = acc[n]
+      new[n] = (sg + g[n], sr + r[n], sdd + jnp.vdot(d, d), sc + cos1)
+    return new
+
+  @jax.jit
+  def finish(acc):
+    out = {}
+    for n, (sg, sr, sdd, sc) in acc.items():
+      for stat, v in _stats(sg / draws, sr / draws, sdd, sc, draws).items():
+        out[f"probe/{n}/{stat}"] = v
+    return out
+
+  def probe(params, key):
+    acc = None
+    for k in jax.random.split(key, draws):
+      g = run_grad(params, k)
+      r = ref_grad(params, k)
+      acc = add(init(g) if acc is None else acc, g, r)
+      del g, r
+    return finish(acc)
+
+  def programs(params, key):
+    k = jax.random.split(key, draws)[0]
+    g = jax.eval_shape(run_grad, params, k)
+    acc = jax.eval_shape(init, g)
+    return [
+      run_grad.lower(params, k).compile(),
+      ref_grad.lower(params, k).compile(),
+      add.lower(acc, g, g).compile(),
+    ]
+
+  probe.programs = programs
+  return probe
+
+
 def _in_chunks(grad_fn: Callable, rows: int) -> Callable:
-  """`grad_fn(params, batch, key)` as the mean over chunks of `rows` rows,
-  computed in sequence; chunk `i` reads `fold_in(key, i)`."""
+  """`grad_fn(params, batch, key)` (a pytree of float32 arrays) as the mean
+  over chunks of `rows` rows, computed in sequence; chunk `i` reads
+  `fold_in(key, i)`."""
   if not rows:
     return grad_fn
 
@@ -165,9 +266,12 @@ def _in_chunks(grad_fn: Callable, rows: int) -> Callable:
     def body(acc, xs):
       part, i = xs
       g = grad_fn(params, part, jax.random.fold_in(key, i))
-      return jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc, g), None
+      return jax.tree.map(jnp.add, acc, g), None
 
-    zero = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    like = jax.eval_shape(
+      grad_fn, params, jax.tree.map(lambda x: x[0], parts), key
+    )
+    zero = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), like)
     total, _ = jax.lax.scan(body, zero, (parts, jnp.arange(n)))
     return jax.tree.map(lambda t: t / n, total)
 

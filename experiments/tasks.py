@@ -21,7 +21,8 @@ class Task:
   loss: Callable[..., tuple[jax.Array, dict]]  # (params, batch, key)
   data: Any  # .batch_size, .batch(step, rows=None) and .eval_batches()
   model: Any
-  # (params, key) -> {name: scalar}, logged every train.probe_every_steps
+  # (params, key) -> {name: scalar}, logged every train.probe_every_steps;
+  # compiled on its first call; `.programs(params, key)` its compiled parts
   probe: Callable[..., dict] | None = None
 
 
@@ -42,7 +43,7 @@ def _gpt_cfg(m) -> dict:
       "init_std",
       "activation",
     )
-  }
+  } | {"remat": m.get("remat", False)}
 
 
 def gpt_task(config) -> Task:
@@ -76,14 +77,18 @@ def _gpt_probe(t, model, loss, batch):
   The reference: the same forward draws, the reference reads, gradients
   passed through every rounding unchanged.
   """
+  lean = t.get("probe_lean", False)
+  cfg = model.cfg | ({"remat": True} if t.get("probe_remat", False) else {})
   ref = dataclasses.replace(model.numerics, policy=None, grads=None)
-  ref_loss = _lm_loss(models.GPT(model.cfg, ref))
+  ref_loss = _lm_loss(models.GPT(cfg, ref))
+  run = model.numerics
   if not t.probe_grad_rounding:
-    run = dataclasses.replace(model.numerics, grads=None)
-    loss = _lm_loss(models.GPT(model.cfg, run))
+    run = dataclasses.replace(run, grads=None)
+  loss = _lm_loss(models.GPT(cfg, run))
   if t.probe_batch_size:
     batch = tuple(x[: t.probe_batch_size] for x in batch)
-  return probes.gradient_probe(
+  build = probes.lean_gradient_probe if lean else probes.gradient_probe
+  fn = build(
     lambda p, b, k: loss(p, b, k)[0],
     lambda p, b, k: ref_loss(p, b, k)[0],
     batch,
@@ -91,6 +96,15 @@ def _gpt_probe(t, model, loss, batch):
     t.probe_draws,
     t.probe_chunk_rows,
   )
+  if lean:
+    return fn
+  jitted = jax.jit(fn)
+
+  def probe(params, key):
+    return jitted(params, key)
+
+  probe.programs = lambda params, key: [jitted.lower(params, key).compile()]
+  return probe
 
 
 def _lm_loss(model):

@@ -215,7 +215,7 @@ class Run:
   step_fn: Any  # jitted (state, batch) -> (state, metrics); donates state
   eval_fn: Any  # jitted (params, batch, key) -> mean loss
   eval_key: jax.Array
-  probe_fn: Any = None  # jitted (params, key) -> {name: scalar}, or None
+  probe_fn: Any = None  # (params, key) -> {name: scalar}, or None
 
   def put(self, batch):
     """This process's rows of a batch (numpy) as one global array.
@@ -295,7 +295,7 @@ def build_run(config) -> Run:
     train_step, donate_argnums=0, out_shardings=(state_shard, mesh.replicated())
   )
   eval_fn = jax.jit(make_eval_loss(task, mesh, parts))
-  probe_fn = None if task.probe is None else jax.jit(task.probe)
+  probe_fn = task.probe
   return Run(task, mesh, state, step_fn, eval_fn, eval_key, probe_fn)
 
 

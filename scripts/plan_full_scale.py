@@ -44,6 +44,11 @@ def main(argv=None) -> None:
   parser.add_argument("--probe_draws", type=int, default=None)
   parser.add_argument("--probe_batch_size", type=int, default=None)
   parser.add_argument("--probe_chunk_rows", type=int, default=None)
+  parser.add_argument(
+    "--probe_remat",
+    action="store_true",
+    help="the probe's passes recompute each block (one block's activations)",
+  )
   args = parser.parse_args(argv)
   importlib.import_module("experiments.xla_flags")  # before jax starts
   from experiments import plan
@@ -58,6 +63,8 @@ def main(argv=None) -> None:
   overrides = {
     k: getattr(args, k) for k in keys if getattr(args, k) is not None
   }
+  if args.probe_remat:
+    overrides["probe_remat"] = True
   for name in names:
     result = plan.step(name, data_dir, args.steps, **overrides)
     print(plan.describe(result), file=sys.stderr, flush=True)

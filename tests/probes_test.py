@@ -70,3 +70,39 @@ def test_chunked_run_gradient_is_the_mean_of_its_chunks():
   )
   assert float(out["probe/all/cos"]) > 0.99
   assert float(out["probe/all/bias"]) < 0.05
+
+
+def test_lean_probe_gives_the_bits_of_the_one_program_probe_on_a_gpt():
+  # The attention-reuse arm (biased reads, stochastic roundings) on a
+  # small GPT, perturbed off init: the lean probe (separate programs, a
+  # host loop over draws) reads the same draws and sums in the same order,
+  # so every statistic has the same bits; each of its programs needs fewer
+  # temporaries than the one program.
+  from configs import attention_reuse
+  from experiments import study, tasks
+
+  c = study.resolve(attention_reuse.get_config(), "reuse", 0)
+  c.unlock()
+  c.model.update(dict(n_layer=2, d_model=32, seq_len=32))
+  c.train.probe_draws, c.train.probe_batch_size = 2, 4
+  c.train.probe_chunk_rows = 2
+  out, temps, params = {}, {}, None
+  noise = jax.random.key(3)
+  for lean in (False, True):
+    c.train.probe_lean = lean
+    task = tasks.build(c)
+    if params is None:
+      init = jax.jit(task.init)(jax.random.key(0))
+      params = jax.tree.map(
+        lambda x: x + 0.05 * jax.random.normal(noise, x.shape), init
+      )
+    out[lean] = jax.device_get(task.probe(params, jax.random.key(1)))
+    temps[lean] = [
+      p.memory_analysis().temp_size_in_bytes
+      for p in task.probe.programs(params, jax.random.key(1))
+    ]
+  assert out[False].keys() == out[True].keys()
+  assert float(out[False]["probe/qkv/rel_err"]) > 0  # the reads differ
+  for k, v in out[False].items():
+    assert np.asarray(v).tobytes() == np.asarray(out[True][k]).tobytes(), k
+  assert len(temps[True]) == 3 and max(temps[True]) < temps[False][0]
