@@ -56,16 +56,15 @@ class DecayErasureState(NamedTuple):
     """`decay/erased`, `decay/decay_only`, `decay/decay_only_share` and
     per tensor `decay/erased/<leaf>`, `decay/decay_only/<leaf>` (exact
     integers; the share is NaN at a step with nothing erased)."""
-    host = jax.device_get(self)
-    out = self._collect(host, np)
-    share = out["decay/decay_only_share"]
-    out["decay/decay_only_share"] = (
-      float(share) if np.ndim(share) == 0 else np.asarray(share).tolist()
-    )
+    out = self._collect(jax.device_get(self), np)
+    total = np.asarray(out["decay/erased"], np.float64)
+    only = np.asarray(out["decay/decay_only"], np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+      share = np.where(total > 0, only / np.maximum(total, 1), np.nan)
+    out["decay/decay_only_share"] = share
     for k, v in out.items():
-      if k != "decay/decay_only_share":
-        a = np.asarray(v)
-        out[k] = a.tolist() if a.ndim else a.item()
+      a = np.asarray(v)
+      out[k] = a.tolist() if a.ndim else a.item()
     return out
 
   def arrays(self) -> dict[str, jax.Array]:
