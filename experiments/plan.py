@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 import time
 
 import jax
@@ -286,6 +287,21 @@ def peak_rss_bytes() -> int:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def _phase(what: str) -> None:
+  """A progress line on stderr with the resident and peak memory."""
+  try:
+    with open("/proc/self/statm") as f:
+      now = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+  except (OSError, ValueError):
+    now = 0
+  print(
+    f"[plan] {what}: resident {now / 1e9:.1f} GB, peak "
+    f"{peak_rss_bytes() / 1e9:.1f} GB",
+    file=sys.stderr,
+    flush=True,
+  )
+
+
 def peak_device_bytes() -> int | None:
   """Peak bytes in use on the first local device, where the backend says."""
   stats = jax.local_devices()[0].memory_stats() or {}
@@ -310,18 +326,21 @@ def step(name: str, data_dir: str, steps: int = 1, **overrides) -> dict:
   synthetic_tokens(data_dir, c.model.vocab_size)
   t0 = time.time()
   run = train.build_run(c)
+  _phase("built")
   state, losses, times = run.state, [], []
   for i in range(steps):
     t = time.time()
     state, m = run.step_fn(state, run.train_batch(i))
     losses.append(float(m["loss"]))
     times.append(time.time() - t)
+    _phase(f"step {i + 1} in {times[-1]:.0f} s, loss {losses[-1]:.4f}")
   probe = {}
   if run.probe_fn is not None:
     t = time.time()
     out = run.probe_fn(state.params, run.eval_key)
     probe = {k: float(v) for k, v in jax.device_get(out).items()}
     probe_s = time.time() - t
+    _phase(f"probe in {probe_s:.0f} s")
   params = run.state.params if steps == 0 else state.params
   n = sum(int(x.size) for x in jax.tree.leaves(params))
   tokens = c.data.batch_size * c.model.seq_len

@@ -45,6 +45,9 @@ def main(argv=None) -> None:
   parser.add_argument("--probe_batch_size", type=int, default=None)
   parser.add_argument("--probe_chunk_rows", type=int, default=None)
   parser.add_argument(
+    "--probe_groups", default=None, help="probe groups (name=regex,...)"
+  )
+  parser.add_argument(
     "--probe_remat",
     action="store_true",
     help="the probe's passes recompute each block (one block's activations)",
@@ -59,7 +62,7 @@ def main(argv=None) -> None:
     plan.main(names, data_dir, args.per_device_batch, not args.skip_probe)
     return
   keys = ("batch_size", "virtual_shards", "probe_draws", "probe_batch_size")
-  keys += ("probe_chunk_rows", "probe_every_steps")
+  keys += ("probe_chunk_rows", "probe_every_steps", "probe_groups")
   overrides = {
     k: getattr(args, k) for k in keys if getattr(args, k) is not None
   }

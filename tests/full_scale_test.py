@@ -1,12 +1,12 @@
 """The full-scale configs build, compile and step on the CPU (slow).
 
 GPT-2 124M (`freeze_gpt2_fp8`, with the gradient probe turned on, rows in
-chunks of one) and the 390M GPT (`attention_reuse`, probe off: compiling
-its probe as well takes XLA's CPU compiler past 24 GB) on synthetic token
-files, one process and one device, a batch of 2 x 1024 tokens: the loss is
-finite, the probe gives finite numbers, and the process stays within the
-memory of a 24 GB machine. 10 to 20 minutes each on 2 CPU cores; run with
-`-m slow`, one at a time.
+chunks of one) and the 390M GPT (`attention_reuse`, one row of 1024 tokens,
+its lean probe of the QKV kernels with rematerialised blocks: two draws of
+two rows, one row at a time) on synthetic token files, one process and one
+device: the loss is finite, the probe gives finite numbers, and the process
+stays within the memory of a 24 GB machine (390M: 16.8 GB measured). 10 to
+20 minutes each on 2 CPU cores; run with `-m slow`, one at a time.
 """
 
 import json
@@ -27,13 +27,18 @@ CASES = {
     "--probe_chunk_rows=1",
   ),
   "attention_reuse": (
-    "--batch_size=2",
-    "--virtual_shards=2",
-    "--probe_every_steps=0",
+    "--batch_size=1",
+    "--virtual_shards=1",
+    "--probe_every_steps=1",
+    "--probe_draws=2",
+    "--probe_batch_size=2",
+    "--probe_chunk_rows=1",
+    "--probe_remat",
+    "--probe_groups=qkv=.*attn/qkv/kernel",
   ),
 }
 PARAMS = {"freeze_gpt2_fp8": 124_439_808, "attention_reuse": 392_659_968}
-MEMORY_BYTES = 22e9  # 390M: 20.2 GB measured, on a 24 GB machine
+MEMORY_BYTES = 22e9  # 390M with its probe: 16.8 GB measured, of 24 GB
 
 
 @pytest.mark.slow
@@ -60,6 +65,5 @@ def test_full_scale_config_steps_on_the_cpu(name, tmp_path):
   assert all(isinstance(x, float) and x == x for x in result["losses"])
   assert result["losses"][0] < 20  # about ln(vocab) = 10.8 at init
   assert result["params"] == PARAMS[name]
-  if name == "freeze_gpt2_fp8":
-    assert result["probe"] and all(v == v for v in result["probe"].values())
+  assert result["probe"] and all(v == v for v in result["probe"].values())
   assert result["peak_rss_bytes"] < MEMORY_BYTES
