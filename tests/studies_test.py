@@ -41,6 +41,7 @@ STUDIES = [
   "int3_replay",
   "e4m3_audit",
   "freeze_user_reports",
+  "attention_reuse_search",
 ]
 
 
@@ -512,6 +513,26 @@ def test_user_reports_smoke_predicts_the_stuck_gains(tmp_path):
     assert float(gains["at_init_stochastic"]) < 1.0
   assert float(rows[("MLP kernels", "6")]["at_init_nearest"]) < 0.1
   assert "tolerance 0.05 (met)" in md
+
+
+@pytest.mark.slow
+def test_attention_search_smoke_tabulates_each_setting(tmp_path):
+  _, md = _smoke("attention_reuse_search", tmp_path)
+  rows = list(
+    csv.DictReader(
+      open(
+        tmp_path
+        / "attention_reuse_search"
+        / "tables"
+        / "attention_reuse_search.csv"
+      )
+    )
+  )
+  assert [r["setting"] for r in rows] == ["e2m1", "e4m3"]
+  for r in rows:
+    assert float(r["reuse_val_loss"]) > 0 and float(r["fresh_val_loss"]) > 0
+    assert r["fails"] in ("True", "False")
+  assert "failure criterion (fixed before the runs)" in md
 
 
 @pytest.mark.slow

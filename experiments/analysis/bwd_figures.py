@@ -130,6 +130,47 @@ def attention_curves(study, results="results", out=None) -> str:
   return _save(fig, study, results, out)
 
 
+def search_dose_response(study, results="results", out=None) -> str:
+  """attention_reuse_search: per setting, the pooled QKV bias of reuse and
+  fresh (log scale), and reuse minus fresh final validation loss per seed
+  with the failure threshold (3 sd of fresh over seeds)."""
+  runs = load_runs(results, study)
+  rows, _ = ba.attention_search_table(runs)
+  names = [r["setting"] for r in rows]
+  x = np.arange(len(names))
+  fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+  for dx, kind, color in ((-0.1, "reuse", "C3"), (0.1, "fresh", "C0")):
+    bias = [r.get(f"{kind}_qkv_bias_rms") or np.nan for r in rows]
+    axes[0].plot(x + dx, bias, "o", color=color, label=kind)
+    for xi, r in zip(x, rows, strict=True):
+      z = r.get(f"{kind}_qkv_bias_z")
+      b = r.get(f"{kind}_qkv_bias_rms")
+      if z is not None and b:
+        axes[0].annotate(
+          f"z={z:+.1f}",
+          (xi + dx, b),
+          fontsize=6,
+          xytext=(3, 3),
+          textcoords="offset points",
+        )
+  axes[0].set_yscale("log")
+  axes[0].set_title("QKV gradient: pooled relative bias")
+  for xi, r in zip(x, rows, strict=True):
+    diffs = [float(d) for d in r["per_seed"].split()] if r["per_seed"] else []
+    axes[1].plot([xi] * len(diffs), diffs, "o", color="C3", mfc="none")
+    if r.get("reuse_minus_fresh") is not None:
+      axes[1].plot(xi, r["reuse_minus_fresh"], "_", color="k", ms=14)
+    if r.get("threshold") is not None:
+      axes[1].plot(xi, r["threshold"], "v", color="grey", ms=5)
+  axes[1].axhline(0, color="grey", lw=0.5)
+  axes[1].set_title("final val loss, reuse - fresh (per seed, mean; v: 3 sd)")
+  for ax in axes:
+    ax.set_xticks(x, names, fontsize=8)
+    ax.set_xlabel("setting")
+  _legend(axes[0])
+  return _save(fig, study, results, out)
+
+
 def norm_store_curves(study, results="results", out=None) -> str:
   runs = load_runs(results, study)
   groups = ba.probe_groups(runs[0])
@@ -179,6 +220,7 @@ PLOTS = {
   "bwd_operator_checks": operator_z,
   "attention_reuse": attention_curves,
   "norm_store": norm_store_curves,
+  "attention_reuse_search": search_dose_response,
 }
 
 

@@ -273,6 +273,81 @@ def attention_table(runs):
   return probe_table(runs, "fresh")
 
 
+def _diverged(run) -> bool:
+  """Non-finite loss, no summary after the last step, or a final
+  validation loss above the first one."""
+  steps, v = run.curve("val_loss")
+  first = next((r["val_loss"] for r in run.metrics if "val_loss" in r), None)
+  if not v.size or not np.all(np.isfinite(v)):
+    return True
+  return first is not None and v[-1] > first
+
+
+def attention_search_table(runs):
+  """attention_reuse_search: per setting, final validation loss of reuse
+  and fresh (mean, sd over seeds), reuse minus fresh per seed, the pooled
+  QKV bias z of each arm, and the pre-stated failure test: mean(reuse -
+  fresh) > 3 sd(fresh), or reuse diverges where fresh does not. Only
+  finished runs count."""
+  runs = [r for r in runs if r.summary.get("status") == "finished"]
+  settings = list(
+    dict.fromkeys(r.arm.rsplit("_", 1)[0] for r in runs if "_" in r.arm)
+  )
+  rows, lines, failed = [], [], []
+  for setting in settings:
+    arm = {k: [r for r in runs if r.arm == f"{setting}_{k}"] for k in POLICY}
+    arm = {k: sorted(v, key=lambda r: r.seed) for k, v in arm.items()}
+    loss = {k: [r.last("val_loss") for r in v] for k, v in arm.items()}
+    row = {"setting": setting, "seeds": len(arm["reuse"])}
+    for k in POLICY:
+      vals = [x for x in loss[k] if x is not None]
+      row[f"{k}_val_loss"] = float(np.mean(vals)) if vals else None
+      sd = float(np.std(vals, ddof=1)) if len(vals) > 1 else None
+      row[f"{k}_sd"] = sd
+    fresh = {r.seed: r for r in arm["fresh"]}
+    diffs = [
+      r.last("val_loss") - fresh[r.seed].last("val_loss")
+      for r in arm["reuse"]
+      if r.seed in fresh
+      and r.last("val_loss") is not None
+      and fresh[r.seed].last("val_loss") is not None
+    ]
+    row["reuse_minus_fresh"] = float(np.mean(diffs)) if diffs else None
+    row["per_seed"] = " ".join(f"{d:+.4f}" for d in diffs)
+    for k in POLICY:
+      pooled = _pooled(arm[k], "qkv")
+      row[f"{k}_qkv_bias_rms"] = pooled[0] if pooled else None
+      row[f"{k}_qkv_bias_z"] = pooled[1] if pooled else None
+    div = [
+      r.seed
+      for r in arm["reuse"]
+      if _diverged(r) and not (r.seed in fresh and _diverged(fresh[r.seed]))
+    ]
+    threshold = 3 * row["fresh_sd"] if row["fresh_sd"] is not None else None
+    row["threshold"] = threshold
+    fails = bool(div) or (
+      threshold is not None
+      and row["reuse_minus_fresh"] is not None
+      and row["reuse_minus_fresh"] > threshold
+    )
+    row["fails"] = fails
+    if fails:
+      failed.append(setting)
+    rows.append(row)
+  lines.append(
+    "- failure criterion (fixed before the runs): mean over seeds of "
+    "reuse minus fresh final val loss > 3 x sd over seeds of fresh, or a "
+    "reuse run diverging where its fresh pair does not"
+  )
+  lines.append(
+    "- settings that fail: " + (", ".join(failed) if failed else "none")
+  )
+  return rows, lines
+
+
+POLICY = ("reuse", "fresh")
+
+
 def norm_store_table(runs):
   """norm_store: every run against the `per_use` arm of its seed."""
   return probe_table(runs, "per_use")
@@ -282,9 +357,11 @@ ANALYSES = {
   "operator_checks": operator_table,
   "attention_reuse": attention_table,
   "norm_store": norm_store_table,
+  "attention_search": attention_search_table,
 }
 STUDY_ANALYSIS = {
   "bwd_operator_checks": "operator_checks",
   "attention_reuse": "attention_reuse",
   "norm_store": "norm_store",
+  "attention_reuse_search": "attention_search",
 }

@@ -91,6 +91,18 @@ HEADINGS = {
   "at_init_stochastic": "stochastic",
   "at_init_deadzone": "dead-zone",
   "error": "|predicted - nearest|",
+  "reuse_val_loss": "reuse: val loss",
+  "reuse_sd": "reuse: sd",
+  "fresh_val_loss": "fresh: val loss",
+  "fresh_sd": "fresh: sd",
+  "reuse_minus_fresh": "reuse - fresh",
+  "per_seed": "per seed",
+  "reuse_qkv_bias_rms": "reuse: QKV bias",
+  "reuse_qkv_bias_z": "reuse: z",
+  "fresh_qkv_bias_rms": "fresh: QKV bias",
+  "fresh_qkv_bias_z": "fresh: z",
+  "threshold": "3 sd (fresh)",
+  "fails": "fails",
 }
 # Per probe group `g`: `g_<suffix>` -> "g: <words>".
 _PROBE = {
