@@ -1,13 +1,15 @@
 """Benchmarks, side by side in one run, printed as Markdown tables of ratios.
 
-  python -m scripts.bench [section ...] [--quick] [--json FILE]
+  python -m scripts.bench [section ...] [--quick] [--runs N] [--json FILE]
 
 Sections: rounding, writeback, trace, ops, train, user_ops (default: all
 that exist). Each lives in `scripts/bench_<section>.py` with
 `run(quick: bool) -> benchlib.Result`. Within a section the cases run
 interleaved, round by round, and every ratio is reported as the median of
 same-round ratios with its range. `--json FILE` (or `-` for standard
-output) also writes every section's times and ratios as JSON.
+output) also writes every section's times and ratios as JSON. `--runs N`
+repeats each section N times and adds a table of the median and range of
+the N runs' ratios (JSON: "runs" and "across_runs").
 Numbers are machine-dependent; docs/benchmarks.md records the ratios
 measured on the 2-core CPU machine. Never used as timed assertions in tests.
 """
@@ -19,6 +21,8 @@ import importlib
 import json
 import os
 import sys
+
+from scripts import benchlib
 
 SECTIONS = ("rounding", "writeback", "trace", "ops", "train", "user_ops")
 
@@ -32,6 +36,13 @@ def main(argv=None) -> None:
     "--quick",
     action="store_true",
     help="smaller sizes and fewer repeats (smoke test)",
+  )
+  parser.add_argument(
+    "--runs",
+    type=int,
+    default=1,
+    help="run each section this many times; then a table of the median "
+    "and range of the runs' ratios",
   )
   parser.add_argument(
     "--json",
@@ -49,12 +60,23 @@ def main(argv=None) -> None:
   ]
   out = sys.stderr if args.json == "-" else sys.stdout
   results = {}
+  if args.runs < 1:
+    parser.error(f"--runs must be at least 1, got {args.runs}")
   for name in names:
     module = importlib.import_module(f"scripts.bench_{name}")
-    result = module.run(quick=args.quick)
-    print(result.markdown(), file=out, flush=True)
-    print(file=out)
-    results[name] = result.as_dict()
+    runs = []
+    for _ in range(args.runs):
+      runs.append(module.run(quick=args.quick))
+      print(runs[-1].markdown(), file=out, flush=True)
+      print(file=out)
+    results[name] = runs[0].as_dict()
+    if args.runs > 1:
+      print(benchlib.across_runs_markdown(runs), file=out, flush=True)
+      print(file=out)
+      results[name] = {
+        "runs": [r.as_dict() for r in runs],
+        "across_runs": benchlib.across_runs(runs),
+      }
   if args.json:
     text = json.dumps(results, indent=1)
     if args.json == "-":

@@ -124,3 +124,47 @@ class Result:
     if self.notes:
       lines += ["", *self.notes]
     return "\n".join(lines)
+
+
+def across_runs(results: list[Result]) -> dict[str, Any]:
+  """Per case and baseline: the median ratio of each run, and their median
+  and range over the runs (a run's ratio is its median over rounds)."""
+  first = results[0]
+  out: dict[str, Any] = {"title": first.title, "runs": len(results)}
+  cases = {}
+  for name in first.times:
+    per = {}
+    for b in first.baselines:
+      meds = [statistics.median(r.ratios(name, b)) for r in results]
+      per[b] = {
+        "runs": meds,
+        "median": statistics.median(meds),
+        "min": min(meds),
+        "max": max(meds),
+      }
+    cases[name] = per
+  out["cases"] = cases
+  return out
+
+
+def across_runs_markdown(results: list[Result]) -> str:
+  """`across_runs` as a Markdown table."""
+  data = across_runs(results)
+  baselines = results[0].baselines
+  head = " | ".join(f"ratio to {b}" for b in baselines)
+  lines = [
+    f"### {data['title']}: {data['runs']} runs",
+    "",
+    "Median over the runs of each run's median ratio, with the range of the "
+    "runs' ratios.",
+    "",
+    f"| case | {head} |",
+    "|---|" + "---:|" * len(baselines),
+  ]
+  for name, per in data["cases"].items():
+    cells = " | ".join(
+      f"{r['median']:.2f}x ({r['min']:.2f}-{r['max']:.2f})"
+      for r in per.values()
+    )
+    lines.append(f"| {name} | {cells} |")
+  return "\n".join(lines)

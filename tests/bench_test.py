@@ -45,3 +45,14 @@ def test_driver_writes_json_for_a_section(tmp_path, capsys):
   assert "round_stochastic to float8 (dtype=)" in cases
   assert all(c["median_ms"] > 0 for c in cases.values())
   assert "### rounding" in capsys.readouterr().out
+
+
+def test_across_runs_takes_the_median_and_range_of_run_medians():
+  runs = [
+    benchlib.Result("t", {"b": [1.0, 1.0], "x": [f, f]}, ("b",))
+    for f in (1.2, 1.5, 1.3)
+  ]
+  d = benchlib.across_runs(runs)["cases"]["x"]["b"]
+  assert d == {"runs": [1.2, 1.5, 1.3], "median": 1.3, "min": 1.2, "max": 1.5}
+  md = benchlib.across_runs_markdown(runs)
+  assert "| x | 1.30x (1.20-1.50) |" in md and "3 runs" in md
