@@ -139,11 +139,14 @@ class Rounding:
       value = q / s
       q = value * s
     native = self.format.native_dtype
-    if native is not None and native.itemsize * 8 in _STORE_NATIVE_BITS:
+    # `bits`, not the dtype's itemsize: ml_dtypes gives FP6 and FP4 one byte.
+    if native is not None and self.format.bits in _STORE_NATIVE_BITS:
       # `q` is on the grid up to those few ulps, so nearest rounding gives
       # the grid value back, emitted as the native code from its bits: a
       # convert to float8 inside a fusion is slow on XLA:CPU.
       q = rounding_lib.round_nearest(q, self.format, dtype=native)
+    elif s is not None:
+      q = rounding_lib.round_nearest(q, self.format)  # exactly on the grid
     return value.astype(x.dtype), Stored(q, s)
 
   def quantize(self, x, key=None, *, mode: str | None = None) -> Stored:
