@@ -42,6 +42,7 @@ STUDIES = [
   "e4m3_audit",
   "freeze_user_reports",
   "attention_reuse_search",
+  "attention_reuse_e2m1",
 ]
 
 
@@ -515,6 +516,19 @@ def test_user_reports_smoke_predicts_the_stuck_gains(tmp_path):
   assert "tolerance 0.05 (met)" in md
 
 
+@pytest.mark.parametrize("scale", ["cpu", "smoke"])
+def test_failing_reuse_study_is_the_searchs_e2m1_runs(scale):
+  # Same numerics, data, probe and seeds: the study's runs are the search's.
+  one = _load("attention_reuse_e2m1", f"scale={scale}")
+  search = _load("attention_reuse_search", f"scale={scale}")
+  for arm in ("reuse", "fresh"):
+    for seed in study.seeds_of(one, arm):
+      a = study.resolve(one, arm, seed).to_dict()
+      b = study.resolve(search, f"e2m1_{arm}", seed).to_dict()
+      for key in ("lowprec", "opt", "train", "model", "data"):
+        assert a[key] == b[key], (arm, key)
+
+
 @pytest.mark.slow
 def test_attention_search_smoke_tabulates_each_setting(tmp_path):
   _, md = _smoke("attention_reuse_search", tmp_path)
@@ -528,7 +542,7 @@ def test_attention_search_smoke_tabulates_each_setting(tmp_path):
       )
     )
   )
-  assert [r["setting"] for r in rows] == ["e2m1", "e4m3"]
+  assert [r["setting"] for r in rows] == ["e4m3", "e2m1"]  # by dose
   for r in rows:
     assert float(r["reuse_val_loss"]) > 0 and float(r["fresh_val_loss"]) > 0
     assert r["fails"] in ("True", "False")

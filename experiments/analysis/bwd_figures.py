@@ -219,6 +219,7 @@ def norm_store_curves(study, results="results", out=None) -> str:
 PLOTS = {
   "bwd_operator_checks": operator_z,
   "attention_reuse": attention_curves,
+  "attention_reuse_e2m1": attention_curves,
   "norm_store": norm_store_curves,
   "attention_reuse_search": search_dose_response,
 }

@@ -290,8 +290,12 @@ def attention_search_table(runs):
   fresh) > 3 sd(fresh), or reuse diverges where fresh does not. Only
   finished runs count."""
   runs = [r for r in runs if r.summary.get("status") == "finished"]
-  settings = list(
-    dict.fromkeys(r.arm.rsplit("_", 1)[0] for r in runs if "_" in r.arm)
+  from configs.attention_reuse_search import SETTINGS
+
+  found = {r.arm.rsplit("_", 1)[0] for r in runs if "_" in r.arm}
+  order = list(SETTINGS)  # the config's order: increasing dose
+  settings = sorted(
+    found, key=lambda s: (order.index(s), s) if s in order else (len(order), s)
   )
   rows, lines, failed = [], [], []
   for setting in settings:
@@ -362,6 +366,7 @@ ANALYSES = {
 STUDY_ANALYSIS = {
   "bwd_operator_checks": "operator_checks",
   "attention_reuse": "attention_reuse",
+  "attention_reuse_e2m1": "attention_reuse",
   "norm_store": "norm_store",
   "attention_reuse_search": "attention_search",
 }
