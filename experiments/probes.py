@@ -115,45 +115,22 @@ def gradient_probe(
     )
 
   def probe(params, key):
-    members = _members(params, groups)
-
-    def pick(tree):
-      leaves = jax.tree.leaves(tree)
-      return {
-        n: jnp.concatenate([leaves[i].ravel().astype(jnp.float32) for i in ix])
-        for n, ix in members.items()
-      }
-
-    # Only the groups' gradients are kept (and summed over chunks): the
-    # other parameters' weight gradients are never computed.
-    run_grad = _in_chunks(lambda *a: pick(jax.grad(run_loss)(*a)), chunk_rows)
-    ref_grad = _in_chunks(lambda *a: pick(jax.grad(ref_loss)(*a)), chunk_rows)
+    run_grad = _selected_grad(run_loss, params, groups, chunk_rows)
+    ref_grad = _selected_grad(ref_loss, params, groups, chunk_rows)
 
     def body(acc, k):
       g = run_grad(params, batch, k)
       # The reference pass waits for the run's, so their activations are
       # never live at once.
       after, g = jax.lax.optimization_barrier((params, g))
-      r = ref_grad(after, batch, k)
-      new = {}
-      for n in groups:
-        d = g[n] - r[n]
-        cos1 = jnp.vdot(g[n], r[n]) / _safe(_norm(g[n]) * _norm(r[n]))
-        sg, sr, sdd, sc = acc[n]
-        new[n] = (sg + g[n], sr + r[n], sdd + jnp.vdot(d, d), sc + cos1)
-      return new, None
+      return _add(acc, g, ref_grad(after, batch, k)), None
 
     init = {}
-    for n, ix in members.items():
+    for n, ix in _members(params, groups).items():
       size = sum(jax.tree.leaves(params)[i].size for i in ix)
-      zero = jnp.zeros(size, jnp.float32)
-      init[n] = (zero, zero, jnp.float32(0), jnp.float32(0))
+      init[n] = _zero(jnp.zeros(size, jnp.float32))
     acc, _ = jax.lax.scan(body, init, jax.random.split(key, draws))
-    out = {}
-    for n, (sg, sr, sdd, sc) in acc.items():
-      for stat, v in _stats(sg / draws, sr / draws, sdd, sc, draws).items():
-        out[f"probe/{n}/{stat}"] = v
-    return out
+    return _finish(acc, draws)
 
   return probe
 
@@ -185,49 +162,16 @@ def lean_gradient_probe(
 
   def selected(loss):
     def grads(params, key):
-      members = _members(params, groups)
-
-      def pick(tree):
-        leaves = jax.tree.leaves(tree)
-        return {
-          n: jnp.concatenate(
-            [leaves[i].ravel().astype(jnp.float32) for i in ix]
-          )
-          for n, ix in members.items()
-        }
-
-      one = _in_chunks(lambda *a: pick(jax.grad(loss)(*a)), chunk_rows)
-      return one(params, batch, key)
+      return _selected_grad(loss, params, groups, chunk_rows)(
+        params, batch, key
+      )
 
     return jax.jit(grads)
 
   run_grad, ref_grad = selected(run_loss), selected(ref_loss)
-
-  @jax.jit
-  def init(g):
-    zero = jnp.float32(0)
-    return {
-      n: (jnp.zeros_like(v), jnp.zeros_like(v), zero, zero)
-      for n, v in g.items()
-    }
-
-  @functools.partial(jax.jit, donate_argnums=0)
-  def add(acc, g, r):
-    new = {}
-    for n in groups:
-      d = g[n] - r[n]
-      cos1 = jnp.vdot(g[n], r[n]) / _safe(_norm(g[n]) * _norm(r[n]))
-      sg, sr, sdd, sc = acc[n]
-      new[n] = (sg + g[n], sr + r[n], sdd + jnp.vdot(d, d), sc + cos1)
-    return new
-
-  @jax.jit
-  def finish(acc):
-    out = {}
-    for n, (sg, sr, sdd, sc) in acc.items():
-      for stat, v in _stats(sg / draws, sr / draws, sdd, sc, draws).items():
-        out[f"probe/{n}/{stat}"] = v
-    return out
+  init = jax.jit(lambda g: {n: _zero(v) for n, v in g.items()})
+  add = jax.jit(_add, donate_argnums=0)
+  finish = jax.jit(functools.partial(_finish, draws=draws))
 
   def probe(params, key):
     acc = None
@@ -250,6 +194,47 @@ def lean_gradient_probe(
 
   probe.programs = programs
   return probe
+
+
+def _selected_grad(loss, params, groups, chunk_rows) -> Callable:
+  """`(params, batch, key) -> {group: float32 vector}`: the gradient of the
+  groups' parameters only, concatenated per group, summed over row chunks
+  (the other weight gradients are never computed)."""
+  members = _members(params, groups)
+
+  def pick(tree):
+    leaves = jax.tree.leaves(tree)
+    return {
+      n: jnp.concatenate([leaves[i].ravel().astype(jnp.float32) for i in ix])
+      for n, ix in members.items()
+    }
+
+  return _in_chunks(lambda *a: pick(jax.grad(loss)(*a)), chunk_rows)
+
+
+def _zero(v):
+  """The running sums of one group: sum g, sum r, sum |d|^2, sum cos1."""
+  zero = jnp.float32(0)
+  return (jnp.zeros_like(v), jnp.zeros_like(v), zero, zero)
+
+
+def _add(acc, g, r):
+  """One draw's run and reference gradients added to the running sums."""
+  new = {}
+  for n in acc:
+    d = g[n] - r[n]
+    cos1 = jnp.vdot(g[n], r[n]) / _safe(_norm(g[n]) * _norm(r[n]))
+    sg, sr, sdd, sc = acc[n]
+    new[n] = (sg + g[n], sr + r[n], sdd + jnp.vdot(d, d), sc + cos1)
+  return new
+
+
+def _finish(acc, draws):
+  out = {}
+  for n, (sg, sr, sdd, sc) in acc.items():
+    for stat, v in _stats(sg / draws, sr / draws, sdd, sc, draws).items():
+      out[f"probe/{n}/{stat}"] = v
+  return out
 
 
 def _in_chunks(grad_fn: Callable, rows: int) -> Callable:
