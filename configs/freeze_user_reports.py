@@ -42,7 +42,7 @@ scale, seed 0; measured):
   dead-zone 2.362.
 """
 
-from configs import common
+from configs import freeze_small_gpt
 
 GROUPS = (
   (r".*norm_scale", "norm gains"),
@@ -55,7 +55,8 @@ STEPS = (50, 100, 200, 400)
 
 
 def get_config(arg=None):
-  c = common.get_config(arg)
+  # The small GPT, schedule and scales of freeze_small_gpt, with RMSNorm.
+  c = freeze_small_gpt.get_config(arg)
   c.study.name = "freeze_user_reports"
   reference = {"study": {"reference_arm": "fp32_reference"}}
   c.study.arms = {
@@ -80,23 +81,7 @@ def get_config(arg=None):
     },
   }
   c.model.norm = "rmsnorm"
-  c.opt.lr = 6.5e-4
-  c.opt.min_lr_ratio = 0.0
-  c.opt.warmup_steps = 20
-  c.train.steps = 400
-  c.train.eval_every_steps = 50
-  c.ckpt.every_steps = 50  # the steps at which the shares are measured
   c.ckpt.keep = 100
-  c.log.progress_every_steps = 50
-  if c.study.scale == "full":
-    c.model.update(dict(n_layer=6, d_model=384, n_head=6, seq_len=256))
-    c.data.update(dict(name="tokens", batch_size=64))
-    c.model.vocab_size = 50304
-    c.train.steps = 5000
-    c.train.eval_every_steps = 250
-    c.ckpt.every_steps = 500
-  if c.study.scale == "smoke":
-    c.train.steps = 6
-    c.train.eval_every_steps = 3
-    c.ckpt.every_steps = 3
+  # The steps at which the shares are measured.
+  c.ckpt.every_steps = {"full": 500, "smoke": 3}.get(c.study.scale, 50)
   return c
