@@ -105,14 +105,7 @@ def gradient_probe(
     chunk_rows: rows per gradient pass (the gradient is the mean over the
       chunks); 0: the whole batch in one pass.
   """
-  if draws < 2:
-    raise ValueError(f"train.probe_draws must be at least 2, got {draws}")
-  rows = len(jax.tree.leaves(batch)[0]) if chunk_rows else 0
-  if chunk_rows < 0 or (chunk_rows and rows % chunk_rows):
-    raise ValueError(
-      f"train.probe_chunk_rows={chunk_rows} must divide the probe batch's "
-      f"{rows} rows (or be 0: all at once)"
-    )
+  _check(batch, draws, chunk_rows)
 
   def probe(params, key):
     run_grad = _selected_grad(run_loss, params, groups, chunk_rows)
@@ -158,7 +151,7 @@ def lean_gradient_probe(
   `probe.programs(params, key)` lists the compiled programs (for their
   memory analysis).
   """
-  gradient_probe(run_loss, ref_loss, batch, groups, draws, chunk_rows)
+  _check(batch, draws, chunk_rows)
 
   def selected(loss):
     def grads(params, key):
@@ -194,6 +187,17 @@ def lean_gradient_probe(
 
   probe.programs = programs
   return probe
+
+
+def _check(batch, draws: int, chunk_rows: int) -> None:
+  if draws < 2:
+    raise ValueError(f"train.probe_draws must be at least 2, got {draws}")
+  rows = len(jax.tree.leaves(batch)[0]) if chunk_rows else 0
+  if chunk_rows < 0 or (chunk_rows and rows % chunk_rows):
+    raise ValueError(
+      f"train.probe_chunk_rows={chunk_rows} must divide the probe batch's "
+      f"{rows} rows (or be 0: all at once)"
+    )
 
 
 def _selected_grad(loss, params, groups, chunk_rows) -> Callable:

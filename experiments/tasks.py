@@ -64,14 +64,13 @@ def gpt_task(config) -> Task:
     return model.init(key, jnp.zeros((1, m.seq_len), jnp.int32))["params"]
 
   data = _EvalLimited(data, d.eval_batches)
-  loss = _lm_loss(model)
   probe = None
   if config.train.probe_every_steps:
-    probe = _gpt_probe(config.train, model, loss, data.eval_batches()[0])
-  return Task(init, loss, data, model, probe)
+    probe = _gpt_probe(config.train, model, data.eval_batches()[0])
+  return Task(init, _lm_loss(model), data, model, probe)
 
 
-def _gpt_probe(t, model, loss, batch):
+def _gpt_probe(t, model, batch):
   """The gradient probe of `experiments.probes` on (part of) `batch`.
 
   The reference: the same forward draws, the reference reads, gradients

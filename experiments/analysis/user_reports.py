@@ -1,10 +1,10 @@
 """The `freeze_user_reports` study: parameters left at init, per group.
 
 Predicted: the float32 reference run's trace (`pred/<fmt>/at_init/<leaf>`
-counts, summed over a group's tensors). Measured: `lowprec.freeze.stuck`
-of each write-back run's checkpoints against its initial params (rebuilt
-from its config: the same seed gives the same init). The weight-decay-only
-share of erased proposals: `decay/decay_only/<leaf>` over
+counts, summed over a group's tensors). Measured: each write-back run's
+checkpoints against its initial params (rebuilt from its config: the same
+seed gives the same init), per coordinate over the checkpoints so far. The
+weight-decay-only share of erased proposals: `decay/decay_only/<leaf>` over
 `decay/erased/<leaf>`, summed over a group and over every step of the run,
 predicted in the reference run and measured in the nearest run.
 """
@@ -12,7 +12,6 @@ predicted in the reference run and measured in the nearest run.
 from __future__ import annotations
 
 import os
-import re
 
 import jax
 import ml_collections
@@ -37,19 +36,36 @@ def _groups(runs) -> tuple:
   return freeze_user_reports.GROUPS, steps
 
 
-def _group_of(name: str, groups) -> str | None:
-  for pattern, group in groups:
-    if re.fullmatch(pattern, name):
-      return group
-  return None
+def _grouping(groups):
+  """`leaf name -> group` by the study's rules; None for other leaves."""
+  return lowprec.storage.rule_lookup(
+    [*groups, (r".*", None)],
+    lambda group: group,
+    what="group rule",
+    fix="end the rules with a catch-all",
+  )
+
+
+def _config(run):
+  return ml_collections.ConfigDict(run.config)
 
 
 def initial_params(run):
   """The run's params at step 0, rebuilt from its config.json."""
   from experiments import train
 
-  config = ml_collections.ConfigDict(run.config)
-  return train.build_run(config).state.params
+  return train.build_run(_config(run)).state.params
+
+
+def _sizes(run) -> dict[str, int]:
+  """Coordinates per parameter tensor, by name (shapes only, no arrays)."""
+  from experiments import tasks
+
+  shapes = jax.eval_shape(tasks.build(_config(run)).init, jax.random.key(0))
+  return {
+    lowprec.storage.path_name(p): x.size
+    for p, x in jax.tree_util.tree_leaves_with_path(shapes)
+  }
 
 
 def _checkpoint_params(run, step: int, like):
@@ -58,13 +74,6 @@ def _checkpoint_params(run, step: int, like):
   return checkpoint.restore_params(
     os.path.join(run.path, "checkpoints"), step, like
   )
-
-
-def _line_at(run, step: int) -> dict:
-  for r in run.metrics:
-    if r.get("step") == step:
-      return r
-  return {}
 
 
 def measured_at_init(run, steps, groups) -> dict:
@@ -77,7 +86,7 @@ def measured_at_init(run, steps, groups) -> dict:
   weights that returned."""
   like = initial_params(run)
   init = jax.device_get(like)
-  rules = [*groups, (r".*", None)]
+  group_of = _grouping(groups)
   still = None
   out = {}
   for step in steps:
@@ -87,37 +96,32 @@ def measured_at_init(run, steps, groups) -> dict:
       continue
     same = jax.tree.map(lambda a, b: np.asarray(a) == np.asarray(b), init, now)
     still = same if still is None else jax.tree.map(np.logical_and, still, same)
-    # `stuck` counts a coordinate where "current" equals "initial": give
-    # it the initial value where the coordinate has stayed so far, and a
-    # finite value no weight has (1e30) where it has been seen to move.
-    kept = jax.tree.map(
-      lambda a, s: np.where(s, np.asarray(a, np.float32), np.float32(1e30)),
-      init,
-      still,
-    )
-    report = lowprec.freeze.stuck(init, kept, rules)
-    out[step] = {g: s.share for g, s in report.items() if g != "all"}
+    counts: dict[str, list[int]] = {}
+    for path, kept in jax.tree_util.tree_leaves_with_path(still):
+      group = group_of(lowprec.storage.path_name(path))
+      if group is not None:
+        c = counts.setdefault(group, [0, 0])
+        c[0] += int(kept.sum())
+        c[1] += kept.size
+    out[step] = {g: a / n for g, (a, n) in counts.items()}
   return out
 
 
 def predicted_at_init(run, steps, groups) -> dict:
   """{step: {group: share}} from the reference run's trace."""
-  init = jax.device_get(initial_params(run))
-  sizes = {
-    lowprec.storage.path_name(p): x.size
-    for p, x in jax.tree_util.tree_leaves_with_path(init)
-  }
+  sizes = _sizes(run)
+  group_of = _grouping(groups)
   target = run.config["lowprec"]["trace_targets"][0].partition(":")[0]
   prefix = f"pred/{target}/at_init/"
+  lines = {r.get("step"): r for r in run.metrics}
   out = {}
   for step in steps:
-    line = _line_at(run, step)
     kept: dict[str, list[int]] = {}
-    for key, value in line.items():
+    for key, value in lines.get(step, {}).items():
       if not key.startswith(prefix):
         continue
       leaf = key[len(prefix) :]
-      group = _group_of(leaf, groups)
+      group = group_of(leaf)
       if group is None:
         continue
       k = kept.setdefault(group, [0, 0])
@@ -130,13 +134,14 @@ def predicted_at_init(run, steps, groups) -> dict:
 
 def decay_only_share(run, groups) -> dict:
   """{group: decay-only erased / erased}, over every step of the run."""
+  group_of = _grouping(groups)
   sums: dict[str, list[int]] = {}
   for line in run.metrics:
     for key, value in line.items():
       if not key.startswith("decay/erased/"):
         continue
       leaf = key[len("decay/erased/") :]
-      group = _group_of(leaf, groups)
+      group = group_of(leaf)
       if group is None:
         continue
       s = sums.setdefault(group, [0, 0])

@@ -57,11 +57,6 @@ class DecayErasureState(NamedTuple):
     per tensor `decay/erased/<leaf>`, `decay/decay_only/<leaf>` (exact
     integers; the share is NaN at a step with nothing erased)."""
     out = self._collect(jax.device_get(self), np)
-    total = np.asarray(out["decay/erased"], np.float64)
-    only = np.asarray(out["decay/decay_only"], np.float64)
-    with np.errstate(invalid="ignore", divide="ignore"):
-      share = np.where(total > 0, only / np.maximum(total, 1), np.nan)
-    out["decay/decay_only_share"] = share
     for k, v in out.items():
       a = np.asarray(v)
       out[k] = a.tolist() if a.ndim else a.item()
@@ -78,9 +73,11 @@ class DecayErasureState(NamedTuple):
     only = xp.asarray(st.decay_only)[..., counted]
     total, total_only = erased.sum(axis=-1), only.sum(axis=-1)
     out = {"decay/erased": total, "decay/decay_only": total_only}
-    den = xp.maximum(total, 1).astype(xp.float32)
+    # float64 on the host (report), float32 inside jit (arrays).
+    real = np.float64 if xp is np else jnp.float32
+    den = xp.maximum(total, 1).astype(real)
     out["decay/decay_only_share"] = xp.where(
-      total > 0, total_only.astype(xp.float32) / den, xp.nan
+      total > 0, total_only.astype(real) / den, xp.nan
     )
     for j, i in enumerate(counted):
       out[f"decay/erased/{leaves[i]}"] = erased[..., j]
