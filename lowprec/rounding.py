@@ -78,6 +78,77 @@ def _native_code(q: jax.Array, fmt: Format, dtype) -> jax.Array:
   return jax.lax.bitcast_convert_type(code, dtype)
 
 
+def _direct(fmt: Format, carrier, dtype) -> bool:
+  """Whether `_code_direct` emits `dtype` for `fmt`: a one-byte float code
+  with a mantissa and NaN, from float32."""
+  return (
+    carrier == jnp.float32
+    and fmt.is_float
+    and fmt.native_dtype is not None
+    and dtype == fmt.native_dtype
+    and fmt.bits == 8 == 8 * dtype.itemsize
+    and 1 <= fmt.man_bits
+    and fmt.exp_bits < 8
+    and fmt.has_nan
+  )
+
+
+def _code_direct(x: jax.Array, fmt: Format, bits, overflow: str, dtype):
+  """Rounds float32 `x` straight to the one-byte code of `dtype`.
+
+  The same values as `round_and_flag` followed by `_native_code`, bit for
+  bit, in fewer operations: the significand `sig` of |x| (implicit bit
+  included) holds the target's code in its top bits once the `s`
+  discarded bits are dropped, `s` being `23 - m` in the target's normal
+  range and more below it. Rounding adds to `sig` what carries into the
+  kept bits exactly when the rounding goes up: for nearest, half a step
+  less one, plus one if the kept part is odd (ties to even); for
+  stochastic, `2**s - 1 - (bits >> (32 - s))`, which carries iff
+  `bits < frac` for the fixed-point fraction `frac` of the discarded part
+  (its low `32 - s` bits are zero). Where 32 or more bits are discarded
+  the code is 0 or, for stochastic rounding, 1 with `bits < frac`.
+  """
+  m = fmt.man_bits
+  u32 = jnp.uint32
+  b = jax.lax.bitcast_convert_type(x, u32)
+  a = b & u32(0x7FFFFFFF)
+  biased = (a >> u32(23)).astype(jnp.int32)
+  sig = (a & u32(0x7FFFFF)) | jnp.where(biased != 0, u32(1 << 23), u32(0))
+  t = jnp.maximum(biased, 1) - (127 - fmt.bias)  # the target's biased exp.
+  s = (23 - m) + jnp.maximum(1 - t, 0)
+  sk = jnp.minimum(s, 31).astype(u32)
+  low = (u32(1) << sk) - u32(1)
+  if bits is None:
+    carry = (low >> u32(1)) + ((sig >> sk) & u32(1))
+    deep = jnp.zeros_like(sig)
+  else:
+    bits = bits.astype(u32)
+    carry = low - (bits >> (u32(32) - sk))
+    frac = sig >> jnp.clip(s - 32, 0, 31).astype(u32)
+    deep = (bits < frac).astype(u32)
+  k = jnp.where(s < 32, (sig + carry) >> sk, deep)
+  code = ((jnp.maximum(t, 1) - 1).astype(u32) << u32(m)) + k
+
+  def code_of(value) -> int:
+    return int(np.array(value, np.float32).astype(dtype).view(np.uint8))
+
+  max_code = code_of(fmt.max_finite)
+  nan_code = code_of(np.nan)
+  over = code > u32(max_code)
+  to_nan = overflow == "ieee" and not fmt.has_inf
+  if overflow == "ieee" and fmt.has_inf:
+    code = jnp.where(over, u32(code_of(np.inf)), code)
+  else:
+    code = jnp.minimum(code, u32(max_code))
+  sign = (b >> u32(31)) << u32(7)
+  if not fmt.has_negative_zero:
+    sign = jnp.where(code == 0, u32(0), sign)
+  code = code | sign
+  nan = jnp.isnan(x) | over if to_nan else jnp.isnan(x)
+  code = jnp.where(nan, u32(nan_code), code)
+  return jax.lax.bitcast_convert_type(code.astype(jnp.uint8), dtype)
+
+
 def round_nearest(
   x, fmt, *, overflow: str = "saturate", dtype=None
 ) -> jax.Array:
@@ -109,7 +180,7 @@ def round_nearest(
     Array([  1.  ,   1.125, 448.  ], dtype=float32)
   """
   fmt = get_format(fmt)
-  return _emit(round_and_flag(x, fmt, None, overflow=overflow)[0], fmt, dtype)
+  return _round_to(x, fmt, None, overflow, dtype)
 
 
 def round_stochastic(
@@ -150,17 +221,29 @@ def round_stochastic(
   _check_overflow(overflow)
   x, lay = _bits.carrier(x)
   bits = rng_lib.random_bits(key, x.shape, rng=rng, width=lay.width)
-  return _emit(round_with_bits(x, fmt, bits, overflow=overflow), fmt, dtype)
+  return _round_to(x, fmt, bits, overflow, dtype)
 
 
-def round_with_bits(x, fmt, bits, *, overflow: str = "saturate") -> jax.Array:
+def round_with_bits(
+  x, fmt, bits, *, overflow: str = "saturate", dtype=None
+) -> jax.Array:
   """Stochastic rounding with caller-supplied uniform bits.
 
   Rounds up iff `bits < frac`, where `frac` is the position of |x| between its
   neighbours as a fixed-point fraction of the carrier width. Useful to inject
-  known bits (tests, reproducing another library's draw).
+  known bits (tests, reproducing another library's draw). `dtype` as in
+  `round_nearest`.
   """
-  return round_and_flag(x, fmt, bits, overflow=overflow)[0]
+  return _round_to(x, get_format(fmt), bits, overflow, dtype)
+
+
+def _round_to(x, fmt: Format, bits, overflow: str, dtype) -> jax.Array:
+  """Nearest (`bits` None) or stochastic rounding, emitted as `dtype`."""
+  _check_overflow(overflow)
+  x, _ = _bits.carrier(x)
+  if dtype is not None and _direct(fmt, x.dtype, jnp.dtype(dtype)):
+    return _code_direct(x, fmt, bits, overflow, jnp.dtype(dtype))
+  return _emit(round_and_flag(x, fmt, bits, overflow=overflow)[0], fmt, dtype)
 
 
 def round_and_flag(

@@ -268,6 +268,12 @@ def test_stochastic_equals_gfloat_with_injected_bits(name):
     srnumbits=32,
   ).astype(np.float32)
   _assert_bits_equal(got, want, x)
+  dt = fmt.native_dtype
+  if dt is not None and dt.itemsize == 1:  # the one-byte code, directly
+    fn = jax.jit(lambda v, b: round_with_bits(v, fmt, b, dtype=dt))
+    code = np.asarray(fn(x, bits))
+    assert code.dtype == dt
+    _assert_bits_equal(code.astype(np.float32), want, x)
 
 
 def _up_probability_points(fmt):
@@ -507,6 +513,53 @@ def test_native_output_dtype_equals_the_ml_dtypes_cast_byte_for_byte(name):
   got_sr = np.asarray(sr(xs))
   assert got_sr.dtype == dt
   np.testing.assert_array_equal(got_sr.view(view), want_sr.view(view))
+
+
+ONE_BYTE = [
+  n
+  for n in NATIVE
+  if lowprec.get_format(n).bits == 8 and lowprec.get_format(n).man_bits
+]
+
+
+@pytest.mark.parametrize("overflow", ["saturate", "ieee"])
+@pytest.mark.parametrize("name", ONE_BYTE)
+def test_one_byte_codes_equal_the_cast_of_the_rounded_values(name, overflow):
+  """`dtype=` builds one-byte codes straight from the float32 bits.
+
+  Oracles: nearest is the ml_dtypes cast of `x` ("ieee") or of `x` clipped
+  to +-max ("saturate"); stochastic (bits injected) is the ml_dtypes cast
+  of the float32 result, whose own oracle is gfloat (above). Inputs: every
+  grid value, midpoint and neighbour, and 200_000 random float32 patterns
+  (every exponent, subnormals, infinities, NaNs), seed 8.
+  """
+  fmt = lowprec.get_format(name)
+  dt = fmt.native_dtype
+  x = np.concatenate(
+    [_probe_points(fmt.values(), fmt.max_finite), _random_float32(200_000, 8)]
+  )
+  top = np.float32(fmt.max_finite)
+  with np.errstate(all="ignore"):
+    clipped = x if overflow == "ieee" else np.clip(x, -top, top)
+    want_rn = clipped.astype(dt)
+  rn = jax.jit(
+    lambda v: lowprec.round_nearest(v, name, overflow=overflow, dtype=dt)
+  )
+  bits = np.asarray(rng.random_bits(jax.random.key(9), x.shape))
+  sr = jax.jit(
+    lambda v, b: round_with_bits(v, name, b, overflow=overflow, dtype=dt)
+  )
+  wide = jax.jit(lambda v, b: round_with_bits(v, name, b, overflow=overflow))
+  with np.errstate(all="ignore"):
+    want_sr = np.asarray(wide(x, bits)).astype(dt)
+  for got, want in ((rn(x), want_rn), (sr(x, bits), want_sr)):
+    got = np.asarray(got)
+    assert got.dtype == dt
+    nan = np.isnan(want.astype(np.float32))
+    assert np.array_equal(np.isnan(got.astype(np.float32)), nan)
+    np.testing.assert_array_equal(
+      got[~nan].view(np.uint8), want[~nan].view(np.uint8)
+    )
 
 
 def test_output_dtype_must_hold_the_grid():
