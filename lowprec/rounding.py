@@ -116,16 +116,16 @@ def _code_direct(x: jax.Array, fmt: Format, bits, overflow: str, dtype):
   sig = (a & u32(0x7FFFFF)) | jnp.where(biased != 0, u32(1 << 23), u32(0))
   t = jnp.maximum(biased, 1) - (127 - fmt.bias)  # the target's biased exp.
   s = (23 - m) + jnp.maximum(1 - t, 0)
-  sk = jnp.minimum(s, 31).astype(u32)
-  low = (u32(1) << sk) - u32(1)
+  # Shifts by 32 or more give 0 (XLA's semantics); those lanes take `deep`.
+  sk = s.astype(u32)
   if bits is None:
-    carry = (low >> u32(1)) + ((sig >> sk) & u32(1))
+    carry = (u32(0x7FFFFFFF) >> (u32(32) - sk)) + ((sig >> sk) & u32(1))
     deep = jnp.zeros_like(sig)
   else:
     bits = bits.astype(u32)
-    carry = low - (bits >> (u32(32) - sk))
-    frac = sig >> jnp.clip(s - 32, 0, 31).astype(u32)
-    deep = (bits < frac).astype(u32)
+    # 2**s - 1 - (bits >> (32 - s)), in one shift.
+    carry = ~bits >> (u32(32) - sk)
+    deep = (bits < (sig >> (s - 32).astype(u32))).astype(u32)
   k = jnp.where(s < 32, (sig + carry) >> sk, deep)
   code = ((jnp.maximum(t, 1) - 1).astype(u32) << u32(m)) + k
 
