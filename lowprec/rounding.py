@@ -218,7 +218,6 @@ def round_stochastic(
     >>> float(round_stochastic(x, "float8_e4m3fn", key).mean())  # ~1.03125
   """
   fmt = get_format(fmt)
-  _check_overflow(overflow)
   x, lay = _bits.carrier(x)
   bits = rng_lib.random_bits(key, x.shape, rng=rng, width=lay.width)
   return _round_to(x, fmt, bits, overflow, dtype)
@@ -241,8 +240,8 @@ def _round_to(x, fmt: Format, bits, overflow: str, dtype) -> jax.Array:
   """Nearest (`bits` None) or stochastic rounding, emitted as `dtype`."""
   _check_overflow(overflow)
   x, _ = _bits.carrier(x)
-  if dtype is not None and _direct(fmt, x.dtype, jnp.dtype(dtype)):
-    return _code_direct(x, fmt, bits, overflow, jnp.dtype(dtype))
+  if dtype is not None and _direct(fmt, x.dtype, dtype := jnp.dtype(dtype)):
+    return _code_direct(x, fmt, bits, overflow, dtype)
   return _emit(round_and_flag(x, fmt, bits, overflow=overflow)[0], fmt, dtype)
 
 
