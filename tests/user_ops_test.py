@@ -317,6 +317,77 @@ def test_convolution_table_derived():
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+# ---- stored-only pre-activations: affine and non-affine derivatives ----------
+#
+# The forward goes on with the pre-activation y itself; y~ is kept for the
+# derivative only, so the stored draw is one the forward never saw. Where the
+# derivative is affine in the value read (squared ReLU: 2 relu(y), affine on
+# each side of zero, and stochastic rounding never crosses zero), reading y~
+# is on average the same as reading y: admissible, like a fresh draw. Where
+# it is not (a cube: 3 y^2), both are biased by the draw's variance.
+
+
+def sqrelu_forward(x, w, read):
+  y = read("sq.in@dw", x) @ w
+  return jnp.square(jax.nn.relu(read.stored("sq.pre@dact", y)))
+
+
+def cube_forward(x, read):
+  return read.stored("cube.in@dact", x) ** 3 / 3
+
+
+SQRELU = ops.Custom(
+  "sqrelu", sqrelu_forward, args=("x", "w"),
+  saved={"sq.in": SR8, "sq.pre": SR8}, uses=("sq.in@dw", "sq.pre@dact"),
+)  # fmt: skip
+CUBE = ops.Custom(
+  "cube", cube_forward, args=("x",),
+  # float4: a variance large enough to see its bias with few draws.
+  saved={"cube.in": ops.Rounding("float4_e2m1fn", "stochastic")},
+  uses=("cube.in@dact",),
+)  # fmt: skip
+STORED_IN = (_normal(0, (8, 16)), _normal(1, (16, 8), 0.25))
+
+
+def test_stored_read_with_affine_derivative_is_admissible():
+  # 512 forward draws x 1 backward draw; biased when |z| >= 4.
+  d = audit.derive(SQRELU, STORED_IN, jax.random.key(4), n_forward=512)
+  assert [_row(r) for r in d.table] == [
+    ("sq.in@dw", "rounded", True, ("w",), False),
+    ("sq.pre@dact", "original", True, ("x", "w"), True),
+  ]
+  p = audit.predict(d.op, d.op.reference_policy)
+  # The stored draw: as admissible as a fresh one; nearest is a fixed map.
+  assert p["sq.pre@dact"].admissible == ("rounded", "original", "fresh")
+  assert p["sq.pre@dact"].reuse_differs is False
+  assert d.agrees, str(d.verification)
+  assert d.counts == (11, 11)
+  v = d.verification["sq.pre@dact"]
+  assert v.check("rounded").verdict == "unbiased"
+  assert v.check("nearest").verdict == "biased"
+  assert "rounded/original/fresh" in str(d)
+
+
+def test_stored_read_with_nonaffine_derivative_is_biased():
+  # 4096 forward draws x 1 backward draw. The bias is the draw's variance
+  # times dy; a loss linear in the output (dy = 1) shows it best, and with
+  # no other use there is no reuse bias for it to hide.
+  d = audit.derive(
+    CUBE, STORED_IN[:1], jax.random.key(5), n_forward=4096, loss=jnp.sum
+  )
+  (row,) = d.table
+  assert (row.must_read, row.linear, row.storage_only) == (
+    "original", False, True
+  )  # fmt: skip
+  p = audit.predict(d.op, d.op.reference_policy)
+  assert p["cube.in@dact"].admissible == ("original",)
+  assert p["cube.in@dact"].reuse_differs is False  # still storage only
+  assert d.agrees, str(d.verification)
+  v = d.verification["cube.in@dact"]
+  assert v.check("rounded").verdict == "biased"
+  assert v.check("fresh").verdict == "biased"
+
+
 # ---- the built-in operators, declared as operators of your own ---------------
 
 
