@@ -40,7 +40,8 @@ def numerics_from(lp) -> lpnn.Numerics:
   `fwd_format:fwd_rounding` rounds the saved activations (dense inputs, norm
   outputs, attention probabilities and outputs, activation inputs),
   `weight_format` the kernels (nearest), `bwd_format:bwd_rounding` the
-  gradients entering the backward's matmuls; `policy` overrides what
+  gradients entering the backward's matmuls; `attn_fresh_out` what a
+  fresh read of attention's output redraws; `policy` overrides what
   backward uses read, on top of what the reference gradient reads (e.g.
   `"attn.out@delta=fresh"`; "" = the reference reads everywhere).
   """
@@ -53,6 +54,7 @@ def numerics_from(lp) -> lpnn.Numerics:
     saved=rounding(lp.fwd_format, lp.fwd_rounding),
     weights=rounding(lp.weight_format, "nearest"),
     grads=rounding(lp.bwd_format, lp.bwd_rounding),
+    attn_fresh_out=lp.attn_fresh_out,
   )
 
 

@@ -128,6 +128,12 @@ def validate(c) -> None:
       f"unknown lowprec.rounding {lp.rounding!r}; valid: "
       f"{', '.join(ROUNDINGS)}.{_suggest(lp.rounding, ROUNDINGS)}"
     )
+  if lp.attn_fresh_out not in lowprec.ops.FRESH_OUT:
+    valid = lowprec.ops.FRESH_OUT
+    raise ValueError(
+      f"unknown lowprec.attn_fresh_out {lp.attn_fresh_out!r}; valid: "
+      f"{', '.join(valid)}.{_suggest(lp.attn_fresh_out, valid)}"
+    )
   names = [
     ("lowprec.fwd_format", lp.fwd_format),
     ("lowprec.bwd_format", lp.bwd_format),
