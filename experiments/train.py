@@ -64,12 +64,10 @@ class Mesh:
 
 
 def make_mesh(config) -> Mesh:
+  """Every device, `train.fsdp` per parameter shard group (`study.validate`
+  checks that it divides the device count)."""
   devices = np.array(jax.devices())
   fsdp = config.train.fsdp
-  if fsdp < 1 or len(devices) % fsdp:
-    raise ValueError(
-      f"train.fsdp={fsdp} must divide the device count {len(devices)}"
-    )
   mesh = jax.sharding.Mesh(devices.reshape(-1, fsdp), ("data", "fsdp"))
   return Mesh(mesh, NamedSharding(mesh, P(("data", "fsdp"))))
 
@@ -113,10 +111,6 @@ def _tree_sum(tree):
   return jax.tree.map(total, tree)
 
 
-def _is_pow2(n: int) -> bool:
-  return n > 0 and n & (n - 1) == 0
-
-
 def _batch_axes():
   return ("data", "fsdp")
 
@@ -127,25 +121,16 @@ def _deterministic(fn, mesh: Mesh, parts: int):
   Each device scans over its consecutive microbatches one at a time (the
   same program on any device count), sums them in a fixed pairwise tree,
   gathers the device sums and finishes the same tree: the result is bit
-  for bit independent of the number of devices. Returns the mean.
+  for bit independent of the number of devices. Returns the mean. `parts`
+  is a power of two, a multiple of the device count, and divides the batch
+  (`config_checks.check_batch` says so before a run starts).
   """
-  n_dev = mesh.mesh.size
-  if not (_is_pow2(parts) and _is_pow2(n_dev) and parts % n_dev == 0):
-    raise ValueError(
-      f"train.virtual_shards={parts} must be a power of two and a multiple "
-      f"of the device count {n_dev} (e.g. {max(16, n_dev)}); or 0 to turn "
-      "off the deterministic reduction"
-    )
-  local = parts // n_dev
+  local = parts // mesh.mesh.size
 
   def per_device(params, batch, key):
     first = jax.lax.axis_index(_batch_axes()) * local
 
     def split(x):
-      if x.shape[0] % local:
-        raise ValueError(
-          f"global batch is not divisible by train.virtual_shards={parts}"
-        )
       return x.reshape(local, x.shape[0] // local, *x.shape[1:])
 
     def body(carry, xs):
