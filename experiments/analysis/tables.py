@@ -91,19 +91,20 @@ HEADINGS = {
   "at_init_stochastic": "stochastic",
   "at_init_deadzone": "dead-zone",
   "error": "|predicted - nearest|",
-  "reuse_val_loss": "reuse: val loss",
-  "reuse_sd": "reuse: sd",
-  "fresh_val_loss": "fresh: val loss",
-  "fresh_sd": "fresh: sd",
-  "reuse_minus_fresh": "reuse - fresh",
   "per_seed": "per seed",
-  "reuse_qkv_bias_rms": "reuse: QKV bias",
-  "reuse_qkv_bias_z": "reuse: z",
-  "fresh_qkv_bias_rms": "fresh: QKV bias",
-  "fresh_qkv_bias_z": "fresh: z",
-  "threshold": "3 sd (fresh)",
   "fails": "fails",
 }
+# attention_reuse_search: per arm, and per contrast `a_minus_b`.
+_SEARCH = (
+  (r"(\w+)_minus_(\w+)_per_seed", "{0} - {1}, per seed"),
+  (r"(\w+)_minus_(\w+)_threshold", "3 sd ({1})"),
+  (r"(\w+)_minus_(\w+)_fails", "{0} vs {1} fails"),
+  (r"(reuse|redraw|outonly)_minus_(\w+)", "{0} - {1}"),
+  (r"(\w+)_qkv_bias_rms", "{0}: QKV bias"),
+  (r"(\w+)_qkv_bias_z", "{0}: z"),
+  (r"(reuse|redraw|outonly)_val_loss", "{0}: val loss"),
+  (r"(reuse|redraw|outonly)_sd", "{0}: sd"),
+)
 # Per probe group `g`: `g_<suffix>` -> "g: <words>".
 _PROBE = {
   "1-cos": "1 - cos",
@@ -130,6 +131,10 @@ def heading(key: str) -> str:
   m = re.fullmatch(r"val_minus_(\w+)", key)
   if m:
     return f"val loss minus {m.group(1)}"
+  for pattern, words in _SEARCH:
+    m = re.fullmatch(pattern, key)
+    if m:
+      return words.format(*m.groups())
   for suffix in sorted(_PROBE, key=len, reverse=True):  # last_rel_err first
     if key.endswith("_" + suffix):
       return f"{key[: -len(suffix) - 1]}: {_PROBE[suffix]}"
