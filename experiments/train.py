@@ -394,6 +394,7 @@ def _train(config, workdir: str) -> dict:
   last = metrics_file.last or {}  # the restored step's line
   done = start
   compiled = False
+  telemetry = optim.has_telemetry(config.lowprec)
   try:
     if start == 0:
       val = evaluate(state.params)
@@ -404,7 +405,8 @@ def _train(config, workdir: str) -> dict:
       state, m = run.step_fn(state, run.train_batch(data_start + step))
       record = {"step": step + 1, "lr": float(lr_fn(step))}
       record.update({k: float(v) for k, v in jax.device_get(m).items()})
-      record.update(lowprec.telemetry(state.opt_state))
+      if telemetry:
+        record.update(lowprec.telemetry(state.opt_state))
       done = step + 1
       if not compiled:
         # Rates and ETAs count from the end of the first (compiled) step.
