@@ -43,14 +43,19 @@ fresh -0.0054 (per seed -0.0040, -0.0124, +0.0001).
 from configs import common
 from experiments.models import PRESETS
 
-# Overrides of the reference policy (lowprec.ops.REFERENCE).
-POLICIES = {"reuse": "attn.out@delta=rounded", "fresh": "attn.out@delta=fresh"}
+# The arms' lowprec overrides: what attn.out@delta reads (on top of the
+# reference policy, lowprec.ops.REFERENCE) and what its fresh read redraws.
+ARMS = {
+  "reuse": {"policy": "attn.out@delta=rounded"},
+  "redraw": {"policy": "attn.out@delta=fresh", "attn_fresh_out": "redraw"},
+  "outonly": {"policy": "attn.out@delta=fresh", "attn_fresh_out": "output"},
+}
 
 
 def get_config(arg=None):
   c = common.get_config(arg)
   c.study.name = "attention_reuse"
-  c.study.arms = {a: {"lowprec": {"policy": p}} for a, p in POLICIES.items()}
+  c.study.arms = {a: {"lowprec": dict(v)} for a, v in ARMS.items()}
   c.study.seeds = (0, 1, 2)
   c.lowprec.update(
     dict(

@@ -124,6 +124,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.lowprec.weight_format = "float32"  # forward rounding of kernels
   c.lowprec.bwd_format = "float32"  # rounding of incoming gradients
   c.lowprec.bwd_rounding = "stochastic"
+  # What attn.out@delta=fresh redraws: "redraw" (the probabilities' rounding
+  # too: a copy from the reused output's distribution) | "output"
+  c.lowprec.attn_fresh_out = "redraw"
 
   c.train = ml_collections.ConfigDict()
   c.train.steps = 100

@@ -61,6 +61,10 @@ class Numerics:
     grads: rounding of gradients entering the backward's matmuls.
     rng: the Flax RNG stream stochastic roundings draw from; pass
       `rngs={rng: key}` to `apply`.
+    attn_fresh_out: what a `fresh` read of attention's output redraws
+      (`ops.Attention.fresh_out`): `"redraw"`, every rounding upstream of
+      it (a copy from the distribution of the reused output), or
+      `"output"`, the output's rounding only.
   """
 
   policy: Policy | str | None = None
@@ -68,6 +72,7 @@ class Numerics:
   weights: Rounding | str | None = None
   grads: Rounding | str | None = None
   rng: str = "lowprec"
+  attn_fresh_out: str = "redraw"
 
   def __post_init__(self):
     policy = ops.REFERENCE if self.policy is None else self.policy
@@ -259,7 +264,12 @@ class CausalSelfAttention(nn.Module):
     q, k, v = (a.reshape(b, t, self.num_heads, head) for a in (q, k, v))
     if self.rotary_base is not None:
       q, k = rotary(q, self.rotary_base), rotary(k, self.rotary_base)
-    op = ops.Attention(probs=num.saved, out=num.saved, grad=num.grads)
+    op = ops.Attention(
+      probs=num.saved,
+      out=num.saved,
+      grad=num.grads,
+      fresh_out=num.attn_fresh_out,
+    )
     o = _call(self, op, num, q, k, v).reshape(b, t, width)
     # The attention output is already rounded (by `saved`).
     return Dense(

@@ -88,10 +88,16 @@ def test_full_scale_probe_groups_name_parameters_of_the_model(name):
 
 def test_arm_policies_differ_from_the_reference_where_stated():
   c = _load("attention_reuse")
-  for arm, value in (("reuse", "rounded"), ("fresh", "fresh")):
+  want = {
+    "reuse": ("rounded", "redraw"),
+    "redraw": ("fresh", "redraw"),
+    "outonly": ("fresh", "output"),
+  }
+  for arm, (value, fresh_out) in want.items():
     num = models.numerics_from(study.resolve(c, arm, 0).lowprec)
     got = num.policy.resolve("attention")
     assert got["attn.out@delta"] == value
+    assert num.attn_fresh_out == fresh_out
     assert got["attn.probs@dscores"] == "original"
     assert num.policy.resolve("norm_dense")["norm.out@dw"] == "rounded"
   c = _load("norm_store")

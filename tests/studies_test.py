@@ -521,7 +521,7 @@ def test_failing_reuse_study_is_the_searchs_e2m1_runs(scale):
   # Same numerics, data, probe and seeds: the study's runs are the search's.
   one = _load("attention_reuse_e2m1", f"scale={scale}")
   search = _load("attention_reuse_search", f"scale={scale}")
-  for arm in ("reuse", "fresh"):
+  for arm in ("reuse", "redraw", "outonly"):
     for seed in study.seeds_of(one, arm):
       a = study.resolve(one, arm, seed).to_dict()
       b = study.resolve(search, f"e2m1_{arm}", seed).to_dict()
@@ -544,9 +544,12 @@ def test_attention_search_smoke_tabulates_each_setting(tmp_path):
   )
   assert [r["setting"] for r in rows] == ["e4m3", "e2m1"]  # by dose
   for r in rows:
-    assert float(r["reuse_val_loss"]) > 0 and float(r["fresh_val_loss"]) > 0
-    assert r["fails"] in ("True", "False")
+    for arm in ("reuse", "redraw", "outonly"):
+      assert float(r[f"{arm}_val_loss"]) > 0
+    for copy in ("redraw", "outonly"):
+      assert r[f"reuse_minus_{copy}_fails"] in ("True", "False")
   assert "failure criterion (fixed before the runs)" in md
+  assert "reuse vs redraw: settings that fail" in md
 
 
 @pytest.mark.slow

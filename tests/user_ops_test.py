@@ -24,6 +24,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from experiments import swiglu
 from lowprec import audit, nn, ops, policy
 from lowprec.policy import VALUES, Policy
 
@@ -47,41 +48,8 @@ def _row(req):
 # ---- SwiGLU: the gate's activation output stored in float8 -------------------
 
 
-@jax.custom_jvp
-def silu_through_output(g, a, a_d):
-  """Value `a` (= silu(g)); derivative in g written through the stored
-  output, silu'(g) = sigmoid(g) + a_d (1 - sigmoid(g)), as a backward that
-  keeps the activation's output must compute it."""
-  return a
-
-
-@silu_through_output.defjvp
-def _silu_jvp(primals, tangents):
-  g, a, a_d = primals
-  s = jax.nn.sigmoid(g)
-  return a, (s + a_d * (1 - s)) * tangents[0]
-
-
-def swiglu_forward(x, w_gate, w_up, w_down, read):
-  g = x @ w_gate
-  a = jax.nn.silu(g)  # the saved tensor swiglu.act
-  act = silu_through_output(
-    g, read("swiglu.act@dw_down", a), read.stored("swiglu.act@dact", a)
-  )
-  return (act * (x @ w_up)) @ w_down
-
-
-def swiglu_plain(x, w_gate, w_up, w_down):
-  return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
-
-
-SWIGLU = ops.Custom(
-  "swiglu",
-  swiglu_forward,
-  args=("x", "w_gate", "w_up", "w_down"),
-  saved={"swiglu.act": SR8},
-  uses=("swiglu.act@dact", "swiglu.act@dw_down"),
-)
+swiglu_forward, swiglu_plain = swiglu.forward, swiglu.plain
+SWIGLU = swiglu.operator(SR8)
 SWIGLU_IN = (
   _normal(0, (8, 16)),
   _normal(1, (16, 32), 0.25),
@@ -108,6 +76,8 @@ def test_swiglu_table_derived():
   assert _row(table["swiglu.act@dw_down"]) == (
     "swiglu.act@dw_down", "rounded", True, ("x", "w_up", "w_down"), False,
   )  # fmt: skip
+  # The table the benchmark declares without deriving is this one.
+  assert tuple((r.use, r.must_read) for r in d.table) == swiglu.TABLE
   ev = {e.use: e for e in d.evidence}
   assert ev["swiglu.act@dact"].rounded > 1e-3  # reading rounded moves it
   assert ev["swiglu.act@dw_down"].original > 1e-3
@@ -315,6 +285,77 @@ def test_convolution_table_derived():
   got = jax.vjp(lambda x, w: off(x, w), *CONV_IN)[1](dy)
   for a, b in zip(got, want, strict=True):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+# ---- stored-only pre-activations: affine and non-affine derivatives ----------
+#
+# The forward goes on with the pre-activation y itself; y~ is kept for the
+# derivative only, so the stored draw is one the forward never saw. Where the
+# derivative is affine in the value read (squared ReLU: 2 relu(y), affine on
+# each side of zero, and stochastic rounding never crosses zero), reading y~
+# is on average the same as reading y: admissible, like a fresh draw. Where
+# it is not (a cube: 3 y^2), both are biased by the draw's variance.
+
+
+def sqrelu_forward(x, w, read):
+  y = read("sq.in@dw", x) @ w
+  return jnp.square(jax.nn.relu(read.stored("sq.pre@dact", y)))
+
+
+def cube_forward(x, read):
+  return read.stored("cube.in@dact", x) ** 3 / 3
+
+
+SQRELU = ops.Custom(
+  "sqrelu", sqrelu_forward, args=("x", "w"),
+  saved={"sq.in": SR8, "sq.pre": SR8}, uses=("sq.in@dw", "sq.pre@dact"),
+)  # fmt: skip
+CUBE = ops.Custom(
+  "cube", cube_forward, args=("x",),
+  # float4: a variance large enough to see its bias with few draws.
+  saved={"cube.in": ops.Rounding("float4_e2m1fn", "stochastic")},
+  uses=("cube.in@dact",),
+)  # fmt: skip
+STORED_IN = (_normal(0, (8, 16)), _normal(1, (16, 8), 0.25))
+
+
+def test_stored_read_with_affine_derivative_is_admissible():
+  # 512 forward draws x 1 backward draw; biased when |z| >= 4.
+  d = audit.derive(SQRELU, STORED_IN, jax.random.key(4), n_forward=512)
+  assert [_row(r) for r in d.table] == [
+    ("sq.in@dw", "rounded", True, ("w",), False),
+    ("sq.pre@dact", "original", True, ("x", "w"), True),
+  ]
+  p = audit.predict(d.op, d.op.reference_policy)
+  # The stored draw: as admissible as a fresh one; nearest is a fixed map.
+  assert p["sq.pre@dact"].admissible == ("rounded", "original", "fresh")
+  assert p["sq.pre@dact"].reuse_differs is False
+  assert d.agrees, str(d.verification)
+  assert d.counts == (11, 11)
+  v = d.verification["sq.pre@dact"]
+  assert v.check("rounded").verdict == "unbiased"
+  assert v.check("nearest").verdict == "biased"
+  assert "rounded/original/fresh" in str(d)
+
+
+def test_stored_read_with_nonaffine_derivative_is_biased():
+  # 4096 forward draws x 1 backward draw. The bias is the draw's variance
+  # times dy; a loss linear in the output (dy = 1) shows it best, and with
+  # no other use there is no reuse bias for it to hide.
+  d = audit.derive(
+    CUBE, STORED_IN[:1], jax.random.key(5), n_forward=4096, loss=jnp.sum
+  )
+  (row,) = d.table
+  assert (row.must_read, row.linear, row.storage_only) == (
+    "original", False, True
+  )  # fmt: skip
+  p = audit.predict(d.op, d.op.reference_policy)
+  assert p["cube.in@dact"].admissible == ("original",)
+  assert p["cube.in@dact"].reuse_differs is False  # still storage only
+  assert d.agrees, str(d.verification)
+  v = d.verification["cube.in@dact"]
+  assert v.check("rounded").verdict == "biased"
+  assert v.check("fresh").verdict == "biased"
 
 
 # ---- the built-in operators, declared as operators of your own ---------------

@@ -25,7 +25,7 @@ import numpy as np  # noqa: E402
 from experiments.analysis import bwd_tables as ba  # noqa: E402
 from experiments.analysis.runs import load_runs  # noqa: E402
 
-COLORS = {"reuse": "C3", "fresh": "C0", "per_use": "C0"}
+COLORS = {"reuse": "C3", "redraw": "C0", "outonly": "C2", "per_use": "C0"}
 COLORS.update({"original_both": "C1", "rounded_both": "C3"})
 
 
@@ -131,15 +131,17 @@ def attention_curves(study, results="results", out=None) -> str:
 
 
 def search_dose_response(study, results="results", out=None) -> str:
-  """attention_reuse_search: per setting, the pooled QKV bias of reuse and
-  fresh (log scale), and reuse minus fresh final validation loss per seed
-  with the failure threshold (3 sd of fresh over seeds)."""
+  """attention_reuse_search: per setting, the pooled QKV bias of each arm
+  (log scale), and per seed the final validation loss of reuse minus each
+  copy with its failure threshold (3 sd of the copy over seeds)."""
   runs = load_runs(results, study)
   rows, _ = ba.attention_search_table(runs)
   names = [r["setting"] for r in rows]
   x = np.arange(len(names))
   fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-  for dx, kind, color in ((-0.1, "reuse", "C3"), (0.1, "fresh", "C0")):
+  offsets = dict(zip(ba.SEARCH_ARMS, (-0.15, 0.0, 0.15), strict=True))
+  for kind, dx in offsets.items():
+    color = COLORS[kind]
     bias = [r.get(f"{kind}_qkv_bias_rms") or np.nan for r in rows]
     axes[0].plot(x + dx, bias, "o", color=color, label=kind)
     for xi, r in zip(x, rows, strict=True):
@@ -155,19 +157,27 @@ def search_dose_response(study, results="results", out=None) -> str:
         )
   axes[0].set_yscale("log")
   axes[0].set_title("QKV gradient: pooled relative bias")
-  for xi, r in zip(x, rows, strict=True):
-    diffs = [float(d) for d in r["per_seed"].split()] if r["per_seed"] else []
-    axes[1].plot([xi] * len(diffs), diffs, "o", color="C3", mfc="none")
-    if r.get("reuse_minus_fresh") is not None:
-      axes[1].plot(xi, r["reuse_minus_fresh"], "_", color="k", ms=14)
-    if r.get("threshold") is not None:
-      axes[1].plot(xi, r["threshold"], "v", color="grey", ms=5)
+  for copy, dx in (("redraw", -0.1), ("outonly", 0.1)):
+    key = f"reuse_minus_{copy}"
+    color = COLORS[copy]
+    for i, (xi, r) in enumerate(zip(x, rows, strict=True)):
+      per = r.get(f"{key}_per_seed") or ""
+      diffs = [float(d) for d in per.split()]
+      label = f"reuse - {copy}" if i == 0 else None
+      axes[1].plot(
+        [xi + dx] * len(diffs), diffs, "o", color=color, mfc="none",
+        label=label,
+      )  # fmt: skip
+      if r.get(key) is not None:
+        axes[1].plot(xi + dx, r[key], "_", color="k", ms=12)
+      if r.get(f"{key}_threshold") is not None:
+        axes[1].plot(xi + dx, r[f"{key}_threshold"], "v", color=color, ms=5)
   axes[1].axhline(0, color="grey", lw=0.5)
-  axes[1].set_title("final val loss, reuse - fresh (per seed, mean; v: 3 sd)")
+  axes[1].set_title("final val loss, reuse - copy (per seed, mean; v: 3 sd)")
   for ax in axes:
     ax.set_xticks(x, names, fontsize=8)
     ax.set_xlabel("setting")
-  _legend(axes[0])
+    _legend(ax)
   return _save(fig, study, results, out)
 
 

@@ -269,8 +269,9 @@ def _mean(rows, key) -> float:
 
 
 def attention_table(runs):
-  """attention_reuse: every run against the `fresh` arm of its seed."""
-  return probe_table(runs, "fresh")
+  """attention_reuse: every run against the `redraw` arm of its seed (the
+  independent copy from the distribution of the reused output)."""
+  return probe_table(runs, "redraw")
 
 
 def _diverged(run) -> bool:
@@ -283,12 +284,47 @@ def _diverged(run) -> bool:
   return first is not None and v[-1] > first
 
 
+# attention_reuse_search's arms per setting, and the contrasts it tests:
+# reuse against each copy, then the two copies against each other.
+SEARCH_ARMS = ("reuse", "redraw", "outonly")
+CONTRASTS = (("reuse", "redraw"), ("reuse", "outonly"), ("redraw", "outonly"))
+
+
+def _contrast(arm, a: str, b: str) -> dict:
+  """Per-seed final val loss of `a` minus `b`, and the pre-stated test:
+  mean > 3 sd(b) over seeds, or `a` diverging where its `b` pair does not."""
+  other = {r.seed: r for r in arm[b]}
+  pairs = [
+    (r, other[r.seed])
+    for r in arm[a]
+    if r.seed in other
+    and r.last("val_loss") is not None
+    and other[r.seed].last("val_loss") is not None
+  ]
+  diffs = [x.last("val_loss") - y.last("val_loss") for x, y in pairs]
+  vals = [r.last("val_loss") for r in arm[b] if r.last("val_loss") is not None]
+  sd = float(np.std(vals, ddof=1)) if len(vals) > 1 else None
+  threshold = 3 * sd if sd is not None else None
+  mean = float(np.mean(diffs)) if diffs else None
+  div = [x.seed for x, y in pairs if _diverged(x) and not _diverged(y)]
+  fails = bool(div) or (
+    threshold is not None and mean is not None and mean > threshold
+  )
+  key = f"{a}_minus_{b}"
+  return {
+    key: mean,
+    f"{key}_per_seed": " ".join(f"{d:+.4f}" for d in diffs),
+    f"{key}_threshold": threshold,
+    f"{key}_fails": fails,
+  }
+
+
 def attention_search_table(runs):
-  """attention_reuse_search: per setting, final validation loss of reuse
-  and fresh (mean, sd over seeds), reuse minus fresh per seed, the pooled
-  QKV bias z of each arm, and the pre-stated failure test: mean(reuse -
-  fresh) > 3 sd(fresh), or reuse diverges where fresh does not. Only
-  finished runs count."""
+  """attention_reuse_search: per setting, final validation loss of each arm
+  (mean, sd over seeds), each contrast per seed with its pre-stated
+  failure test (mean difference > 3 sd over seeds of the second arm, or
+  the first diverging where its pair does not), and the pooled QKV bias of
+  each arm. Only finished runs count."""
   runs = [r for r in runs if r.summary.get("status") == "finished"]
   from configs.attention_reuse_search import SETTINGS
 
@@ -297,59 +333,40 @@ def attention_search_table(runs):
   settings = sorted(
     found, key=lambda s: (order.index(s), s) if s in order else (len(order), s)
   )
-  rows, lines, failed = [], [], []
+  rows, lines = [], []
+  failed = {c: [] for c in CONTRASTS}
   for setting in settings:
-    arm = {k: [r for r in runs if r.arm == f"{setting}_{k}"] for k in POLICY}
+    arm = {
+      k: [r for r in runs if r.arm == f"{setting}_{k}"] for k in SEARCH_ARMS
+    }
     arm = {k: sorted(v, key=lambda r: r.seed) for k, v in arm.items()}
-    loss = {k: [r.last("val_loss") for r in v] for k, v in arm.items()}
     row = {"setting": setting, "seeds": len(arm["reuse"])}
-    for k in POLICY:
-      vals = [x for x in loss[k] if x is not None]
+    for k in SEARCH_ARMS:
+      vals = [r.last("val_loss") for r in arm[k]]
+      vals = [x for x in vals if x is not None]
       row[f"{k}_val_loss"] = float(np.mean(vals)) if vals else None
-      sd = float(np.std(vals, ddof=1)) if len(vals) > 1 else None
-      row[f"{k}_sd"] = sd
-    fresh = {r.seed: r for r in arm["fresh"]}
-    diffs = [
-      r.last("val_loss") - fresh[r.seed].last("val_loss")
-      for r in arm["reuse"]
-      if r.seed in fresh
-      and r.last("val_loss") is not None
-      and fresh[r.seed].last("val_loss") is not None
-    ]
-    row["reuse_minus_fresh"] = float(np.mean(diffs)) if diffs else None
-    row["per_seed"] = " ".join(f"{d:+.4f}" for d in diffs)
-    for k in POLICY:
+      row[f"{k}_sd"] = float(np.std(vals, ddof=1)) if len(vals) > 1 else None
+    for a, b in CONTRASTS:
+      if arm[a] and arm[b]:
+        row.update(_contrast(arm, a, b))
+        if row[f"{a}_minus_{b}_fails"]:
+          failed[(a, b)].append(setting)
+    for k in SEARCH_ARMS:
       pooled = _pooled(arm[k], "qkv")
       row[f"{k}_qkv_bias_rms"] = pooled[0] if pooled else None
       row[f"{k}_qkv_bias_z"] = pooled[1] if pooled else None
-    div = [
-      r.seed
-      for r in arm["reuse"]
-      if _diverged(r) and not (r.seed in fresh and _diverged(fresh[r.seed]))
-    ]
-    threshold = 3 * row["fresh_sd"] if row["fresh_sd"] is not None else None
-    row["threshold"] = threshold
-    fails = bool(div) or (
-      threshold is not None
-      and row["reuse_minus_fresh"] is not None
-      and row["reuse_minus_fresh"] > threshold
-    )
-    row["fails"] = fails
-    if fails:
-      failed.append(setting)
     rows.append(row)
   lines.append(
-    "- failure criterion (fixed before the runs): mean over seeds of "
-    "reuse minus fresh final val loss > 3 x sd over seeds of fresh, or a "
-    "reuse run diverging where its fresh pair does not"
+    "- failure criterion (fixed before the runs), for a minus b: mean over "
+    "seeds of a minus b final val loss > 3 x sd over seeds of b, or an a "
+    "run diverging where its b pair does not"
   )
-  lines.append(
-    "- settings that fail: " + (", ".join(failed) if failed else "none")
-  )
+  for a, b in CONTRASTS:
+    lines.append(
+      f"- {a} vs {b}: settings that fail: "
+      + (", ".join(failed[(a, b)]) if failed[(a, b)] else "none")
+    )
   return rows, lines
-
-
-POLICY = ("reuse", "fresh")
 
 
 def norm_store_table(runs):

@@ -32,7 +32,7 @@ Example:
 """
 
 from lowprec.ops.activation import ACTIVATIONS, Activation, activation
-from lowprec.ops.attention import Attention, attention
+from lowprec.ops.attention import FRESH_OUT, Attention, attention
 from lowprec.ops.base import Op
 from lowprec.ops.custom import Custom, Reader
 from lowprec.ops.dense import Dense, dense
@@ -56,6 +56,7 @@ REFERENCE = Policy(
 
 __all__ = [
   "ACTIVATIONS",
+  "FRESH_OUT",
   "NORMS",
   "OPS",
   "REFERENCE",

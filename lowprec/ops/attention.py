@@ -8,6 +8,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from lowprec import names
 from lowprec.ops import saved
 from lowprec.ops.base import Op, per_value
 from lowprec.ops.requirements import Requirement
@@ -42,6 +43,9 @@ _TABLE = (
   ),
 )
 
+# What a `fresh` read of the output (`attn.out@delta`) draws anew.
+FRESH_OUT = ("redraw", "output")
+
 
 def _causal(t: int) -> jax.Array:
   return jnp.tril(jnp.ones((t, t), bool))
@@ -64,11 +68,19 @@ class Attention(Op):
   where `P_v` is what `attn.probs@dv` reads, `P_s` what `attn.probs@dscores`
   reads, and the row term `D` is, per `attn.out@delta`: `rowsum(dO * O~)`
   (`rounded`, the flash-attention form reusing the output), the exact
-  `rowsum(dP * P)` (`original`; equal to `rowsum(dO * P V)`), or
-  `rowsum(dO * Q(P V))` for a `fresh` / `nearest` rounding of `P V`. The
-  original probabilities are recomputed from `q`, `k` and the row
-  log-sum-exp, as flash attention does; only the rounded ones are stored
-  (narrow).
+  `rowsum(dP * P)` (`original`; equal to `rowsum(dO * P V)`),
+  `rowsum(dO * Q_n(P V))` for `nearest`, and for `fresh` an independent
+  copy of the output. With `fresh_out="redraw"` (the default) the copy is
+  `Q_s(P~' V)`, where `P~'` is a new draw of the probabilities' rounding
+  (in its own mode) and `Q_s` a new stochastic rounding of the output:
+  every rounding upstream of the output is redrawn, so when both are
+  stochastic the copy has the distribution of `O~` itself (mean `P V` and
+  the same variance) and is independent of the forward. With
+  `fresh_out="output"` only the output's rounding is drawn anew, from the
+  original probabilities, `Q_s(P V)`: the same mean, less variance (it
+  misses the probabilities' rounding). The original probabilities are
+  recomputed from `q`, `k` and the row log-sum-exp, as flash attention
+  does; only the rounded ones are stored (narrow).
 
   Requirements table (autodiff of the forward, roundings straight-through):
 
@@ -79,13 +91,22 @@ class Attention(Op):
                         `rounded` correlates with dO and is biased.
     attn.out@delta      must read original: D = rowsum(dP P) =
                         rowsum(dO (P V)), the output of the unrounded
-                        probabilities. Linear, so `fresh` is admissible;
-                        reusing the rounded output is biased.
+                        probabilities. Linear, so a `fresh` copy is
+                        admissible when its mean is `P V` (probabilities
+                        stochastic or unrounded); reusing the rounded
+                        output is biased: `dO` is computed from `O~`.
+
+  Reuse is compared with the `redraw` copy, the only value from the
+  distribution of `O~` (none exists when the output is rounded to nearest
+  from stochastic probabilities).
 
   Attributes:
     probs: rounding of the probabilities (per-tensor scale: amax is 1).
     out: rounding of the output.
     grad: rounding of `dO` and `dS` (the gradients entering matmuls).
+    fresh_out: what a `fresh` read of the output draws anew: `"redraw"`
+      (the probabilities' rounding and the output's) or `"output"` (the
+      output's rounding only, of `P V`).
 
   Example:
     >>> op = Attention(probs="float8_e4m3fn:stochastic",
@@ -97,6 +118,7 @@ class Attention(Op):
   probs: Rounding | str | None = None
   out: Rounding | str | None = None
   grad: Rounding | str | None = None
+  fresh_out: str = "redraw"
 
   name = "attention"
   args = ("q", "k", "v")
@@ -104,7 +126,33 @@ class Attention(Op):
   table = _TABLE
 
   def __post_init__(self):
+    names.check_choice("fresh_out", self.fresh_out, FRESH_OUT)
     self._coerce()
+
+  def _redraws_probs(self) -> bool:
+    """Whether a fresh read of the output redraws the probabilities."""
+    return self.fresh_out == "redraw" and not self.probs.is_identity
+
+  def produces(self, req, value: str) -> str:
+    if req.tensor == "out" and value == "fresh" and self._redraws_probs():
+      # The copy's mean is E[P~'] V: P V only if P~' is unbiased.
+      return "draw" if self.probs.stochastic else "offset_draw"
+    return super().produces(req, value)
+
+  def copy_value(self, tensor: str) -> str | None:
+    if tensor != "out" or self.probs.is_identity:
+      return super().copy_value(tensor)
+    if self.out.is_identity or self.out.stochastic:
+      # O~ = Q_s(P~ V) (or P~ V): only the redraw has its distribution.
+      return "fresh" if self.fresh_out == "redraw" else None
+    # Nearest output: of deterministic probabilities a copy is O~ itself;
+    # of stochastic ones no value reads Q_n(P~' V).
+    return None if self.probs.stochastic else "rounded"
+
+  def _needs_backward_key(self, values) -> bool:
+    i = self.uses.index("attn.out@delta")
+    redraw = values[i] == "fresh" and self._redraws_probs()
+    return redraw or super()._needs_backward_key(values)
 
   def kind(self, tensor: str) -> str:
     own = super().kind(tensor)
@@ -174,15 +222,30 @@ class Attention(Op):
         out = res["out"]
         o = out["original"] if self.out.is_identity else out["rounded"].value()
         return jnp.einsum("bqhd,bqhd->bhq", do, o)
-      if value == "original" or self.out.is_identity:
+      copy = value == "fresh" and self._redraws_probs()
+      if value == "original" or (self.out.is_identity and not copy):
         return jnp.sum(dp * p, -1)
-      pv = jnp.einsum("bhqk,bkhd->bqhd", p, res["v"])
-      mode = "stochastic" if value == "fresh" else "nearest"
-      key = saved.derive(bkey, "attn.out@delta") if value == "fresh" else None
-      pv = self.out.round(pv, key, mode=mode)[0]
-      return jnp.einsum("bqhd,bqhd->bhq", do, pv)
+      if value == "fresh":
+        o = self._output_copy(p, res["v"], bkey)
+      else:
+        pv = jnp.einsum("bhqk,bkhd->bqhd", p, res["v"])
+        o = self.out.round(pv, mode="nearest")[0]
+      return jnp.einsum("bqhd,bqhd->bhq", do, o)
 
     return per_value(values[self.uses.index("attn.out@delta")], read)
+
+  def _output_copy(self, p, v, bkey):
+    """The `fresh` read of the output: a new stochastic rounding of
+    `P~' V`, with `P~'` a new draw of the probabilities' rounding
+    (`fresh_out="redraw"`) or `P` itself (`"output"`)."""
+    if self._redraws_probs():
+      kp = saved.derive(bkey, "attn.out@delta:probs")
+      p = self.probs.round(p, kp if self.probs.stochastic else None)[0]
+    pv = jnp.einsum("bhqk,bkhd->bqhd", p, v)
+    if self.out.is_identity:
+      return pv
+    key = saved.derive(bkey, "attn.out@delta")
+    return self.out.round(pv, key, mode="stochastic")[0]
 
   def _backward(self, values, res, g):
     q, k, v, bkey = res["q"], res["k"], res["v"], res["backward_key"]

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from lowprec import policy as policy_lib
+from lowprec.ops import requirements as req_lib
 from lowprec.ops import saved
 from lowprec.ops.requirements import Requirement
 from lowprec.ops.saved import Rounding
@@ -81,6 +82,23 @@ class Op:
     if r.is_identity:
       return "none"
     return "stochastic" if r.mode == "stochastic" else "nearest"
+
+  def produces(self, req: Requirement, value: str) -> str:
+    """What reading `value` for `req.use` gives, up to equality (one of
+    `requirements.PRODUCTS`)."""
+    return req_lib.produces(
+      value,
+      self.kind(req.tensor),
+      self.rounding(req.tensor).is_identity,
+      req.storage_only,
+    )
+
+  def copy_value(self, tensor: str) -> str | None:
+    """The policy value that reads an independent copy of `tensor`'s
+    forward rounding from the same distribution; None when the tensor is
+    not rounded or no value reads such a copy."""
+    r = self.rounding(tensor)
+    return req_lib.copy_value(r.mode, r.is_identity)
 
   def resolve(self, policy) -> tuple[str, ...]:
     """The value each use reads, in `self.uses` order (None: reference)."""
