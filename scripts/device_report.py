@@ -10,6 +10,13 @@ and prints the Markdown.
 
 from __future__ import annotations
 
+if not __package__:  # run as a file, `python scripts/device_report.py`
+  raise SystemExit(
+    "run it from the repository root as a module: "
+    "python -m scripts.device_report ..."
+  )
+
+
 import argparse
 import importlib
 import json
