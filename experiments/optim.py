@@ -120,6 +120,14 @@ def needs_params(lp) -> bool:
   return lp.writeback.startswith("int") and not lp.int_scale
 
 
+def has_telemetry(lp) -> bool:
+  """Whether `build`'s chain holds a state that `lowprec.telemetry` reads
+  (a write-back, a reference trace or a decay counter)."""
+  return bool(
+    lp.writeback or lp.trace_targets or lp.get("decay_erasure", False)
+  )
+
+
 def writeback_target(lp, params=None):
   """The write-back's `fmt` argument: a Format, or rules keeping some paths
   in float32, or a pytree of per-tensor formats (`needs_params`, computed

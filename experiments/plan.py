@@ -234,7 +234,8 @@ def describe(result: dict) -> str:
     f"{result['config']}: {result['tokens_per_s']:,.0f} tokens/s on "
     f"{result['chips']} x {result['device']}, MFU "
     f"{'n/a' if mfu is None else f'{mfu:.1%}'}, step "
-    f"{result['step_s']:.2f} s (first {result['first_step_s']:.0f} s), peak "
+    f"{result['step_s']:.2f} s (compiled in {result['compile_s']:.0f} s, "
+    f"first step {result['first_step_s']:.1f} s), peak "
     f"memory {mem / 1e9:.1f} GB, loss {result['losses'][-1]:.3f}"
   )
 
@@ -312,25 +313,33 @@ def step(name: str, data_dir: str, steps: int = 1, **overrides) -> dict:
   """Builds the full-scale config, runs `steps` steps and a probe; measures.
 
   `overrides` are `train.*` or `data.batch_size` values (a small batch for
-  the CPU). Returns losses, probe values, the time of the steps after the
-  first (compilation) and peak memory, as a dict.
+  the CPU), and `model`, a dict of `model.*` values (tiny shapes for a dry
+  run of the same code). Returns losses, probe values, the train step's
+  compile time (ahead of time, so the first step is a plain step), the
+  time of the steps after the first and peak memory, as a dict.
   """
   from experiments import train
 
   batch_size = overrides.pop("batch_size", None)
+  model = overrides.pop("model", None) or {}
   c = full_config(name, data_dir, **overrides)
-  if batch_size:
+  if batch_size or model:
     c.unlock()
-    c.data.batch_size = batch_size
+    c.data.batch_size = batch_size or c.data.batch_size
+    c.model.update(model)
     c.lock()
   synthetic_tokens(data_dir, c.model.vocab_size)
   t0 = time.time()
   run = train.build_run(c)
   _phase("built")
   state, losses, times = run.state, [], []
+  t = time.time()
+  step_fn = run.step_fn.lower(state, run.train_batch(0)).compile()
+  compile_s = time.time() - t
+  _phase(f"compiled in {compile_s:.0f} s")
   for i in range(steps):
     t = time.time()
-    state, m = run.step_fn(state, run.train_batch(i))
+    state, m = step_fn(state, run.train_batch(i))
     losses.append(float(m["loss"]))
     times.append(time.time() - t)
     _phase(f"step {i + 1} in {times[-1]:.0f} s, loss {losses[-1]:.4f}")
@@ -370,6 +379,7 @@ def step(name: str, data_dir: str, steps: int = 1, **overrides) -> dict:
     "losses": losses,
     "probe": probe,
     "probe_s": probe_s if probe else None,
+    "compile_s": compile_s,
     "first_step_s": times[0] if times else None,
     "step_s": step_s,
     "tokens_per_s": tokens / step_s,

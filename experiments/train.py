@@ -353,6 +353,9 @@ class _Loop:
     self.tag = ledger.tag(config)
     self.total = config.train.steps
     self.lr_fn = optim.schedule(config.opt, self.total)
+    # Whether the chain holds a state lowprec.telemetry reads (it raises
+    # on a state without one).
+    self.telemetry = optim.has_telemetry(config.lowprec)
     self.probe_key = jax.random.fold_in(self.run.eval_key, 1)
     # A run started from another run's checkpoint continues its data stream.
     t = config.train
@@ -456,7 +459,8 @@ class _Loop:
     self.state, m = run.step_fn(self.state, batch)
     record = {"step": step + 1, "lr": float(self.lr_fn(step))}
     record.update({k: float(v) for k, v in jax.device_get(m).items()})
-    record.update(lowprec.telemetry(self.state.opt_state))
+    if self.telemetry:  # a float32 run without trace reports none
+      record.update(lowprec.telemetry(self.state.opt_state))
     self.done = step + 1
     if self.compiled_at is None:
       # Rates and ETAs count from the end of the first (compiled) step.

@@ -34,7 +34,10 @@ estimates the direction `u` of the mean, the second half gives
 `t_f = <d_f, u> / |u|`, and `z = mean(t) / se(t)` is standard normal under
 no bias, whatever `u` is. Biases and standard errors are reported relative
 to the root-mean-square norm of the reference gradient. A difference that is
-zero for every draw is `exact`; `|z| >= z_threshold` is `biased`; otherwise
+zero for every draw is `exact`; one that is the same nonzero value for every
+draw (no spread: a deterministic bias, as under nearest rounding) is
+`biased` and reported as exact-different, with no z (there is no standard
+error to divide by); `|z| >= z_threshold` is `biased`; otherwise
 `unbiased`. With stochastic gradient rounding nothing is exact, so `exact`
 predictions are compared as `unbiased`.
 
@@ -165,6 +168,9 @@ class Estimate:
   root-mean-square norm of that input's reference gradient; `z = bias / se`.
   `exact`: the difference was zero for every forward draw (up to float32
   reassociation roundoff, `ROUNDOFF` relative to the gradient's scale).
+  `deterministic` ("exact-different"): it was the same nonzero value for
+  every draw, up to that roundoff; then `se` is 0 and `z` is +-inf, as
+  no z is computed, and the difference is biased at any threshold.
   """
 
   gradient: str
@@ -172,9 +178,12 @@ class Estimate:
   se: float
   z: float
   exact: bool
+  deterministic: bool = False
 
   def biased(self, z_threshold: float) -> bool:
-    return not self.exact and abs(self.z) >= z_threshold
+    if self.exact:
+      return False
+    return self.deterministic or abs(self.z) >= z_threshold
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,9 +258,12 @@ class Verification:
     for u in self.uses:
       reuse = "-"
       if u.reuse is not None:
-        r = _fmt_z(_strongest(u.reuse))
+        top = _strongest(u.reuse)
         reuse = f"{_yes_no(u.reuse_predicted)} / {_yes_no(u.reuse_verdict)}"
-        reuse += f" (z={r})" if r != "-" else ""
+        if top.deterministic:
+          reuse += " (exact-different)"
+        elif not top.exact:
+          reuse += f" (z={_fmt_z(top)})"
       ests = u.check(u.value).estimates
       rows.append(_row(u.use, u.value, u.predicted, u.verdict, ests, reuse))
     rows.append(
@@ -497,12 +509,15 @@ def _estimate(name, d, scale) -> Estimate:
   un = np.linalg.norm(u)
   t = x[half:] @ (u / un) if un > 0 else np.zeros(x.shape[0] - half)
   mean = float(t.mean())
+  roundoff = ROUNDOFF * max(scale, abs(mean))
+  if np.max(np.abs(t - mean)) <= roundoff:
+    # The same value at every draw: a z would divide by roundoff.
+    if abs(mean) <= roundoff:  # and that value is none along `u`
+      return Estimate(name, mean / scale, 0.0, 0.0, False)
+    inf = math.copysign(math.inf, mean)
+    return Estimate(name, mean / scale, 0.0, inf, False, deterministic=True)
   se = float(t.std(ddof=1) / math.sqrt(t.size))
-  if se > 0:
-    z = mean / se
-  else:
-    z = math.copysign(math.inf, mean) if mean else 0.0
-  return Estimate(name, mean / scale, se / scale, z, False)
+  return Estimate(name, mean / scale, se / scale, mean / se, False)
 
 
 def _row(use, value, predicted, verdict, ests, reuse) -> tuple:
@@ -513,24 +528,31 @@ def _row(use, value, predicted, verdict, ests, reuse) -> tuple:
 
 
 def _strongest(ests) -> Estimate:
-  return max(ests, key=lambda e: (not e.exact, abs(e.z)))
+  return max(ests, key=lambda e: (not e.exact, e.deterministic, abs(e.z)))
 
 
 def _fmt_bias(e: Estimate) -> str:
   if e.exact:
     return "0 (exact)"
+  if e.deterministic:
+    return f"{e.bias:+.1e} (exact-different)"
   return f"{e.bias:+.1e} ± {e.se:.1e}"
 
 
 def _fmt_z(e: Estimate) -> str:
-  if e.exact:
+  if e.exact or e.deterministic:
     return "-"
   return f"{e.z:+.1f}" if abs(e.z) < 1e4 else f"{e.z:+.1e}"
 
 
 def _fmt_check(c: ValueCheck) -> str:
   top = _strongest(c.estimates)
-  z = "" if top.exact else f" (z={_fmt_z(top)})"
+  if top.exact:
+    z = ""
+  elif top.deterministic:
+    z = " (exact-different)"
+  else:
+    z = f" (z={_fmt_z(top)})"
   mark = "" if c.agrees else " MISMATCH"
   return f"{c.predicted} -> {c.verdict}{z}{mark}"
 

@@ -17,6 +17,13 @@ to every parameter, in one of three forms:
   `"params/Dense_0/kernel"`; the first match wins, and a path that matches no
   rule is an error.
 
+Only array leaves are parameters. Other leaves (functions, Python numbers
+and strings, which an Equinox module keeps next to its arrays) need no
+format and pass through every function here untouched, so an unfiltered
+Equinox model can be handed over as it is. An integer or boolean array has
+no grid: give it a None format, or hand over only the float arrays
+(`eqx.filter(model, eqx.is_inexact_array)`).
+
 Example:
   >>> rules = [(r".*(bias|scale)", None), (r".*", "float8_e4m3fn")]
   >>> params = lowprec.to_grid(params, rules)  # float32 on the e4m3fn grid
@@ -162,11 +169,42 @@ def _key_names(path) -> tuple[str, ...]:
   return tuple(path_name((k,)) for k in path)
 
 
+def is_array(x) -> bool:
+  """Whether a pytree leaf is an array (concrete, traced or abstract)."""
+  return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def leaf_format(lookup: FormatLookup, path, x) -> Format | None:
+  """The format of the leaf `x` at `path`; None for a leaf that is not an
+  array (it is no parameter, and needs no rule) or that the spec leaves
+  alone. Raises for an integer or boolean array given a format."""
+  if not is_array(x):
+    return None
+  fmt = lookup(path)
+  if fmt is not None:
+    check_float(path_name(path), x.dtype)
+  return fmt
+
+
+def check_float(name: str, dtype) -> None:
+  """Raises unless `dtype` is a floating-point dtype, naming the fix."""
+  dtype = np.dtype(dtype)
+  if jnp.issubdtype(dtype, jnp.floating):
+    return
+  raise ValueError(
+    f"parameter {name!r} holds {dtype.name} values: only floating-point "
+    "arrays go on a grid. Give it a None format (a rule "
+    f"(r{name!r}, None) before the others), or hand over only the float "
+    "arrays (Equinox: eqx.filter(model, eqx.is_inexact_array))"
+  )
+
+
 def check_storage(name: str, dtype, fmt: Format) -> None:
   """Raises unless `dtype` holds `fmt`'s grid: float32, or the native dtype."""
   dtype = np.dtype(dtype)
   if dtype == np.float32 or dtype == fmt.native_dtype:
     return
+  check_float(name, dtype)
   native = f" or {fmt.native_dtype.name}" if fmt.native_dtype else ""
   raise ValueError(
     f"parameter {name!r} is stored as {dtype.name}, which is not a storage "
@@ -184,7 +222,9 @@ def to_grid(params, fmt, *, storage: str = "float32"):
   float32-on-grid weights to native FP8 and to load them back.
 
   Args:
-    params: a pytree of float arrays (any float dtype).
+    params: a pytree of float arrays (any float dtype); leaves that are not
+      arrays (an Equinox module's functions and Python numbers) are
+      returned unchanged.
     fmt: a format specification (one format, a pytree of formats, or
       `(regex, format)` rules; see the module docstring). Parameters whose
       format is None are returned unchanged.
@@ -196,7 +236,8 @@ def to_grid(params, fmt, *, storage: str = "float32"):
 
   Raises:
     ValueError: unknown storage, a format without a native dtype under
-      `storage="native"`, or a parameter the specification does not cover.
+      `storage="native"`, a parameter the specification does not cover, or
+      an integer or boolean array given a format.
 
   Example:
     >>> w = {"kernel": jnp.array([0.1, 1.06, 500.0])}
@@ -211,8 +252,8 @@ def to_grid(params, fmt, *, storage: str = "float32"):
   flat, treedef = jax.tree_util.tree_flatten_with_path(params)
   leaves = [x for _, x in flat]
   picked, fmts, dtypes = [], [], []
-  for i, (path, _) in enumerate(flat):
-    f = lookup(path)
+  for i, (path, x) in enumerate(flat):
+    f = leaf_format(lookup, path, x)
     if f is None:
       continue
     if storage == "native" and f.native_dtype is None:
@@ -265,14 +306,15 @@ def check_on_grid(params, fmt) -> None:
   since no rounding fixes them.
 
   Args:
-    params: a pytree of concrete arrays (not traced: call it outside jit).
+    params: a pytree of concrete arrays (not traced: call it outside jit);
+      leaves that are not arrays are skipped.
     fmt: a format specification, as in `to_grid`.
 
   Raises:
     ValueError: naming every offending parameter with its count of off-grid
       values and the first of them, and the fix (`lowprec.to_grid`), or its
       count of non-finite values; also for a storage dtype that cannot hold
-      the grid.
+      the grid (an integer or boolean array given a format among them).
 
   Example:
     >>> lowprec.check_on_grid({"w": jnp.array([0.1])}, "bfloat16")
@@ -282,7 +324,7 @@ def check_on_grid(params, fmt) -> None:
   lookup = format_lookup(fmt)
   leaves = []
   for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
-    f = lookup(path)
+    f = leaf_format(lookup, path, x)
     if f is not None:
       check_storage(path_name(path), x.dtype, f)
       leaves.append((path_name(path), x, f))
@@ -328,25 +370,64 @@ def apply_updates(params, updates):
   first. With the deltas of `lowprec.writeback`, `w + u` is exactly the new
   grid value, so the final cast is exact for every storage.
 
+  It also takes an Equinox module as it is: a leaf whose update is None
+  (`eqx.filter_grad` gives None for every leaf it does not differentiate)
+  is returned unchanged, functions and Python numbers included. So bfloat16
+  params stay bfloat16, where `eqx.apply_updates` returns `w + u` uncast
+  (float32, for float32 updates).
+
   Args:
-    params: a pytree of arrays (None leaves stay None).
-    updates: a pytree of the same structure.
+    params: a pytree of arrays (None leaves stay None), or a module whose
+      non-array leaves have None updates.
+    updates: a pytree of the same structure, with arrays shaped like the
+      params' or None; as in `eqx.apply_updates`, a None may stand for a
+      whole subtree of `params`, which is then returned unchanged.
 
   Returns:
     The updated params, each leaf in its original dtype.
+
+  Raises:
+    ValueError: an update whose shape differs from its parameter's, or an
+      update for a leaf that is not an array; naming the leaf.
 
   Example:
     >>> w = lowprec.to_grid(w, "float8_e4m3fn", storage="native")
     >>> updates, state = opt.update(grads, state, w)
     >>> w = lowprec.apply_updates(w, updates)  # still float8_e4m3fn
   """
+  is_none = lambda x: x is None
 
-  def one(p, u):
-    if p is None:
-      return None
-    p = jnp.asarray(p)
-    if jnp.issubdtype(p.dtype, jnp.floating) and p.dtype.itemsize == 1:
-      return (p.astype(jnp.float32) + u).astype(p.dtype)
-    return jnp.asarray(p + u).astype(p.dtype)
+  def spread(u, p):  # a None over a subtree: no update anywhere in it
+    return jax.tree.map(lambda _: None, p) if u is None else u
 
-  return jax.tree.map(one, params, updates, is_leaf=lambda x: x is None)
+  updates = jax.tree.map(spread, updates, params, is_leaf=is_none)
+  flat, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_none)
+  out = []
+  for (path, p), u in zip(flat, treedef.flatten_up_to(updates), strict=True):
+    out.append(p if p is None or u is None else _add(path_name(path), p, u))
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _add(name: str, p, u):
+  if not is_array(p):
+    raise ValueError(
+      f"apply_updates: parameter {name!r} is a {type(p).__name__}, not an "
+      "array, but has an update; give it a None update (Equinox: take "
+      "gradients with eqx.filter_grad, or filter the updates with "
+      "eqx.filter(updates, eqx.is_array))"
+    )
+  check_shape("apply_updates", name, p, u)
+  p = jnp.asarray(p)
+  if jnp.issubdtype(p.dtype, jnp.floating) and p.dtype.itemsize == 1:
+    return (p.astype(jnp.float32) + u).astype(p.dtype)
+  return jnp.asarray(p + u).astype(p.dtype)
+
+
+def check_shape(where: str, name: str, p, u) -> None:
+  """Raises unless the update `u` has the shape of its parameter `p`."""
+  if jnp.shape(u) != jnp.shape(p):
+    raise ValueError(
+      f"{where}: the update of parameter {name!r} has shape "
+      f"{tuple(jnp.shape(u))}, the parameter {tuple(jnp.shape(p))}; pass "
+      "updates computed for these params (the same tree, leaf for leaf)"
+    )

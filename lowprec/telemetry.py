@@ -7,10 +7,19 @@ by `scan` and batched by `vmap`, and `report()`, the same as plain Python
 numbers for logging. `telemetry` and `telemetry_arrays` find every such node
 anywhere in an optax state: inside `optax.chain`, `inject_hyperparams`,
 `MultiSteps`, `masked`, Flax NNX optimizer state and user containers.
+
+They also read the views of an optimizer state that have lost its types:
+`nnx.state(opt)`, `.to_pure_dict()` of it, and a checkpoint restored
+without a target (nested dicts and lists of arrays, with `{"value": x}`
+where NNX boxed a leaf). A `lowprec.writeback` state is recognized there
+by its fields and rebuilt. The reference trace and the decay counter keep
+their target and tensor names in the state's static structure, which such
+views drop: there they are refused with the fix, never skipped.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import jax
@@ -18,6 +27,9 @@ import numpy as np
 from flax import nnx
 
 from lowprec import rng as rng_lib
+from lowprec.freeze.decay import DecayErasureState
+from lowprec.freeze.trace import ReferenceTraceState
+from lowprec.writeback import WritebackState
 
 
 @runtime_checkable
@@ -47,12 +59,117 @@ def _merge(dicts) -> dict[str, Any]:
   return out
 
 
-def _reporters(opt_state) -> list[Reports]:
+# States recognized in a plain view by their fields: (fields every view
+# keeps, transform). Only the write-back's telemetry is all in its arrays.
+_REBUILT = {
+  WritebackState: (
+    {"count", "proposals", "moved", "saturated", "unreachable", "nonfinite"},
+    "lowprec.writeback",
+  ),
+}
+_NAMED_BY_LAYOUT = {
+  ReferenceTraceState: (
+    {"count", "proposals", "erased", "move_prob", "run_start"},
+    "lowprec.freeze.reference_trace",
+  ),
+  DecayErasureState: (
+    {"count", "erased", "decay_only"},
+    "lowprec.freeze.decay_erasure",
+  ),
+}
+
+
+def _reporters(opt_state, caller: str) -> list[Reports]:
   # Flax NNX keeps optimizer state in Variables (`OptArray`): read through
   # them, so `opt.opt_state` of an `nnx.Optimizer` can be passed as it is.
-  opt_state = nnx.as_pure(opt_state)
-  nodes = jax.tree_util.tree_leaves(opt_state, is_leaf=_is_reporter)
-  return [n for n in nodes if _is_reporter(n)]
+  found: list[Reports] = []
+  _collect(nnx.as_pure(opt_state), (), found)
+  if not found:
+    raise ValueError(_nothing_found(opt_state, caller))
+  return found
+
+
+def _collect(node, path: tuple, found: list) -> None:
+  """Appends the reporting nodes under `node` in tree order."""
+  if _is_reporter(node):
+    found.append(node)
+    return
+  if isinstance(node, Mapping):
+    view = _from_view(node, path)
+    if view is not None:
+      found.append(view)
+      return
+  children = jax.tree_util.tree_flatten_with_path(
+    node, is_leaf=lambda x: x is not node
+  )[0]
+  if len(children) == 1 and not children[0][0]:
+    return  # an array or other leaf
+  if isinstance(node, Mapping):
+    # A restored chain's positions are strings: "10" comes after "9".
+    children.sort(key=lambda c: _natural(c[0][0]))
+  for p, child in children:
+    _collect(child, path + p, found)
+
+
+def _natural(key) -> tuple:
+  k = getattr(key, "key", key)
+  if isinstance(k, int) or (isinstance(k, str) and k.isdigit()):
+    return (0, int(k), "")
+  return (1, 0, str(k))
+
+
+def _unbox(x):
+  # An NNX Variable restored without a target is a dict {"value": array}.
+  while isinstance(x, Mapping) and set(x) == {"value"}:
+    x = x["value"]
+  return x
+
+
+def _from_view(node: Mapping, path: tuple):
+  """The reporting state a dict view holds, None if it holds none."""
+  keys = {str(k) for k in node}
+  for cls, (needed, _) in _REBUILT.items():
+    if needed <= keys <= set(cls._fields):
+      return _rebuild(cls, node)
+  for cls, (needed, transform) in _NAMED_BY_LAYOUT.items():
+    if needed <= keys <= set(cls._fields):
+      raise ValueError(
+        f"the state of {transform} at "
+        f"{jax.tree_util.keystr(path, simple=True, separator='/')!r} is "
+        "seen here as plain arrays: its target and tensor names live in "
+        "the optax state's structure, which nnx.state(...), to_pure_dict() "
+        "and a checkpoint restored without a target drop. Pass the "
+        "optimizer state itself: the state tx.init returned, opt.opt_state "
+        "of an NNX optimizer (after nnx.update(opt, restored)), or a "
+        "checkpoint restored with that state as its target"
+      )
+  return None
+
+
+def _rebuild(cls, node: Mapping):
+  values = {str(k): v for k, v in node.items()}
+  fields = {}
+  for f in cls._fields:
+    v = _unbox(values.get(f))
+    if isinstance(v, Mapping):  # counts per parameter path
+      v = {str(n): _unbox(c) for n, c in v.items()}
+    fields[f] = v
+  return cls(**fields)
+
+
+def _nothing_found(opt_state, caller: str) -> str:
+  kind = type(opt_state)
+  return (
+    f"lowprec.{caller} found no telemetry in the "
+    f"{kind.__module__}.{kind.__qualname__} it was given: no state of "
+    "lowprec.writeback, lowprec.freeze.reference_trace or "
+    "lowprec.freeze.decay_erasure is in it. Pass the optimizer state "
+    "that holds one: the state tx.init returned (and tx.update returns), "
+    "opt.opt_state or nnx.state(opt) of an NNX optimizer, their "
+    "to_pure_dict(), or a checkpoint of them restored with or without a "
+    "target. A writeback built with telemetry=False is found only in the "
+    "first two: a plain view keeps no counts to recognize it by"
+  )
 
 
 def telemetry(opt_state) -> dict[str, float | int]:
@@ -63,13 +180,26 @@ def telemetry(opt_state) -> dict[str, float | int]:
   This reads values to the host: call it outside `jit`. A state batched by
   `vmap` gives a list per key, one entry per ensemble member.
 
+  Args:
+    opt_state: an optax state holding `lowprec.writeback` (or reference
+      trace, decay counter) states, in any of the views in the module
+      docstring.
+
+  Returns:
+    `{name: int or float}` (lists of them for a batched state).
+
+  Raises:
+    ValueError: `opt_state` holds no such state, or holds a reference
+      trace or decay counter in a view that has lost their names; the
+      message names what was given and what to pass.
+
   Example:
     >>> opt = optax.chain(optax.adam(1e-3), lowprec.writeback("bfloat16"))
     >>> state = opt.init(params)
     >>> ...
     >>> lowprec.telemetry(state)["erased_fraction"]
   """
-  reports = [n.report() for n in _reporters(opt_state)]
+  reports = [n.report() for n in _reporters(opt_state, "telemetry")]
   return {k: _plain(v) for k, v in _merge(reports).items()}
 
 
@@ -89,8 +219,12 @@ def telemetry_arrays(opt_state) -> dict[str, jax.Array]:
     ...   return (params, state), lowprec.telemetry_arrays(state)
     >>> _, curves = jax.lax.scan(step, (params, state), grads_per_step)
     >>> curves["erased_fraction"]  # float32 [steps]
+
+  Raises:
+    ValueError: as `telemetry`.
   """
-  return _merge(n.arrays() for n in _reporters(opt_state))
+  nodes = _reporters(opt_state, "telemetry_arrays")
+  return _merge(n.arrays() for n in nodes)
 
 
 def reseed(opt_state, key: jax.Array):

@@ -15,11 +15,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from lowprec.storage import is_array
+
 
 def _widen(tree):
   def one(x):
-    if x is None:
-      return None
+    if not is_array(x):  # None, or an Equinox module's functions, floats
+      return x
     dtype = jnp.result_type(x)
     if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4:
       return jnp.asarray(x).astype(jnp.float32)
@@ -36,9 +38,10 @@ def in_float32(
   `init(params)` is `inner.init(f32(params))`, and `update(g, s, params)` is
   `inner.update(f32(g), s, f32(params))`, where `f32` widens every floating
   leaf narrower than float32 (float8, float16, bfloat16) exactly and leaves
-  the rest alone. So the inner state (Adam's moments, say) is float32 and
-  the proposals it returns are float32. No copy of the params is kept: the
-  views exist only inside each call.
+  the rest alone (leaves that are not arrays included). So the inner state
+  (Adam's moments, say) is float32 and the proposals it returns are
+  float32. No copy of the params is kept: the views exist only inside each
+  call.
 
   Place it around the transforms that come before `lowprec.writeback`:
 
@@ -52,6 +55,10 @@ def in_float32(
     An `optax.GradientTransformationExtraArgs` with the same state
     structure as `inner` would have for float32 params.
 
+  Raises:
+    TypeError: `inner` is not an optax transform (e.g. `optax.adam`, the
+      function, rather than `optax.adam(1e-3)`).
+
   Example:
     >>> p = lowprec.to_grid({"w": w}, "float8_e4m3fn", storage="native")
     >>> tx = optax.chain(lowprec.in_float32(optax.adam(1e-2)),
@@ -60,6 +67,14 @@ def in_float32(
     >>> updates, state = tx.update(jax.grad(loss)(p), state, p)
     >>> p = lowprec.apply_updates(p, updates)  # still float8_e4m3fn
   """
+  if not (hasattr(inner, "init") and hasattr(inner, "update")):
+    called = "; call the factory first" if callable(inner) else ""
+    raise TypeError(
+      "in_float32 wraps an optax transform (an object with init and "
+      "update, such as optax.adam(1e-3)), got "
+      f"{type(inner).__name__} {inner!r:.60}{called}: "
+      "lowprec.in_float32(optax.adam(1e-3))"
+    )
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):

@@ -32,8 +32,10 @@ from lowprec.formats import Format
 from lowprec.rounding import OVERFLOW_MODES, ROUNDINGS, round_and_flag
 from lowprec.storage import (
   check_on_grid,
+  check_shape,
   check_storage,
   format_lookup,
+  leaf_format,
   path_name,
 )
 
@@ -232,13 +234,19 @@ def writeback(
     An `optax.GradientTransformation` whose `update` needs `params`, stored
     as float32 holding grid values or as the format's native dtype.
     Its `init` checks concrete params and raises if any is off the grid.
+    Leaves that are not arrays (an Equinox module's functions and Python
+    numbers) need no format and are no parameters; a None update passes
+    through (as `eqx.filter_grad` gives for them), so `init` and `update`
+    take an unfiltered Equinox module as `params`.
 
   Raises:
     ValueError: unknown rounding, overflow or nonfinite mode or format; a
       random rounding without `key`; at `init`, params off their grid (call
-      `lowprec.to_grid` first), stored in a dtype that cannot hold the grid,
-      or an `intK` scale that is not a power of two; at `update`, missing
-      `params` or proposals narrower than float32.
+      `lowprec.to_grid` first), stored in a dtype that cannot hold the grid
+      (an integer or boolean array given a format among them), or an `intK`
+      scale that is not a power of two; at `update`, missing `params`, an
+      update shaped unlike its parameter, or proposals narrower than
+      float32. Each names the parameter.
 
   Example:
     >>> params = lowprec.to_grid(params, "bfloat16")  # float32 on the grid
@@ -289,7 +297,11 @@ def writeback(
         "writeback rounds w + u and needs the current params: call "
         "opt.update(updates, state, params)"
       )
-    flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
+    # None updates (Equinox's for leaves it does not differentiate) pass
+    # through, whatever the params hold there.
+    flat, treedef = jax.tree_util.tree_flatten_with_path(
+      updates, is_leaf=lambda x: x is None
+    )
     weights = treedef.flatten_up_to(params)
     new_key = step_key = None
     if random:
@@ -298,11 +310,12 @@ def writeback(
     deltas = []
     counts = {c: {} for c in _COUNTS}
     for (path, u), w in zip(flat, weights, strict=True):
-      f = _format_of(lookup, path, w)
+      f = None if u is None else _format_of(lookup, path, w)
       if f is None:
         deltas.append(u)
         continue
       name = path_name(path)
+      check_shape("writeback", name, w, u)
       _check_proposal(name, u)
       bits = None
       if random:
@@ -351,8 +364,9 @@ def _check_proposal(name: str, u) -> None:
 
 
 def _format_of(lookup, path, w) -> Format | None:
-  """The format of the parameter at `path`, checked against its storage."""
-  fmt = lookup(path)
+  """The format of the parameter at `path`, checked against its storage;
+  None for a leaf that is not an array or that the spec leaves alone."""
+  fmt = leaf_format(lookup, path, w)
   if fmt is None:
     return None
   check_storage(path_name(path), w.dtype, fmt)

@@ -3,6 +3,8 @@
   python -m scripts.plan_full_scale                 # the table (compiles)
   python -m scripts.plan_full_scale --step --config attention_reuse \
       --batch_size 2 --steps 1                      # build, step, measure
+  python -m scripts.plan_full_scale --step --config freeze_gpt2_fp8 \
+      --batch_size 4 --steps 2 --model n_layer=1,d_model=32  # tiny shapes
 
 The table: parameters, tokens and model FLOPs per step (checked against
 XLA's cost analysis), bytes per device from XLA's memory analysis, and
@@ -55,6 +57,12 @@ def main(argv=None) -> None:
     "--probe_groups", default=None, help="probe groups (name=regex,...)"
   )
   parser.add_argument(
+    "--model",
+    default="",
+    help="model.* overrides for --step, e.g. n_layer=1,d_model=32 (integers;"
+    " tiny shapes for a dry run)",
+  )
+  parser.add_argument(
     "--probe_remat",
     action="store_true",
     help="the probe's passes recompute each block (one block's activations)",
@@ -75,10 +83,22 @@ def main(argv=None) -> None:
   }
   if args.probe_remat:
     overrides["probe_remat"] = True
+  if args.model:
+    overrides["model"] = _model_overrides(parser, args.model)
   for name in names:
     result = plan.step(name, data_dir, args.steps, **overrides)
     print(plan.describe(result), file=sys.stderr, flush=True)
     print(json.dumps(result), flush=True)
+
+
+def _model_overrides(parser, text: str) -> dict[str, int]:
+  out = {}
+  for item in text.split(","):
+    key, _, value = item.partition("=")
+    if not value.strip().lstrip("-").isdigit():
+      parser.error(f"--model takes key=integer pairs, got {item!r}")
+    out[key.strip()] = int(value)
+  return out
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ under 4. Inputs are drawn with numpy seeds 0..4, draws with the stated
 """
 
 import dataclasses
+import math
 
 import jax
 import numpy as np
@@ -231,3 +232,50 @@ def test_report_and_bad_input():
   with pytest.raises(ValueError, match="no rule for use"):
     audit.predict(ATTN, "attn.probs@dv=rounded")
   assert isinstance(NORM.table[0], Requirement)
+
+
+# ---- deterministic differences: exact-different, never a z -----------------
+
+
+def test_a_constant_nonzero_difference_is_exact_different_without_a_z():
+  # Oracle by hand: 32 draws of the same difference c along 10 coordinates
+  # project to |c| * sqrt(10) on the first half's direction (which is c's
+  # own, so the projection is positive whatever the sign of c).
+  c = np.full((32, 10), 0.3)
+  rng = np.random.default_rng(0)
+  jitter = 1e-9 * rng.standard_normal(c.shape)  # float32 roundoff, 1e-8 rel
+  for d in (c, c + jitter, -c):
+    with np.errstate(all="raise"):  # no division by a zero spread
+      e = audit._estimate("w", d, 2.0)
+    assert e.deterministic and not e.exact
+    assert e.se == 0.0 and e.z == math.inf
+    assert e.bias == pytest.approx(0.3 * math.sqrt(10) / 2)
+    assert e.biased(1e300)  # at any threshold
+    assert audit._fmt_z(e) == "-" and "exact-different" in audit._fmt_bias(e)
+  # A spread above roundoff gets its z, computed as the docstring says.
+  noisy = c + 0.05 * rng.standard_normal(c.shape)
+  e = audit._estimate("w", noisy, 1.0)
+  u = noisy[:16].mean(0)
+  t = noisy[16:] @ (u / np.linalg.norm(u))
+  assert not e.deterministic
+  assert e.z == pytest.approx(t.mean() / (t.std(ddof=1) / 4.0))
+  # A difference that is all zero is exact, not exact-different.
+  assert audit._estimate("w", np.zeros((8, 3)), 1.0).exact
+
+
+def test_nearest_forward_reports_a_deterministic_bias_without_a_z():
+  # Nearest rounding: every forward draw is the same, so reading the
+  # original where the weight gradient needs the rounded value is off by
+  # one fixed amount. It is biased, printed as exact-different, no z.
+  op = ops.NormDense(out=RN8, kernel=RN8)
+  v = audit.verify(op, NORM_ORIGINAL, NORM_IN, 16, 1, jax.random.key(2))
+  assert v.agrees and v["norm.out@dw"].verdict == "biased", str(v)
+  (est,) = [
+    e for e in v["norm.out@dw"].check("original").estimates if not e.exact
+  ]
+  assert est.gradient == "kernel" and est.deterministic and est.se == 0.0
+  report = str(v)
+  row = next(r for r in report.splitlines() if r.startswith("| norm.out@dw |"))
+  assert "(exact-different) | - |" in row, row
+  assert "biased -> biased (exact-different)" in report
+  assert "inf" not in report and "e+0" not in report.split("\n\n", 1)[1]

@@ -620,7 +620,7 @@ nan = float("nan")
     ([0.2, 0.5, 0.5], 0.5, (1, "post_init")),  # >= theta
     ([nan, 0.6, nan, 0.8], 0.5, (1, "at_init")),  # no proposals: skipped
     ([0.2, nan, 0.9], 0.5, (2, "post_init")),
-    ([nan, nan], 0.5, (None, "never")),
+    ([0.9, 0.1, nan], 0.5, (None, "never")),  # a last step without any
     ([0.2, 0.3, 0.1], 0.15, (None, "never")),
     ([0.2, 0.3, 0.4], 0.15, (0, "at_init")),
   ],
@@ -633,13 +633,32 @@ nan = float("nan")
     "equal-theta",
     "nan-lead",
     "nan-gap",
-    "all-nan",
+    "nan-tail",
     "theta-never",
     "theta-at-init",
   ],
 )
 def test_crossing(curve, theta, want):
   assert freeze.crossing(curve, theta) == want
+
+
+@pytest.mark.parametrize(
+  "curve",
+  [[nan, nan], [nan], []],
+  ids=["all-nan", "one-nan", "empty"],
+)
+def test_crossing_refuses_a_curve_without_values(curve):
+  # Not "never": nothing was proposed, so nothing can be said.
+  with pytest.raises(ValueError, match="no value") as e:
+    freeze.crossing(curve)
+  assert "erased_fraction" in str(e.value)  # what to pass instead
+  with pytest.raises(ValueError, match="no value"):
+    freeze.compare(curve, curve)
+
+
+def test_crossing_refuses_infinite_entries():
+  with pytest.raises(ValueError, match="infinite entry .first at index 1"):
+    freeze.crossing([0.1, float("inf"), 0.9])
 
 
 def test_crossing_with_step_numbers():

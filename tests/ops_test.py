@@ -450,3 +450,58 @@ def test_saved_tensors_are_native_only_for_8_and_16_bit_formats(fmt, stored):
   scale = r.scale(x)
   want = np.asarray(value, np.float32) * np.asarray(scale)
   np.testing.assert_allclose(np.asarray(data, np.float32), want, rtol=1e-6)
+
+
+# ---- draws of op and op.reference (the contract in `Op.reference`) -----------
+
+N_DRAWS = 64  # draws of a 65536-element tensor, keys 0..63
+
+
+def test_op_and_reference_draw_the_same_bits_for_an_input_they_round():
+  # Dense rounds its input itself; with an identity kernel (float32) the
+  # output is the rounded input exactly, so it shows every draw.
+  op = ops.Dense(x=SR8)
+  x = _normal(11, (256, 256))
+  eye = jnp.eye(256, dtype=jnp.float32)
+  call = jax.jit(lambda x, key: op(x, eye, None, key=key))
+  ref = jax.jit(lambda x, key: op.reference(x, eye, None, key=key))
+  alone = jax.jit(lambda x, key: SR8.round(x, derive(key, "x"))[0])
+  for i in range(N_DRAWS):
+    key = jax.random.key(i)
+    # Equal values (the matmul turns a -0 into +0): equal draws, since a
+    # draw moves an element to a different grid value.
+    want = np.asarray(alone(x, key))
+    np.testing.assert_array_equal(np.asarray(call(x, key)), want)
+    np.testing.assert_array_equal(np.asarray(ref(x, key)), want)
+
+
+@pytest.mark.parametrize("ulps", [0, 4])
+def test_same_bits_on_values_a_few_ulps_apart_flip_few_elements_by_one_step(
+  ulps,
+):
+  # The values a second compiled program feeds to the rounding may differ
+  # in their last bits. With the same random bits, each element then rounds
+  # to the same grid value or to the adjacent one, the latter with
+  # probability ulps * 2**(m - 23) (m = 3 for e4m3): 16 expected flips in
+  # 64 draws of 65536 elements at 4 ulps (Poisson; asserted within 1..48),
+  # none at 0. Unscaled, normal-range values: the ulps are those rounded.
+  r = Rounding("float8_e4m3fn", "stochastic", scaled=False)
+  rng = np.random.default_rng(12)
+  mag = 2.0 ** rng.uniform(-5, 8, 65536)
+  x = (np.where(rng.random(65536) < 0.5, -1, 1) * mag).astype(np.float32)
+  y = x.view(np.uint32) + np.uint32(ulps)  # |x| grows by `ulps` ulps
+  y = y.view(np.float32)
+  rnd = jax.jit(lambda v, key: r.round(v, key)[1].data)  # float8 codes
+  flips = 0
+  for i in range(N_DRAWS):
+    key = jax.random.key(i)
+    a = np.asarray(rnd(x, key)).view(np.uint8).astype(np.int16)
+    b = np.asarray(rnd(y, key)).view(np.uint8).astype(np.int16)
+    # One code step away from zero (codes are sign-magnitude): the next
+    # grid value up in magnitude, never further.
+    assert set(np.unique(b - a)) <= {0, 1}, i
+    flips += int(np.sum(a != b))
+  if ulps == 0:
+    assert flips == 0
+  else:
+    assert 1 <= flips <= 48, flips

@@ -155,3 +155,85 @@ def test_apply_updates_takes_native_float8():
   np.testing.assert_array_equal(
     np.asarray(got, np.float32), [1.125, -2.25, 448]
   )
+
+
+# ---- leaves that are not parameters, and bad leaves ------------------------
+
+# An Equinox-like tree: arrays next to a function, a Python float and a bool.
+MIXED = {
+  "w": jnp.array([0.1, 1.06, -3.3]),
+  "act": jax.nn.gelu,
+  "eps": 1e-5,
+  "flag": True,
+  "idx": jnp.arange(3),
+}
+
+
+def test_non_array_leaves_pass_through_to_grid_and_check_on_grid():
+  rules = [("idx", None), (".*", "bfloat16")]
+  out = lowprec.to_grid(MIXED, rules)
+  # Untouched, by identity: eps is not rounded to 1.0013580322265625e-05.
+  for k in ("act", "eps", "flag", "idx"):
+    assert out[k] is MIXED[k], k
+  want = np.asarray(MIXED["w"]).astype(ml_dtypes.bfloat16).astype(np.float32)
+  np.testing.assert_array_equal(np.asarray(out["w"]), want)
+  lowprec.check_on_grid(out, rules)
+  native = lowprec.to_grid(MIXED, rules, storage="native")
+  assert native["w"].dtype == jnp.bfloat16 and native["eps"] == 1e-5
+  # Non-arrays need no rule: only the arrays' paths are looked up.
+  lowprec.check_on_grid(out, [("w", "bfloat16"), ("idx", None)])
+
+
+@pytest.mark.parametrize(
+  "call",
+  [
+    lambda t, f: lowprec.to_grid(t, f),
+    lambda t, f: lowprec.check_on_grid(t, f),
+    lambda t, f: lowprec.writeback(f).init(t),
+  ],
+  ids=["to_grid", "check_on_grid", "writeback.init"],
+)
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.bool_])
+def test_an_int_or_bool_array_with_a_format_is_refused_naming_leaf_and_fix(
+  call, dtype
+):
+  tree = {"w": jnp.zeros(3), "nested": {"count": jnp.zeros(3, dtype)}}
+  with pytest.raises(ValueError) as e:
+    call(tree, "bfloat16")
+  msg = str(e.value)
+  assert f"'nested/count' holds {np.dtype(dtype).name} values" in msg
+  # The fix, and no circular advice to convert it or call to_grid.
+  assert "(r'nested/count', None)" in msg and "eqx.filter" in msg
+  assert "to_grid" not in msg and "astype" not in msg
+  call(tree, [("nested/count", None), (".*", "bfloat16")])  # the fix works
+
+
+def test_apply_updates_passes_through_leaves_whose_update_is_none():
+  params = lowprec.to_grid(MIXED, [("idx", None), (".*", "bfloat16")])
+  params["w"] = params["w"].astype(jnp.bfloat16)
+  updates = {k: None for k in MIXED}
+  updates["w"] = jnp.array([2**-7, 0.0, 2**-5], jnp.float32)
+  out = lowprec.apply_updates(params, updates)
+  for k in ("act", "eps", "flag", "idx"):
+    assert out[k] is params[k], k
+  assert out["w"].dtype == jnp.bfloat16
+  want = np.asarray(params["w"], np.float32) + [2**-7, 0.0, 2**-5]
+  np.testing.assert_array_equal(np.asarray(out["w"], np.float32), want)
+  # As in eqx.apply_updates, a None may stand for a whole subtree.
+  nested = {"a": {"w": params["w"], "act": jax.nn.gelu}, "b": params["w"]}
+  out = lowprec.apply_updates(nested, {"a": None, "b": updates["w"]})
+  assert out["a"]["w"] is params["w"] and out["a"]["act"] is jax.nn.gelu
+  np.testing.assert_array_equal(np.asarray(out["b"], np.float32), want)
+  bad = dict(updates, eps=jnp.float32(1.0))
+  with pytest.raises(ValueError, match="'eps' is a float, not an array"):
+    lowprec.apply_updates(params, bad)
+
+
+@pytest.mark.parametrize("u_shape", [(3, 2), (), (2,)], ids=str)
+def test_apply_updates_names_the_leaf_and_both_shapes(u_shape):
+  params = {"a": {"w": jnp.zeros((2, 3))}}
+  updates = {"a": {"w": jnp.zeros(u_shape)}}
+  with pytest.raises(ValueError) as e:
+    lowprec.apply_updates(params, updates)
+  msg = str(e.value)
+  assert f"'a/w' has shape {u_shape}, the parameter (2, 3)" in msg

@@ -2,14 +2,19 @@
 
 The scan loop must give the Python loop's bits and per-step telemetry; a
 vmap ensemble, reseeded, must give each member its own random stream and
-equal, member by member, the unbatched run with that member's key.
+equal, member by member, the unbatched run with that member's key. Every
+view of an NNX optimizer's state (nnx.state, pure dicts, orbax restores
+without a target) gives the typed state's telemetry, and a state without
+telemetry is an error, never an empty dict.
 """
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
+from flax import nnx
 
 import lowprec
 
@@ -159,3 +164,161 @@ def test_reseed_leaves_nearest_states_and_structure_alone():
   assert not np.array_equal(s1.key, s2.key)
   with pytest.raises(TypeError, match=r"jax.random.key\(seed\)"):
     lowprec.reseed(s1, "seed")
+
+
+# ------------------------------------ views that have lost the state's types
+
+
+class _MLP(nnx.Module):
+  def __init__(self, rngs):
+    self.l1 = nnx.Linear(4, 8, rngs=rngs)
+    self.l2 = nnx.Linear(8, 1, rngs=rngs)
+
+  def __call__(self, x):
+    return self.l2(jax.nn.tanh(self.l1(x)))
+
+
+def _nnx_run(*tail, steps=3):
+  """An NNX model and optimizer after a few steps, write-back last."""
+  model = _MLP(nnx.Rngs(0))
+  rules = [(r".*bias", None), (r".*", FMT)]
+  nnx.update(model, lowprec.to_grid(nnx.state(model, nnx.Param), rules))
+  if not tail:
+    tail = (lowprec.writeback(rules, "stochastic", key=jax.random.key(1)),)
+  tx = optax.chain(optax.adam(1e-2), *tail)
+  opt = lowprec.nnx.Optimizer(model, tx, wrt=nnx.Param)
+  x = jax.random.normal(jax.random.key(2), (32, 4))
+
+  @nnx.jit
+  def step(model, opt):
+    grads = nnx.grad(lambda m: jnp.mean((m(x) - 1.0) ** 2))(model)
+    opt.update(model, grads)
+
+  for _ in range(steps):
+    step(model, opt)
+  return model, opt
+
+
+def _restored(tmp_path, tree):
+  ckpt = ocp.StandardCheckpointer()
+  ckpt.save(tmp_path / "state", tree)
+  ckpt.wait_until_finished()
+  out = ckpt.restore(tmp_path / "state")  # no target: dicts and lists
+  ckpt.close()
+  return out
+
+
+def test_nnx_state_pure_dicts_and_orbax_restores_give_the_same_telemetry(
+  tmp_path,
+):
+  _, opt = _nnx_run()
+  want = lowprec.telemetry(opt.opt_state)
+  # Independent oracle: the counts held in the write-back state's arrays.
+  wb = nnx.as_pure(opt.opt_state)[1]
+  assert want["steps"] == 3 == int(wb.count)
+  assert want["moved"] == sum(int(v) for v in wb.moved.values()) > 0
+  assert want["moved/l1/kernel"] == int(wb.moved["l1/kernel"])
+  state = nnx.state(opt)
+  restored = _restored(tmp_path, state)
+  assert isinstance(restored, dict)
+  assert isinstance(restored["opt_state"]["1"]["count"], dict)  # {"value"}
+  views = {
+    "nnx.state(opt)": state,
+    'nnx.state(opt)["opt_state"]': state["opt_state"],
+    "nnx.to_pure_dict(nnx.state(opt))": nnx.to_pure_dict(state),
+    'to_pure_dict of ["opt_state"]': nnx.to_pure_dict(state["opt_state"]),
+    "orbax restore of nnx.state(opt)": restored,
+    'orbax restore, ["opt_state"]': restored["opt_state"],
+  }
+  for name, view in views.items():
+    assert list(lowprec.telemetry(view).items()) == list(want.items()), name
+    arrays = lowprec.telemetry_arrays(view)
+    assert int(arrays["moved"]) == want["moved"], name
+  # Inside jit too, from the NNX state.
+  jitted = jax.jit(lowprec.telemetry_arrays)(nnx.as_pure(state))
+  assert int(jitted["erased"]) == want["erased"]
+
+
+def test_plain_optax_state_restored_without_target_gives_its_telemetry(
+  tmp_path,
+):
+  params, x, y = _problem()
+  opt = optax.chain(
+    optax.adam(1e-2),
+    lowprec.writeback(FMT),  # nearest: its key is None in the state
+    lowprec.writeback(FMT, "stochastic", key=jax.random.key(1)),
+  )
+  state = opt.init(params)
+  for t in range(3):
+    grads = jax.grad(_loss)(params, x[t], y[t])
+    updates, state = opt.update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+  want = lowprec.telemetry(state)
+  assert "moved#1" in want  # the second write-back, after the first
+  restored = _restored(tmp_path, state)
+  assert isinstance(restored, list) and isinstance(restored[1], dict)
+  _assert_same(lowprec.telemetry(restored), want)
+  # Without telemetry, the restored state keeps its None counts by name.
+  quiet = optax.chain(optax.sgd(0.1), lowprec.writeback(FMT, telemetry=False))
+  q = quiet.init(params)
+  assert lowprec.telemetry(_restored(tmp_path / "quiet", q)) == {"steps": 0}
+
+
+def test_a_restored_chain_keeps_its_order_past_ten_transforms(tmp_path):
+  params = {"w": jnp.ones(3)}
+  wbs = [lowprec.writeback(FMT) for _ in range(12)]
+  state = optax.chain(*wbs).init(params)
+  # Position 10 erases, the others do not move at all: its counts must
+  # land on key "#10" as in the typed state, not on "#2" ("10" < "2").
+  updates = [jnp.zeros(3)] * 12
+  states = list(state)
+  for i, wb in enumerate(wbs):
+    u = jnp.full(3, 1e-4) if i == 10 else updates[i]
+    _, states[i] = wb.update({"w": u}, states[i], params)
+  state = tuple(states)
+  want = lowprec.telemetry(state)
+  assert want["proposals#10"] == 3 and want["proposals#2"] == 0
+  _assert_same(lowprec.telemetry(_restored(tmp_path, state)), want)
+
+
+def _assert_same(got: dict, want: dict) -> None:
+  """Equal keys in the same order, equal values (NaN equal to NaN)."""
+  assert list(got) == list(want)
+  np.testing.assert_equal(got, want)
+
+
+def test_no_telemetry_is_an_error_naming_what_was_given(tmp_path):
+  model, opt = _nnx_run(optax.identity(), steps=1)
+  cases = [
+    (nnx.state(opt), "flax.nnx.statelib.State"),
+    (nnx.state(model, nnx.Param), "flax.nnx.statelib.State"),
+    (optax.adam(1e-2).init({"w": jnp.ones(2)}), "builtins.tuple"),
+    (_restored(tmp_path, nnx.state(opt)), "builtins.dict"),
+    ({}, "builtins.dict"),
+  ]
+  for tree, kind in cases:
+    for read in (lowprec.telemetry, lowprec.telemetry_arrays):
+      with pytest.raises(ValueError, match="found no telemetry") as e:
+        read(tree)
+      assert kind in str(e.value)
+      assert "opt.opt_state" in str(e.value)  # what to pass
+
+
+def test_a_reference_trace_seen_as_plain_arrays_is_refused_with_the_fix(
+  tmp_path,
+):
+  rules = [(r".*bias", None), (r".*", FMT)]
+  trace = lowprec.freeze.reference_trace({"t": rules})
+  _, opt = _nnx_run(trace, lowprec.writeback(rules), steps=2)
+  # The typed state reports both transforms ...
+  typed = lowprec.telemetry(opt.opt_state)
+  assert "pred/t/erased_fraction" in typed and "moved" in typed
+  # ... views without the trace's names are refused, never half-read.
+  state = nnx.state(opt)
+  for view in (state, nnx.to_pure_dict(state), _restored(tmp_path, state)):
+    with pytest.raises(ValueError, match="reference_trace at 'opt_state/1'"):
+      lowprec.telemetry(view)
+  # The fix the message names: restore into the optimizer, read its state.
+  _, fresh = _nnx_run(trace, lowprec.writeback(rules), steps=0)
+  nnx.update(fresh, state)
+  assert lowprec.telemetry(fresh.opt_state) == typed

@@ -179,3 +179,18 @@ def test_linen_native_float8_through_the_documented_step():
   grads = jax.grad(loss_fn)(state.params)
   with pytest.raises(Exception, match="promotion"):
     state.apply_gradients(grads=grads)
+
+
+@pytest.mark.parametrize(
+  "inner, called",
+  [(3, False), ("adam", False), (optax.adam, True)],
+  ids=["int", "str", "uncalled-factory"],
+)
+def test_in_float32_of_what_is_not_a_transform_is_a_type_error(inner, called):
+  with pytest.raises(TypeError, match="in_float32 wraps an optax transform"):
+    lowprec.in_float32(inner)
+  with pytest.raises(TypeError) as e:
+    lowprec.in_float32(inner)
+  assert type(inner).__name__ in str(e.value)
+  assert "lowprec.in_float32(optax.adam(1e-3))" in str(e.value)
+  assert ("call the factory first" in str(e.value)) == called

@@ -647,6 +647,44 @@ def test_errors_name_the_fix():
     lowprec.writeback(int3).init({"w": jnp.zeros(2)})
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_an_update_shaped_unlike_its_parameter_names_leaf_and_shapes(jit):
+  params = {"a": {"w": jnp.zeros((2, 3))}, "b": jnp.zeros(4)}
+  opt = lowprec.writeback("bfloat16", "stochastic", key=jax.random.key(0))
+  update = jax.jit(opt.update) if jit else opt.update
+  state = opt.init(params)
+  bad = {"a": {"w": jnp.zeros((3, 2))}, "b": jnp.zeros(4)}
+  with pytest.raises(ValueError, match=r"'a/w' has shape \(3, 2\), the "):
+    update(bad, state, params)
+  with pytest.raises(ValueError, match=r"'b' has shape \(\), the param"):
+    update({"a": {"w": jnp.zeros((2, 3))}, "b": jnp.float32(0)}, state, params)
+
+
+def test_none_updates_and_leaves_that_are_not_arrays_pass_through():
+  # An unfiltered Equinox-like tree: a function, a float, an int array.
+  params = {
+    "w": lowprec.to_grid(jnp.linspace(-1, 1, 8), "bfloat16"),
+    "act": jax.nn.relu,
+    "eps": 1e-6,
+    "idx": jnp.arange(3),
+  }
+  rules = [("idx", None), (".*", "bfloat16")]
+  opt = lowprec.writeback(rules, "stochastic", key=jax.random.key(0))
+  state = opt.init(params)
+  assert list(state.moved) == ["w"]  # the one parameter
+  updates = {"w": jnp.full(8, 0.3), "act": None, "eps": None, "idx": None}
+  deltas, state = opt.update(updates, state, params)
+  assert deltas["act"] is None and deltas["eps"] is None
+  assert deltas["idx"] is None
+  new = lowprec.apply_updates(params, deltas)
+  assert new["act"] is params["act"] and new["eps"] == 1e-6
+  lowprec.check_on_grid(new, rules)
+  assert lowprec.telemetry(state)["moved"] > 0
+  # An int array that meets a format is refused at init, naming it.
+  with pytest.raises(ValueError, match="'idx' holds int32 values"):
+    lowprec.writeback("bfloat16").init(params)
+
+
 def test_telemetry_off_keeps_only_the_step_count():
   opt = lowprec.writeback("bfloat16", telemetry=False)
   params = {"w": jnp.zeros(3)}

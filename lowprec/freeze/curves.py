@@ -41,17 +41,37 @@ def crossing(curve, theta: float = 0.5, *, steps=None):
   Returns:
     `(step, category)`, with `step` None for `never`.
 
+  Raises:
+    ValueError: a curve without any value (empty, or NaN at every step: no
+      step had a proposal, so it cannot say whether anything froze), an
+      infinite entry, or `steps` of another shape.
+
   Example:
     >>> crossing([0.1, 0.6, 0.4, 0.7, 0.9])
     (3, 'post_init')
+    >>> crossing([float("nan"), 0.6, 0.7])  # step 0 had no proposals
+    (1, 'at_init')
   """
   c = _curve(curve)
   steps = np.arange(c.size) if steps is None else np.asarray(steps)
   if steps.shape != c.shape:
     raise ValueError(f"steps has shape {steps.shape}, curve {c.shape}")
+  if np.isinf(c).any():
+    raise ValueError(
+      f"crossing: the curve has an infinite entry (first at index "
+      f"{int(np.flatnonzero(np.isinf(c))[0])}); an erased fraction lies "
+      "in [0, 1], or is NaN at a step without proposals"
+    )
   idx = np.flatnonzero(~np.isnan(c))
   if not idx.size:
-    return None, "never"
+    raise ValueError(
+      f"crossing: the curve has no value (all {c.size} entries are NaN "
+      "or it is empty): NaN marks a step without proposals, so it cannot "
+      "say whether anything froze. Pass the erased_fraction that "
+      "lowprec.telemetry logs at every step of a run with nonzero "
+      "proposals (a run whose updates all became non-finite has none: its "
+      "proposals are counted as nonfinite); leave such runs out"
+    )
   below = idx[c[idx] < theta]
   if below.size:
     after = idx[idx > below[-1]]
@@ -113,7 +133,8 @@ def compare(
     A `CellComparison`.
 
   Raises:
-    ValueError: curves of different lengths.
+    ValueError: curves of different lengths, or a curve that `crossing`
+      refuses (no value at any step, an infinite entry).
 
   Reference: the write-back freezing paper (see docs/freeze.md); crossing
   step and categories as defined there.

@@ -160,7 +160,23 @@ class Op:
 
   def reference(self, *args, key=None):
     """The forward with straight-through roundings; `jax.grad` of it is the
-    reference gradient. Same forward draws as `__call__` with the same key."""
+    reference gradient.
+
+    Draws: with the same `key`, every stochastic rounding of a saved tensor
+    uses the same random bits per element as `__call__` (keys derived from
+    `key` by the tensor's name), so it rounds equal values to equal grid
+    values. The values fed to a rounding are computed by each program:
+    where they are the operator's input itself (`Dense`'s and
+    `Activation`'s `x`) the rounded tensors are equal bit for bit, in any
+    program. Where the forward computes them (softmax probabilities, a
+    norm's output, attention's output), two separately compiled programs
+    may evaluate them in another order and differ in their last bits; an
+    element that close to its rounding threshold then rounds to the
+    adjacent grid value instead (one grid step apart, never more). For a
+    difference of `k` float32 ulps that happens to about `k * 2**(m - 23)`
+    of the elements, `m` the format's mantissa bits (1e-6 per ulp for
+    e4m3: a few elements in some draws of a 65k-element tensor).
+    """
     if key is None and self._needs_forward_key():
       raise ValueError(f"{self.name} rounds stochastically: pass key=...")
     keys = dict(self._forward_keys(key), backward=None)
