@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from lowprec import audit, ops
+from lowprec.audit import report as audit_report
 from lowprec.ops.requirements import Requirement
 
 SR8 = ops.Rounding("float8_e4m3fn", "stochastic")
@@ -246,21 +247,22 @@ def test_a_constant_nonzero_difference_is_exact_different_without_a_z():
   jitter = 1e-9 * rng.standard_normal(c.shape)  # float32 roundoff, 1e-8 rel
   for d in (c, c + jitter, -c):
     with np.errstate(all="raise"):  # no division by a zero spread
-      e = audit._estimate("w", d, 2.0)
+      e = audit_report.estimate("w", d, 2.0)
     assert e.deterministic and not e.exact
     assert e.se == 0.0 and e.z == math.inf
     assert e.bias == pytest.approx(0.3 * math.sqrt(10) / 2)
     assert e.biased(1e300)  # at any threshold
-    assert audit._fmt_z(e) == "-" and "exact-different" in audit._fmt_bias(e)
+    assert audit_report.fmt_z(e) == "-"
+    assert "exact-different" in audit_report.fmt_bias(e)
   # A spread above roundoff gets its z, computed as the docstring says.
   noisy = c + 0.05 * rng.standard_normal(c.shape)
-  e = audit._estimate("w", noisy, 1.0)
+  e = audit_report.estimate("w", noisy, 1.0)
   u = noisy[:16].mean(0)
   t = noisy[16:] @ (u / np.linalg.norm(u))
   assert not e.deterministic
   assert e.z == pytest.approx(t.mean() / (t.std(ddof=1) / 4.0))
   # A difference that is all zero is exact, not exact-different.
-  assert audit._estimate("w", np.zeros((8, 3)), 1.0).exact
+  assert audit_report.estimate("w", np.zeros((8, 3)), 1.0).exact
 
 
 def test_nearest_forward_reports_a_deterministic_bias_without_a_z():

@@ -147,7 +147,7 @@ class Reader:
 
   def _backward_value(self, use, tensor, r, t):
     overrides = self._state.get("overrides") or {}
-    if use in overrides:  # lowprec.derive's midpoint reads
+    if use in overrides:  # lowprec.audit.derive's midpoint reads
       value = overrides[use]
       return _straight(t, value(t) if callable(value) else value)
     kept = self._state["kept"][tensor]
@@ -171,7 +171,8 @@ class Reader:
     choices = self._state.get("choices")
     if choices is None or isinstance(v, str):
       return _straight(t, per_value(v, value))
-    # A traced index into VALUES, restricted to `choices` (lowprec.derive).
+    # A traced index into VALUES, restricted to `choices`
+    # (lowprec.audit.derive).
     which = [v == VALUES.index(c) for c in choices]
     return _straight(t, jnp.select(which, [value(c) for c in choices]))
 

@@ -9,7 +9,7 @@ what the hand-written tables of the built-in operators state:
                 of `op.reference`). Every combination of `rounded` and
                 `original` over the uses is tried on a few forward draws;
                 exactly one must reproduce the reference (up to float32
-                reassociation, `audit.ROUNDOFF` of the gradient's scale).
+                reassociation, `ROUNDOFF` of the gradient's scale).
   feeds         the inputs whose gradients change when the use's read flips
                 between `rounded` and `original`.
   linear        whether those gradients are affine in the value read: the
@@ -46,7 +46,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowprec import audit
+from lowprec.audit import predict as predict_lib
+from lowprec.audit import report
+from lowprec.audit import verify as verify_lib
+from lowprec.audit.report import ROUNDOFF
 from lowprec.ops.base import KEEP_ALL
 from lowprec.ops.custom import Custom
 from lowprec.ops.requirements import Requirement
@@ -84,7 +87,7 @@ class Derivation:
   op: Custom  # the operator carrying `table`
   table: tuple[Requirement, ...]
   evidence: tuple[Evidence, ...]
-  verification: audit.Verification | None  # of the reference policy
+  verification: verify_lib.Verification | None  # of the reference policy
 
   @property
   def agrees(self) -> bool:
@@ -110,13 +113,13 @@ class Derivation:
   def __str__(self) -> str:
     head = ("use", "must read", "admissible", "linear", "feeds",
             "storage only")  # fmt: skip
-    pred = audit.predict(self.op, self.op.reference_policy)
+    pred = predict_lib.predict(self.op, self.op.reference_policy)
     rows = [
       (r.use, r.must_read, "/".join(pred[r.use].admissible),
        _yes_no(r.linear), ", ".join(r.feeds), _yes_no(r.storage_only))
       for r in self.table
     ]  # fmt: skip
-    text = f"{self.op.name}: derived requirements\n\n" + audit._table(
+    text = f"{self.op.name}: derived requirements\n\n" + report.table(
       head, rows
     )
     v = self.verification
@@ -185,7 +188,7 @@ def derive(
   )
   # diffs[f, combo, input]: relative max difference from the reference.
   worst = diffs.max(axis=(0, 2))
-  exact = [c for c, d in zip(combos, worst, strict=True) if d <= audit.ROUNDOFF]
+  exact = [c for c, d in zip(combos, worst, strict=True) if d <= ROUNDOFF]
   if len(exact) != 1:
     raise ValueError(_ambiguous(op, combos, worst, exact))
   best = exact[0]
@@ -202,11 +205,9 @@ def derive(
     tensor = op.tensor_of(use)
     must = VALUES[best[i]]
     # Below ROUNDOFF the flip is float32 reassociation, not a dependence.
-    feeds = tuple(
-      n for n, d in zip(names, other, strict=True) if d > audit.ROUNDOFF
-    )
+    feeds = tuple(n for n, d in zip(names, other, strict=True) if d > ROUNDOFF)
     nonlin = float(mids[:, i].max())
-    linear = nonlin <= audit.ROUNDOFF
+    linear = nonlin <= ROUNDOFF
     storage_only = bool(storage[:, op.tensors.index(tensor)].all())
     d_other = float(other.max())
     evidence.append(
@@ -231,7 +232,7 @@ def derive(
   out = op.with_table(table)
   if n_forward == 0:
     return Derivation(out, tuple(table), tuple(evidence), None)
-  verification = audit.verify(
+  verification = verify_lib.verify(
     out,
     out.reference_policy,
     inputs,
@@ -253,7 +254,7 @@ def _loss(op, loss, inputs, loss_key):
   if loss is not None:
     return loss
   values = ("original",) * len(op.uses)  # the output ignores the policy
-  return audit._default_loss(op, values, inputs, loss_key)
+  return verify_lib.default_loss(op, values, inputs, loss_key)
 
 
 def _setup(op, loss, inputs, kf):

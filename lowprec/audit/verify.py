@@ -1,189 +1,29 @@
-"""Predict, then verify by Monte Carlo, what a policy does to the mean gradient.
-
-`predict(op, policy)` reads the operator's requirements table: for each use,
-whether the value the policy reads is the one the reference gradient reads
-(`exact`), an admissible substitute (`unbiased`), or neither (`biased`), and
-whether reusing the forward's draw differs on average from an independent
-copy.
-
-`verify(op, policy, inputs, n_forward, n_backward, key)` measures the same
-things on one operator, without training. It draws `n_forward` forward keys
-and, for each, `n_backward` backward keys (fresh reads, gradient rounding).
-Per forward key the forward runs once, and every variant's backward reads
-its residuals, so the forward is held fixed exactly:
-
-  reference      the must-read value for every use, no gradient rounding
-                 (checked against `jax.grad` of the straight-through
-                 forward: `reference_error`);
-  use u as v     every use reads its reference value except u, which reads
-                 v; for every use and every value, so the bias is attributed
-                 to one use and the whole requirements table is checked;
-  reuse vs copy  u read as `rounded` minus u read as an independent copy;
-  total          the whole policy.
-
-Gradients flow from a fixed loss of the output. The default,
-`0.5 |y - y0|^2 + <c, y>` with `y0` the output with rounding off and `c`
-along `y0` with the norm of one draw's rounding error, makes the downstream
-gradient depend on the forward's draw (so reuse shows) and have a nonzero
-mean (so a deterministic error shows).
-
-For each variant and each input's gradient, the per-forward differences
-`d_f` from the reference (averaged over the backward draws) are tested for
-mean zero by a split-sample projection: the first half of the forward draws
-estimates the direction `u` of the mean, the second half gives
-`t_f = <d_f, u> / |u|`, and `z = mean(t) / se(t)` is standard normal under
-no bias, whatever `u` is. Biases and standard errors are reported relative
-to the root-mean-square norm of the reference gradient. A difference that is
-zero for every draw is `exact`; one that is the same nonzero value for every
-draw (no spread: a deterministic bias, as under nearest rounding) is
-`biased` and reported as exact-different, with no z (there is no standard
-error to divide by); `|z| >= z_threshold` is `biased`; otherwise
-`unbiased`. With stochastic gradient rounding nothing is exact, so `exact`
-predictions are compared as `unbiased`.
-
-Example:
-  >>> fp8 = ops.Rounding("float8_e4m3fn", "stochastic")
-  >>> op = ops.Attention(probs=fp8, out=fp8)
-  >>> pol = "attn.probs@.*=rounded,attn.out@delta=rounded"  # reuse
-  >>> print(predict(op, pol))
-  >>> v = verify(op, pol, (q, k, v), 512, 1, jax.random.key(0))
-  >>> v.agrees, print(v)
-
-Reference: "Backward-State Policy Is Part of the Learning Algorithm" (2026).
-"""
+"""Monte Carlo verification of a policy on one operator (`verify`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowprec.ops import requirements as req_lib
+from lowprec.audit.predict import classify, predict
+from lowprec.audit.report import (
+  Estimate,
+  estimate,
+  fmt_bias,
+  fmt_error,
+  fmt_z,
+  strongest,
+  table,
+  yes_no,
+)
 from lowprec.ops.base import KEEP_ALL, Op
 from lowprec.ops.saved import Rounding
-from lowprec.policy import VALUES, Policy
-
-# ---- prediction --------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class UsePrediction:
-  """The predicted effect of one use's read on the mean gradient."""
-
-  use: str
-  value: str  # what the policy reads
-  must_read: str  # what the reference reads
-  kind: str  # how the tensor's rounded value is produced
-  verdict: str  # "exact", "unbiased" or "biased"
-  admissible: tuple[str, ...]  # values that are exact or unbiased here
-  reuse_differs: bool | None  # rounded vs an independent copy; None: no copy
-
-
-@dataclasses.dataclass(frozen=True)
-class Prediction:
-  """`predict`'s answer: one `UsePrediction` per use of the operator."""
-
-  op: str
-  policy: str
-  uses: tuple[UsePrediction, ...]
-
-  @property
-  def biased(self) -> tuple[str, ...]:
-    """The uses whose read changes the mean gradient."""
-    return tuple(u.use for u in self.uses if u.verdict == "biased")
-
-  def __getitem__(self, use: str) -> UsePrediction:
-    return next(u for u in self.uses if u.use == use)
-
-  def __str__(self) -> str:
-    rows = [
-      (u.use, u.value, u.must_read, "/".join(u.admissible), u.verdict,
-       _yes_no(u.reuse_differs))
-      for u in self.uses
-    ]  # fmt: skip
-    head = ("use", "reads", "must read", "admissible", "predicted",
-            "reuse differs")  # fmt: skip
-    return f"{self.op}: {self.policy}\n" + _table(head, rows)
-
-
-def _classify(op: Op, req, value: str) -> str:
-  """`requirements.classify` of reading `value` for `req.use` on `op`."""
-  return req_lib.classify(
-    req, op.produces(req, value), op.produces(req, req.must_read)
-  )
-
-
-def predict(op: Op, policy) -> Prediction:
-  """Predicts, from the requirements table, which uses bias the mean gradient.
-
-  Args:
-    op: a configured operator (e.g. `ops.Attention(probs=..., out=...)`); its
-      roundings decide which values coincide (no rounding: all of them;
-      nearest: `rounded` and `nearest`).
-    policy: a `Policy` or anything `Policy.parse` takes.
-
-  Returns:
-    A `Prediction`; `str()` of it is a table.
-
-  Raises:
-    ValueError: the policy does not cover the operator's uses.
-
-  Example:
-    >>> op = ops.NormDense(out="float8_e4m3fn:stochastic")
-    >>> predict(op, "norm.out@.*=original,dense.kernel@dx=rounded").biased
-    ('norm.out@dw',)
-  """
-  if not isinstance(op, Op):
-    raise TypeError(f"expected an operator from lowprec.ops, got {op!r}")
-  values = op.resolve(policy)
-  out = []
-  for req, value in zip(op.table, values, strict=True):
-    verdicts = {v: _classify(op, req, v) for v in VALUES}
-    copy = op.copy_value(req.tensor)
-    differs = req_lib.reuse_differs(
-      op.produces(req, "rounded"),
-      None if copy is None else op.produces(req, copy),
-    )
-    admissible = tuple(v for v in VALUES if verdicts[v] != "biased")
-    out.append(
-      UsePrediction(req.use, value, req.must_read, op.kind(req.tensor),
-                    verdicts[value], admissible, differs)
-    )  # fmt: skip
-  return Prediction(op.name, str(Policy.parse(policy)), tuple(out))
-
-
-# ---- verification ------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Estimate:
-  """Mean difference of one input's gradient from its baseline.
-
-  `bias` and `se` are along the split-sample direction, relative to the
-  root-mean-square norm of that input's reference gradient; `z = bias / se`.
-  `exact`: the difference was zero for every forward draw (up to float32
-  reassociation roundoff, `ROUNDOFF` relative to the gradient's scale).
-  `deterministic` ("exact-different"): it was the same nonzero value for
-  every draw, up to that roundoff; then `se` is 0 and `z` is +-inf, as
-  no z is computed, and the difference is biased at any threshold.
-  """
-
-  gradient: str
-  bias: float
-  se: float
-  z: float
-  exact: bool
-  deterministic: bool = False
-
-  def biased(self, z_threshold: float) -> bool:
-    if self.exact:
-      return False
-    return self.deterministic or abs(self.z) >= z_threshold
+from lowprec.policy import VALUES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,12 +98,12 @@ class Verification:
     for u in self.uses:
       reuse = "-"
       if u.reuse is not None:
-        top = _strongest(u.reuse)
-        reuse = f"{_yes_no(u.reuse_predicted)} / {_yes_no(u.reuse_verdict)}"
+        top = strongest(u.reuse)
+        reuse = f"{yes_no(u.reuse_predicted)} / {yes_no(u.reuse_verdict)}"
         if top.deterministic:
           reuse += " (exact-different)"
         elif not top.exact:
-          reuse += f" (z={_fmt_z(top)})"
+          reuse += f" (z={fmt_z(top)})"
       ests = u.check(u.value).estimates
       rows.append(_row(u.use, u.value, u.predicted, u.verdict, ests, reuse))
     rows.append(
@@ -279,11 +119,11 @@ class Verification:
       f"{self.op}: {self.policy}\n"
       f"n_forward={self.n_forward}, n_backward={self.n_backward}, biased "
       f"when |z| >= {self.z_threshold:g}; reference gradient vs autodiff "
-      f"of the straight-through forward: {_fmt_error(self.reference_error)}; "
+      f"of the straight-through forward: {fmt_error(self.reference_error)}; "
       f"agrees with prediction: {self.agrees}\n\n"
-      + _table(head, rows)
+      + table(head, rows)
       + "\n\nEvery value of every use (predicted -> verified):\n\n"
-      + _table(("use", *VALUES), every)
+      + table(("use", *VALUES), every)
     )
 
 
@@ -366,7 +206,7 @@ def verify(
 
   def estimates(d):
     return tuple(
-      _estimate(n, np.asarray(x, np.float64), s)
+      estimate(n, np.asarray(x, np.float64), s)
       for n, x, s in zip(names, d, scale, strict=True)
     )
 
@@ -381,7 +221,7 @@ def verify(
     checks = []
     for v in VALUES:
       ests = estimates(diffs[table.index(_replace(ref_values, i, v))])
-      predicted = _noisy(_classify(op, req, v), op)
+      predicted = _noisy(classify(op, req, v), op)
       checks.append(ValueCheck(v, predicted, verdict(ests), ests))
     reuse = reuse_v = None
     if u.reuse_differs is not None:
@@ -410,7 +250,7 @@ def verify(
   )  # fmt: skip
 
 
-def _default_loss(op: Op, values, inputs, key):
+def default_loss(op: Op, values, inputs, key):
   """`0.5 |y - y0|^2 + <c, y>`: `y0` the unrounded output, `c` along `y0`
   with the norm of one draw's rounding error `y1 - y0` (`c = y0` when the
   output does not depend on the rounding)."""
@@ -438,7 +278,7 @@ def _program(
   if hasattr(op, "grad"):
     ref_op = dataclasses.replace(op, grad=Rounding())
   if loss is None:
-    loss = _default_loss(op, ref_values, inputs, loss_key)
+    loss = default_loss(op, ref_values, inputs, loss_key)
   present = [i for i, x in enumerate(inputs) if x is not None]
   # Every variant runs through one traced backward: the reads are indices
   # into VALUES (see `ops.base.per_value`), vmapped over the variants. The
@@ -493,86 +333,20 @@ def _replace(values: tuple, i: int, value: str) -> tuple:
   return values[:i] + (value,) + values[i + 1 :]
 
 
-# Two float32 evaluations of the same gradient that XLA fuses or sums in a
-# different order differ by reassociation roundoff; below this size relative
-# to the reference gradient's scale a difference counts as none.
-ROUNDOFF = 1e-5
-
-
-def _estimate(name, d, scale) -> Estimate:
-  """Split-sample projected mean of per-forward differences `d[f, ...]`."""
-  if not np.any(d) or np.max(np.abs(d)) <= ROUNDOFF * scale:
-    return Estimate(name, 0.0, 0.0, 0.0, True)
-  x = d.reshape(d.shape[0], -1)
-  half = x.shape[0] // 2
-  u = x[:half].mean(0)
-  un = np.linalg.norm(u)
-  t = x[half:] @ (u / un) if un > 0 else np.zeros(x.shape[0] - half)
-  mean = float(t.mean())
-  roundoff = ROUNDOFF * max(scale, abs(mean))
-  if np.max(np.abs(t - mean)) <= roundoff:
-    # The same value at every draw: a z would divide by roundoff.
-    if abs(mean) <= roundoff:  # and that value is none along `u`
-      return Estimate(name, mean / scale, 0.0, 0.0, False)
-    inf = math.copysign(math.inf, mean)
-    return Estimate(name, mean / scale, 0.0, inf, False, deterministic=True)
-  se = float(t.std(ddof=1) / math.sqrt(t.size))
-  return Estimate(name, mean / scale, se / scale, mean / se, False)
-
-
 def _row(use, value, predicted, verdict, ests, reuse) -> tuple:
-  top = _strongest(ests)
+  top = strongest(ests)
   grad = "-" if top.exact else top.gradient
-  return (use, value, predicted, verdict, grad, _fmt_bias(top), _fmt_z(top),
+  return (use, value, predicted, verdict, grad, fmt_bias(top), fmt_z(top),
           reuse)  # fmt: skip
 
 
-def _strongest(ests) -> Estimate:
-  return max(ests, key=lambda e: (not e.exact, e.deterministic, abs(e.z)))
-
-
-def _fmt_bias(e: Estimate) -> str:
-  if e.exact:
-    return "0 (exact)"
-  if e.deterministic:
-    return f"{e.bias:+.1e} (exact-different)"
-  return f"{e.bias:+.1e} ± {e.se:.1e}"
-
-
-def _fmt_z(e: Estimate) -> str:
-  if e.exact or e.deterministic:
-    return "-"
-  return f"{e.z:+.1f}" if abs(e.z) < 1e4 else f"{e.z:+.1e}"
-
-
 def _fmt_check(c: ValueCheck) -> str:
-  top = _strongest(c.estimates)
+  top = strongest(c.estimates)
   if top.exact:
     z = ""
   elif top.deterministic:
     z = " (exact-different)"
   else:
-    z = f" (z={_fmt_z(top)})"
+    z = f" (z={fmt_z(top)})"
   mark = "" if c.agrees else " MISMATCH"
   return f"{c.predicted} -> {c.verdict}{z}{mark}"
-
-
-def _fmt_error(e: float) -> str:
-  # Below ROUNDOFF the digits are float32 reassociation, which differs
-  # between CPUs and compilers: print the bound instead.
-  return f"< {ROUNDOFF:.0e} (roundoff)" if e < ROUNDOFF else f"{e:.1e}"
-
-
-def _yes_no(b) -> str:
-  return "-" if b is None else ("yes" if b else "no")
-
-
-def _table(head, rows) -> str:
-  """A Markdown table."""
-  lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-  lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
-  return "\n".join(lines)
-
-
-# Derivation builds on predict and verify, so it is imported last.
-from lowprec.derive import Derivation, Evidence, derive  # noqa: E402, F401
