@@ -217,9 +217,10 @@ def test_step_without_proposals_does_not_count_as_unfrozen(tmp_path):
 def test_grid_table_counts_crossings_span_and_categories(tmp_path):
   root = str(tmp_path)
   n = 40
-  # (predicted crossing, measured crossing): within 15%, outside, and a
-  # category disagreement (at_init predicted, post-init measured).
-  cells = {"a": (10, 11), "b": (20, 30), "c": (1, 4)}
+  # (predicted crossing, measured crossing): within 15%, outside, a
+  # category disagreement (at_init predicted, post-init measured), and two
+  # measured at step 2 (the first post-init step), one predicted there.
+  cells = {"a": (10, 11), "b": (20, 30), "c": (1, 4), "d": (2, 2), "e": (3, 2)}
   for i, (name, (p, m)) in enumerate(cells.items()):
     arm = f"ref_{name}"
     _reference(root, "g", "e8m3", _curve(n, p), arm=arm)
@@ -235,11 +236,13 @@ def test_grid_table_counts_crossings_span_and_categories(tmp_path):
     )
   rows, lines = tables.ANALYSES["grid"](tables.load_runs(root, "g"))
   text = "\n".join(lines)
-  assert [r["width"] for r in rows] == [8, 16, 24]
-  assert "post-init crossings: 2/3" in text
-  assert "span 3x (step 11 to 30)" in text
-  assert "within 15%: 1/2" in text
-  assert "categories differ: 1/3" in text
+  assert [r["width"] for r in rows] == [8, 16, 24, 32, 40]
+  assert "post-init crossings: 4/5" in text
+  assert "steps span 15x (step 2 to 30)" in text
+  assert "measured crossing at step 2: 2/4 (predicted at step 2: 1/4)" in text
+  assert "crossings after step 2: 2/4, spanning 3x (step 11 to 30)" in text
+  assert "within 15%: 2/4" in text
+  assert "categories differ: 1/5" in text
   by = {r["cell"]: r for r in rows}
   assert by["a"]["error_steps"] == -1 and by["a"]["within_tol"]
   assert by["b"]["error_steps"] == -10 and not by["b"]["within_tol"]
@@ -478,6 +481,9 @@ def test_grid_smoke_makes_its_table(tmp_path):
   _, md = _smoke("freeze_grid", tmp_path)
   assert "cells with predicted and measured post-init crossings: " in md
   assert "categories differ" in md
+  assert re.search(r"measured crossing at step 2: \d+/\d+ \(predicted", md)
+  assert "measured crossings after step 2: " in md
+  assert "freeze_grid.png" in os.listdir(tmp_path / "freeze_grid" / "tables")
 
 
 @pytest.mark.slow

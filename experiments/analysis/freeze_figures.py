@@ -67,9 +67,14 @@ def crossing_scatter(study, results="results", out=None, group=None) -> str:
     ax.set_yscale("log")
     ax.legend(fontsize=7)
   cats = [r.get("category_agrees") for r in rows]
+  steps = [m for _, _, m in pts]
+  late = [m for m in steps if m > fa.EARLY_STEP]
   ax.set_title(
     f"{study}: {len(pts)}/{len(rows)} cells post-init in both; "
-    f"{sum(not c for c in cats if c is not None)} categories differ",
+    f"{sum(not c for c in cats if c is not None)} categories differ\n"
+    f"measured span {fa.span(steps) or 'n/a'}; "
+    f"{len(steps) - len(late)} at step {fa.EARLY_STEP}, the rest span "
+    f"{fa.span(late) or 'n/a'}",
     fontsize=8,
   )
   ax.set_xlabel("measured crossing step")
