@@ -305,52 +305,92 @@ def test_recovery_table_per_seed_means_and_ratio(tmp_path):
   assert "full SR / dead-zone SR: 0.8500 / 0.9000" in text
   assert "ratio dead-zone / full: 1.0588" in text
   assert "mean 0.7500 nats over 2 seeds" in text
+  assert "above 1 (the stochastic run ends below fp32): full SR 0/2" in text
+  # Matched seeds: dead-zone minus full SR, +0.1 and -0.1 nats.
+  d = [rows[0]["deadzone_minus_full_sr"], rows[1]["deadzone_minus_full_sr"]]
+  assert d == pytest.approx([0.1, -0.1])
+  sd = np.std([0.1, -0.1], ddof=1)
+  assert (
+    "dead-zone minus full SR, final val loss per matched seed: +0.1000, "
+    f"-0.1000 nats; mean +0.0000, sd {sd:.4f} (2 seeds); negative "
+    "(dead-zone lower) in 1/2 seeds, positive in 1/2" in text
+  )
 
 
-def test_replay_table_losses_per_checkpoint(tmp_path):
+def _replay_run(root, arm, start, rounding, v0, v1, **lowprec):
+  _run_dir(
+    root,
+    "r",
+    arm,
+    0,
+    {
+      "lowprec": {"writeback": "int3", "rounding": rounding, **lowprec},
+      "train": {
+        "steps": 3,
+        "init_from_arm": "fp32_reference",
+        "init_from_step": start,
+      },
+      "model": {"vocab_size": 256},
+    },
+    [{"step": 0, "val_loss": v0}, {"step": 3, "val_loss": v1}],
+  )
+
+
+def test_replay_table_relative_reduction_and_sr_minus_rn(tmp_path):
   root = str(tmp_path)
   ref = [{"step": s, "val_loss": 5.0 - s / 10} for s in range(0, 11)]
   _run_dir(root, "r", "fp32_reference", 0, {}, ref)
   for start, rounding, (v0, v1) in (
     (2, "stochastic", (6.0, 4.5)),
+    (2, "nearest", (6.0, 5.7)),
     (4, "stochastic", (5.0, 4.0)),
     (4, "nearest", (5.0, 5.0)),
   ):
-    arm = f"{rounding}_{start}"
-    _run_dir(
-      root,
-      "r",
-      arm,
-      0,
-      {
-        "lowprec": {"writeback": "int3", "rounding": rounding},
-        "train": {
-          "steps": 3,
-          "init_from_arm": "fp32_reference",
-          "init_from_step": start,
-        },
-      },
-      [{"step": 0, "val_loss": v0}, {"step": 3, "val_loss": v1}],
-    )
+    _replay_run(root, f"{rounding}_{start}", start, rounding, v0, v1)
+  # A second quantizer, one step for the model: only a stochastic replay.
+  _replay_run(root, "m_4", 4, "stochastic", 5.5, 2.75, int_scale_scope="model")
   rows, lines = tables.ANALYSES["replay"](tables.load_runs(root, "r"))
-  assert [(r["checkpoint"], r["rounding"]) for r in rows] == [
-    (2, "stochastic"),
-    (4, "stochastic"),
-    (4, "nearest"),
+  assert [(r["quantizer"], r["checkpoint"]) for r in rows] == [
+    ("one step for the model", 4),
+    ("per tensor", 2),
+    ("per tensor", 4),
   ]
-  first = rows[0]
+  first = rows[1]
   assert first["fp32_at_checkpoint"] == pytest.approx(4.8)
-  assert first["after_quantizing"] == 6.0 and first["after_3_steps"] == 4.5
-  assert first["change"] == pytest.approx(-1.5)
-  assert first["change_pct"] == pytest.approx(-0.25)
+  assert first["after_quantizing"] == 6.0
+  assert first["start_over_uniform"] == pytest.approx(6.0 / np.log(256))
+  assert first["stochastic_final"] == 4.5 and first["nearest_final"] == 5.7
+  assert first["stochastic_change"] == pytest.approx(-1.5)
+  assert first["stochastic_reduction"] == pytest.approx(0.25)
+  assert first["nearest_reduction"] == pytest.approx(0.05)
+  assert first["sr_minus_rn"] == pytest.approx(-1.2)
+  assert first["sr_minus_rn_rel"] == pytest.approx(-0.2)
   assert first["fp32_same_data_step"] == pytest.approx(4.5)
-  assert rows[2]["change"] == 0
+  assert rows[2]["nearest_change"] == 0 and rows[2]["sr_minus_rn"] == -1.0
+  model = rows[0]
+  assert model["stochastic_reduction"] == pytest.approx(0.5)
+  assert model["nearest_final"] is None and model["sr_minus_rn"] is None
   text = "\n".join(lines)
   assert (
-    "stochastic write-back, 2 checkpoint(s): validation-loss change "
-    "-1.5000 to -1.0000 nats (mean -1.2500, -22.50%)" in text
+    "- per tensor, stochastic write-back, 2 checkpoint(s): relative "
+    "reduction 20.00% to 25.00% (mean 22.50%); change -1.5000 to -1.0000 "
+    "(mean -1.2500) nats" in text
   )
-  assert "nearest write-back, 1 checkpoint(s)" in text
+  assert (
+    "- per tensor, nearest write-back, 2 checkpoint(s): relative reduction "
+    "0.00% to 5.00% (mean 2.50%)" in text
+  )
+  assert (
+    "- per tensor, stochastic minus nearest final val loss, 2 "
+    "checkpoint(s): -1.2000 to -1.0000 (mean -1.1000) nats; -20.00% to "
+    "-20.00% (mean -20.00%) of the start" in text
+  )
+  assert (
+    "- one step for the model, stochastic write-back, 1 checkpoint(s): "
+    "relative reduction 50.00% to 50.00%" in text
+  )
+  assert "- one step for the model: start / ln V 0.992 to 0.992" in text
+  assert "69.71%" in text
 
 
 def test_audit_table_rmse_skill_and_template(tmp_path):
@@ -498,6 +538,16 @@ def test_slow_smoke_study_makes_its_table(name, tmp_path):
     "deadzone_vs_sr": "mean recovery, full SR / dead-zone SR",
   }[name]
   assert expect in md
+  if name == "deadzone_vs_sr":
+    rows = list(
+      csv.DictReader(open(tmp_path / name / "tables" / f"{name}.csv"))
+    )
+    d = float(rows[0]["deadzone_minus_full_sr"])
+    want = float(rows[0]["val_loss_deadzone"]) - float(
+      rows[0]["val_loss_stochastic"]
+    )
+    assert d == pytest.approx(want)
+    assert f"per matched seed: {d:+.4f} nats" in md
 
 
 @pytest.mark.slow

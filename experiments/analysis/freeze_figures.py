@@ -19,6 +19,7 @@ import numpy as np  # noqa: E402
 
 from experiments.analysis import freeze_panels  # noqa: E402
 from experiments.analysis import freeze_tables as fa  # noqa: E402
+from experiments.analysis import writeback_tables as wt  # noqa: E402
 from experiments.analysis.runs import load_runs  # noqa: E402
 from lowprec import freeze  # noqa: E402
 
@@ -88,12 +89,10 @@ def transfer_scatter(study, results="results", out=None) -> str:
   )
 
 
-def val_curves(study, results="results", out=None) -> str:
+def _val_panel(ax, runs, title: str) -> None:
   """Validation loss vs step of every arm (one colour per arm, a line per
   seed)."""
-  runs = load_runs(results, study)
   arms = list(dict.fromkeys(r.arm for r in runs))
-  fig, ax = plt.subplots(figsize=(6, 4))
   for i, arm in enumerate(arms):
     for j, run in enumerate(r for r in runs if r.arm == arm):
       s, v = _val(run)
@@ -102,7 +101,37 @@ def val_curves(study, results="results", out=None) -> str:
   ax.set_ylabel("validation loss")
   _zoom(ax, [_val(r)[1] for r in runs])
   ax.legend(fontsize=8)
-  ax.set_title(study, fontsize=9)
+  ax.set_title(title, fontsize=9)
+
+
+def recovery_figure(study, results="results", out=None) -> str:
+  """Validation loss of every arm; beside it, the matched-seed difference
+  dead-zone minus full SR of the final validation loss, per seed, with
+  its mean and +-1 sd."""
+  runs = load_runs(results, study)
+  rows, _ = wt.recovery_table(runs)
+  fig, (ax, dx) = plt.subplots(
+    1, 2, figsize=(10, 4), gridspec_kw={"width_ratios": [3, 2]}
+  )
+  _val_panel(ax, runs, study)
+  pts = [(r["seed"], r["deadzone_minus_full_sr"]) for r in rows]
+  pts = [(s, d) for s, d in pts if d is not None]
+  if pts:
+    seeds, d = zip(*pts, strict=True)
+    x = np.arange(len(d))
+    dx.bar(x, d, color=["C2" if v < 0 else "C3" for v in d])
+    dx.set_xticks(x, [f"seed {s}" for s in seeds])
+    m = float(np.mean(d))
+    sd = float(np.std(d, ddof=1)) if len(d) > 1 else 0.0
+    dx.axhline(m, color="k", lw=1)
+    dx.axhspan(m - sd, m + sd, color="grey", alpha=0.2)
+    neg = sum(v < 0 for v in d)
+    dx.set_title(
+      f"mean {m:+.4f}, sd {sd:.4f}; negative in {neg}/{len(d)} seeds",
+      fontsize=9,
+    )
+  dx.axhline(0, color="grey", lw=0.5)
+  dx.set_ylabel("L dead-zone SR - L full SR (nats)")
   return _save(fig, study, results, out)
 
 
@@ -292,7 +321,7 @@ PLOTS = {
   "freeze_gpt2_fp8": fp8_panels,
   "freeze_grid": crossing_scatter,
   "freeze_transfer": transfer_scatter,
-  "deadzone_vs_sr": val_curves,
+  "deadzone_vs_sr": recovery_figure,
   "int3_replay": replay_curves,
   "e4m3_audit": audit_curves,
   "freeze_user_reports": user_reports_panels,
