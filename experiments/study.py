@@ -22,6 +22,7 @@ from experiments import (
   ledger,
   models,
   operator_checks,
+  optim,
   tasks,
   train,
 )
@@ -127,6 +128,12 @@ def validate(c) -> None:
     raise ValueError(
       f"unknown lowprec.rounding {lp.rounding!r}; valid: "
       f"{', '.join(ROUNDINGS)}.{_suggest(lp.rounding, ROUNDINGS)}"
+    )
+  if lp.int_scale_scope not in optim.INT_SCOPES:
+    raise ValueError(
+      f"unknown lowprec.int_scale_scope {lp.int_scale_scope!r}; valid: "
+      f"{', '.join(optim.INT_SCOPES)}."
+      f"{_suggest(lp.int_scale_scope, optim.INT_SCOPES)}"
     )
   if lp.attn_fresh_out not in lowprec.ops.FRESH_OUT:
     valid = lowprec.ops.FRESH_OUT

@@ -21,6 +21,7 @@ import ml_collections
 import numpy as np
 import pytest
 
+import lowprec
 from configs import common
 from experiments import checkpoint, models, optim, study, tasks, train
 from experiments.analysis import figures, tables
@@ -101,9 +102,15 @@ def test_fp8_full_scale_is_gpt2_small():
 
 
 @pytest.mark.parametrize(
-  "name, arm", [("freeze_gpt2_fp8", "rn_e4m3"), ("e4m3_audit", "rn_e4m3")]
+  "name, arm",
+  [
+    ("freeze_gpt2_fp8", "rn_e4m3"),
+    ("e4m3_audit", "rn_e4m3"),
+    ("e4m3_audit", "rn_e4m3_b64"),
+    ("int3_replay", "int3m_from_2"),
+  ],
 )
-def test_fp8_studies_keep_only_norms_and_biases_in_float32(name, arm):
+def test_studies_keep_only_norms_and_biases_in_float32(name, arm):
   c = _load(name, "scale=smoke")
   r = study.resolve(c, arm, study.seeds_of(c, arm)[0])
   paths = leaf_paths(jax.eval_shape(tasks.build(r).init, jax.random.key(0)))
@@ -120,20 +127,45 @@ def test_grid_has_72_cells_and_a_reference_for_each():
   assert len({c.study.arms[a].study.cell for a in cells}) == 72
 
 
-def test_per_tensor_int_scales_are_powers_of_two_covering_the_tensor():
-  lp = ml_collections.ConfigDict({"writeback": "int3", "keep_float32": ""})
+def test_int_scales_are_powers_of_two_covering_the_tensor_or_model():
+  lp = ml_collections.ConfigDict(
+    {"writeback": "int3", "keep_float32": "", "int_scale_scope": "tensor"}
+  )
   params = {
     "a": {"kernel": jnp.array([0.3, -0.1]), "bias": jnp.array([0.01])},
     "b": jnp.array([[-2.0, 1.0]]),
   }
-  fmts = optim.per_tensor_int(lp, params)
+  fmts = optim.int_formats(lp, params)
   assert fmts["a"]["kernel"].scale == 0.125  # 0.3 / 3 = 0.1 -> 0.125
   assert fmts["a"]["bias"].scale == 2.0**-8  # 0.01 / 3 -> 2^-8
   assert fmts["b"].scale == 1.0  # 2 / 3 -> 1
+  # One step for the model: the largest |w| (2.0) sets it everywhere.
+  lp.int_scale_scope = "model"
+  fmts = optim.int_formats(lp, params)
+  assert [f.scale for f in jax.tree.leaves(fmts)] == [1.0, 1.0, 1.0]
+  grid = lowprec.to_grid(params, fmts)
+  np.testing.assert_array_equal(grid["a"]["kernel"], [0.0, 0.0])  # zeroed
+  np.testing.assert_array_equal(grid["b"], [[-2.0, 1.0]])
+  lp.keep_float32 = r"b"  # left out of the grid and of the model's max
+  fmts = optim.int_formats(lp, params)
+  assert fmts["b"] is None and fmts["a"]["bias"].scale == 0.125
   lp.keep_float32 = r".*bias"
-  assert optim.per_tensor_int(lp, params)["a"]["bias"] is None
+  lp.int_scale_scope = "tensor"
+  assert optim.int_formats(lp, params)["a"]["bias"] is None
   with pytest.raises(ValueError, match="keep_float32"):
-    optim.per_tensor_int(lp, {"z": jnp.zeros(3)})
+    optim.int_formats(lp, {"z": jnp.zeros(3)})
+  lp.int_scale_scope = "model"
+  with pytest.raises(ValueError, match="the model has max"):
+    optim.int_formats(lp, {"z": jnp.zeros(3), "y": jnp.zeros(2)})
+  assert optim.int_formats(lp, {"z": jnp.zeros(3), "y": jnp.ones(2)})
+
+
+def test_unknown_int_scale_scope_is_refused_with_a_suggestion():
+  c = _load("int3_replay", "scale=smoke")
+  arm = next(a for a in c.study.arms if a != "fp32_reference")
+  c.study.arms[arm].lowprec.int_scale_scope = "modle"
+  with pytest.raises(ValueError, match="Did you mean 'model'"):
+    study.resolve(c, arm, 0)
 
 
 def test_init_from_arm_needs_a_step():
@@ -491,8 +523,24 @@ def _smoke(name, tmp_path):
 @pytest.mark.slow
 def test_int3_replay_smoke_restores_checkpoints_and_tabulates(tmp_path):
   c, md = _smoke("int3_replay", tmp_path)
-  assert "stochastic write-back, 2 checkpoint(s)" in md
-  assert "nearest write-back, 1 checkpoint(s)" in md
+  model = "one step for the model (norms, biases float32)"
+  for q in ("per tensor", model):
+    for rounding in ("stochastic", "nearest"):
+      assert f"- {q}, {rounding} write-back, 2 checkpoint(s)" in md
+    assert f"- {q}, stochastic minus nearest final val loss, 2 " in md
+    assert f"- {q}: start / ln V " in md
+  table = tmp_path / "int3_replay" / "tables" / "int3_replay.csv"
+  rows = list(csv.DictReader(open(table)))
+  assert len(rows) == 4  # 2 quantizers x 2 checkpoints
+  for r in rows:
+    sr, rn, v0 = (
+      float(r[k])
+      for k in ("stochastic_final", "nearest_final", "after_quantizing")
+    )
+    assert float(r["sr_minus_rn"]) == pytest.approx(sr - rn)
+    assert float(r["sr_minus_rn_rel"]) == pytest.approx((sr - rn) / v0)
+    assert float(r["stochastic_reduction"]) == pytest.approx((v0 - sr) / v0)
+    assert float(r["start_over_uniform"]) == pytest.approx(v0 / math.log(256))
   # The parameters a replay starts from are the reference's, bit for bit.
   ref = study.resolve(c, "fp32_reference", 0)
   run = train.build_run(ref)
@@ -514,6 +562,30 @@ def test_int3_replay_smoke_restores_checkpoints_and_tabulates(tmp_path):
     scale = 2.0 ** math.ceil(math.log2(np.abs(x).max() / 3))
     assert np.all(np.abs(x / scale - np.round(x / scale)) == 0)
     assert np.abs(x / scale).max() <= 3
+  # One step for the model: from the largest |w| of the checkpoint's grid
+  # tensors; norms and biases as saved, every other weight a multiple of it.
+  rep = study.resolve(c, "int3m_from_2", 0)
+  src = checkpoint.restore_params(
+    os.path.join(d, "checkpoints"), 2, run.state.params
+  )
+  got = train.build_run(rep).state.params
+  keep = rep.lowprec.keep_float32
+  flat_src = dict(zip(leaf_paths(src), jax.tree.leaves(src), strict=True))
+  flat_got = dict(zip(leaf_paths(got), jax.tree.leaves(got), strict=True))
+  on_grid = [p for p in flat_src if not re.fullmatch(keep, p)]
+  amax = max(float(np.abs(np.asarray(flat_src[p])).max()) for p in on_grid)
+  scale = 2.0 ** math.ceil(math.log2(amax / 3))
+  zeroed = []
+  for p, x in flat_got.items():
+    x, x0 = np.asarray(x), np.asarray(flat_src[p])
+    if p not in on_grid:
+      np.testing.assert_array_equal(x, x0)
+      continue
+    np.testing.assert_array_equal(
+      x, np.clip(np.round(x0 / scale), -3, 3) * scale
+    )
+    zeroed.append(np.mean(x == 0))
+  assert np.mean(zeroed) > 0.5  # most small weights are zeroed
 
 
 @pytest.mark.slow

@@ -150,37 +150,63 @@ def _zoom(ax, curves):
 
 
 def replay_curves(study, results="results", out=None) -> str:
-  """The reference's validation loss, and each replay's from its
-  checkpoint on (step 0 of a replay drawn at its checkpoint step)."""
+  """One panel per quantizer: the reference's validation loss, and each
+  replay's from its checkpoint on (step 0 of a replay drawn at its
+  checkpoint step), stochastic solid, nearest dashed; the uniform loss
+  ln V as a grey line."""
   runs = load_runs(results, study)
-  fig, ax = plt.subplots(figsize=(6.5, 4))
-  curves = []
-  for run in runs:
-    tr = run.config["train"]
-    s, v = _val(run)
-    curves.append(v)
-    if not tr.get("init_from_arm"):
+  ref = [r for r in runs if not r.config["train"].get("init_from_arm")]
+  reps = [r for r in runs if r.config["train"].get("init_from_arm")]
+  quants = list(dict.fromkeys(wt.quantizer(r.config) for r in reps))
+  fig, axes = plt.subplots(
+    1, max(len(quants), 1), figsize=(6 * max(len(quants), 1), 4), squeeze=False
+  )
+  rows, _ = wt.replay_table(runs)
+  for ax, q in zip(axes[0], quants, strict=False):
+    curves = []
+    for run in ref:
+      s, v = _val(run)
+      curves.append(v)
       ax.plot(s, v, color="k", lw=1.2, label=f"{run.arm} (fp32)")
-      continue
-    rn = run.config["lowprec"]["rounding"] == "nearest"
-    ax.plot(
-      tr["init_from_step"] + s,
-      v,
-      color="C3" if rn else "C0",
-      lw=1,
-      ls="--" if rn else "-",
-      marker=".",
-      ms=3,
-      label=None,
-    )
-  ax.plot([], [], color="C0", label="int3 stochastic replay")
-  ax.plot([], [], color="C3", ls="--", label="int3 nearest replay")
-  _zoom(ax, curves)
-  ax.set_xlabel("data step")
-  ax.set_ylabel("validation loss")
-  ax.legend(fontsize=8)
-  ax.set_title(study, fontsize=9)
+    for run in (r for r in reps if wt.quantizer(r.config) == q):
+      rn = run.config["lowprec"]["rounding"] == "nearest"
+      s, v = _val(run)
+      curves.append(v)
+      ax.plot(
+        run.config["train"]["init_from_step"] + s,
+        v,
+        color="C3" if rn else "C0",
+        lw=1,
+        ls="--" if rn else "-",
+        marker=".",
+        ms=3,
+      )
+    vocab = reps[0].config.get("model", {}).get("vocab_size")
+    if vocab:
+      ax.axhline(np.log(vocab), color="grey", lw=0.6, label=f"ln {vocab}")
+    ax.plot([], [], color="C0", label="int3 stochastic replay")
+    ax.plot([], [], color="C3", ls="--", label="int3 nearest replay")
+    mine = [r for r in rows if r["quantizer"] == q]
+    ax.set_title(f"{study}: {q}\n{_reductions(mine)}", fontsize=8)
+    ax.set_xlabel("data step")
+    ax.set_ylabel("validation loss")
+    ax.legend(fontsize=7)
   return _save(fig, study, results, out)
+
+
+def _reductions(rows) -> str:
+  """`mean reduction SR 12.9%, RN 0.0%; SR - RN -0.365 nats`."""
+  out = []
+  for key, label in (
+    ("stochastic_reduction", "SR"),
+    ("nearest_reduction", "RN"),
+  ):
+    xs = [r[key] for r in rows if r[key] is not None]
+    if xs:
+      out.append(f"{label} {np.mean(xs):.1%}")
+  d = [r["sr_minus_rn"] for r in rows if r["sr_minus_rn"] is not None]
+  text = "mean reduction " + ", ".join(out) if out else ""
+  return text + (f"; SR - RN {np.mean(d):+.3f} nats" if d else "")
 
 
 def fp8_panels(study, results="results", out=None) -> str:
