@@ -200,12 +200,17 @@ def _run_dir(root, study_name, arm, seed, config, metrics):
       f.write(json.dumps(rec) + "\n")
 
 
-def _reference(root, name, fmt, pred, seed=0, arm="ref", extra=None):
+def _reference(
+  root, name, fmt, pred, seed=0, arm="ref", extra=None, batch=None
+):
   recs = [{"step": 0, "val_loss": 3.0}]
   for i, p in enumerate(pred):
     rec = {"step": i + 1, f"pred/{fmt}/erased_fraction": p}
     recs.append({**rec, **(extra or {}).get(i + 1, {})})
-  _run_dir(root, name, arm, seed, {}, recs)
+  config = {"lowprec": {"trace_targets": [fmt]}}
+  if batch is not None:
+    config["data"] = {"batch_size": batch}
+  _run_dir(root, name, arm, seed, config, recs)
 
 
 def _lowprec(root, name, arm, fmt, erased, seed=0, props=None, cell="", **cfg):
@@ -448,6 +453,90 @@ def test_audit_table_rmse_skill_and_template(tmp_path):
     "template (mean measured curve of the other seeds): macro RMSE "
     "0.10000" in text
   )
+
+
+def _audit_variant(root, suffix, batch, dev_scale):
+  """Source trace (seed 0), matched fp32 runs and e4m3 runs (seeds 1-3):
+  measured e_k = base + d_k (deviations summing to zero over k), source
+  p = base + d_1 / 2 for every seed, matched p_k = base + d_k / 2."""
+  t = np.arange(8)
+  base = 0.5 + 0.05 * t
+  d1 = dev_scale * np.sin(t)
+  d2 = dev_scale * np.cos(t)
+  dev = {1: d1, 2: d2, 3: -(d1 + d2)}
+  fmt = "float8_e4m3fn"
+  ref, matched = f"ref{suffix}", f"fp32_matched{suffix}"
+  _reference(root, "a", fmt, list(base + d1 / 2), seed=0, arm=ref, batch=batch)
+  for k, d in dev.items():
+    pk = list(base + d / 2)
+    _reference(root, "a", fmt, pk, seed=k, arm=matched, batch=batch)
+    _lowprec(
+      root,
+      "a",
+      f"rn_e4m3{suffix}",
+      fmt,
+      list(base + d),
+      seed=k,
+      study={"reference_arm": ref},
+      data={"batch_size": batch},
+    )
+  e = np.stack([base + dev[k] for k in (1, 2, 3)])
+  return base + d1 / 2, np.stack([base + dev[k] / 2 for k in (1, 2, 3)]), e
+
+
+def _rms(x):
+  return float(np.sqrt(np.mean(np.square(x))))
+
+
+def test_audit_table_matched_references_floor_specificity_common_time(
+  tmp_path,
+):
+  root = str(tmp_path)
+  want = {
+    16: _audit_variant(root, "", 16, 0.04),
+    64: _audit_variant(root, "_b64", 64, 0.01),
+  }
+  rows, lines = tables.ANALYSES["audit"](tables.load_runs(root, "a"))
+  text = "\n".join(lines)
+  assert [(r["batch_size"], r["seed"]) for r in rows] == [
+    (16, 1),
+    (16, 2),
+    (16, 3),
+    (64, 1),
+    (64, 2),
+    (64, 3),
+  ]
+  for r in rows:
+    p, pk, e = want[r["batch_size"]]
+    k = r["seed"] - 1
+    c = e.mean(0)
+    assert r["reference_seed"] == 0
+    assert r["rmse"] == pytest.approx(_rms(p - e[k]))
+    assert r["matched_rmse"] == pytest.approx(_rms(pk[k] - e[k]))
+    assert r["noise_floor"] == pytest.approx(_rms(p - pk[k]))
+    assert r["source_specificity_corr"] == pytest.approx(
+      np.corrcoef(p - c, e[k] - c)[0, 1]
+    )
+    assert r["matched_specificity_corr"] == pytest.approx(1.0)
+  # The reused trace is right for seed 1 only: it fails; matched passes.
+  assert rows[0]["source_specificity_corr"] == pytest.approx(1.0)
+  assert min(r["source_specificity_corr"] for r in rows[:3]) < 0
+  assert text.count("source trace (reused): corr +1.000, ") == 2
+  assert text.count(": fails") == 2
+  assert (
+    text.count("matched references: corr +1.000, +1.000, +1.000: passes") == 2
+  )
+  for batch, suffix in ((16, ""), (64, "_b64")):
+    p, pk, e = want[batch]
+    share = len(e) * np.sum((e.mean(0) - e.mean()) ** 2)
+    share /= np.sum((e - e.mean()) ** 2)
+    assert f"- rn_e4m3{suffix} (batch {batch}): macro RMSE" in text
+    floor = np.mean([_rms(p - x) for x in pk])
+    assert f"{floor:.5f}" in text
+    assert f"variation that is common time: {share:.2%}" in text
+  floors = [np.mean([_rms(want[b][0] - x) for x in want[b][1]]) for b in want]
+  assert f"  - noise floor (mean): {floors[0]:.5f} vs {floors[1]:.5f}" in text
+  assert "- batch 16 vs 64:" in text and "99.65%" in text
 
 
 def test_fp8_table_frozen_coordinates_and_loss_change(tmp_path):
@@ -698,8 +787,27 @@ def test_reproduce_runs_the_audit_smoke_through_the_entry_point(tmp_path):
     env=env,
     capture_output=True,
     text=True,
-    timeout=600,
+    timeout=1200,  # 10 smoke runs, compilation-bound: ~9 min on 2 busy cores
   )
   assert out.returncode == 0, out.stdout + out.stderr
-  assert "macro RMSE, one fp32 trace (seed 0) vs 1 unseen seeds" in out.stdout
+  md = out.stdout
+  for arm, batch in (("rn_e4m3", 16), ("rn_e4m3_b64", 64)):
+    assert (
+      f"- {arm} (batch {batch}): macro RMSE, one fp32 trace (seed 0) vs 2 "
+      "unseen seeds" in md
+    )
+  assert md.count("matched reference (each seed's own fp32 trace)") == 2
+  assert md.count("noise floor, RMSE between the seed-0 trace") == 2
+  assert md.count("source trace (reused): corr ") == 2
+  assert md.count("matched references: corr ") == 2
+  assert md.count("variation that is common time: ") == 2
+  assert "- batch 16 vs 64:" in md
+  # With two unseen seeds, e_1 - c = -(e_2 - c): one reused trace's two
+  # correlations have opposite signs (or are undefined).
+  table = tmp_path / "e4m3_audit" / "tables" / "e4m3_audit.csv"
+  rows = list(csv.DictReader(open(table)))
+  assert len(rows) == 4
+  for arm in ("rn_e4m3", "rn_e4m3_b64"):
+    r = [float(x["source_specificity_corr"]) for x in rows if x["arm"] == arm]
+    assert r[0] == pytest.approx(-r[1]) or all(map(math.isnan, r))
   assert (tmp_path / "e4m3_audit" / "tables" / "e4m3_audit.png").exists()

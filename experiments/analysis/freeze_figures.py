@@ -17,11 +17,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from experiments.analysis import audit_tables as at  # noqa: E402
 from experiments.analysis import freeze_panels  # noqa: E402
 from experiments.analysis import freeze_tables as fa  # noqa: E402
 from experiments.analysis import writeback_tables as wt  # noqa: E402
 from experiments.analysis.runs import load_runs  # noqa: E402
-from lowprec import freeze  # noqa: E402
 
 
 def _save(fig, study, results, out) -> str:
@@ -255,34 +255,67 @@ def fp8_panels(study, results="results", out=None) -> str:
 
 
 def audit_curves(study, results="results", out=None) -> str:
-  """The one reference prediction against each unseen seed's measured
-  erased fraction, and their differences."""
+  """One column per batch size. Top: each unseen seed's measured erased
+  fraction (solid), its own fp32 trace (the matched reference, dotted) and
+  the one reused source trace (black, dashed). Bottom: the same as
+  deviations from the common time course c (the mean measured curve),
+  where directional specificity is read off."""
   runs = load_runs(results, study)
-  low = [r for r in runs if r.config["lowprec"]["writeback"]]
-  fig, (ax, dx) = plt.subplots(2, 1, figsize=(6, 6), sharex=True)
-  ref = None
-  for i, run in enumerate(low):
-    ref = fa.reference_for(run, runs)
-    s, e = fa.measured(run)
-    ax.plot(s, e, lw=0.8, color=f"C{i}", label=f"measured, seed {run.seed}")
-    ps, p = fa.predicted(ref, run.config["lowprec"]["writeback"])
-    n = min(len(p), len(e))
-    dx.plot(s[:n], e[:n] - p[:n], lw=0.8, color=f"C{i}")
-    step, _ = freeze.crossing(e, steps=s)
-    if step is not None:
-      ax.axvline(step, color=f"C{i}", lw=0.6, ls=":")
-  if ref is not None and low:
-    ps, p = fa.predicted(ref, low[0].config["lowprec"]["writeback"])
+  rows, _ = at.audit_table(runs)
+  variants = at.variants(runs)
+  ncol = max(len(variants), 1)
+  fig, axes = plt.subplots(
+    2, ncol, figsize=(6 * ncol, 6.5), sharex=True, squeeze=False
+  )
+  for col, (arm, group) in enumerate(variants.items()):
+    mine = [r for r in rows if r["arm"] == arm]
+    _audit_column(axes[0][col], axes[1][col], group, runs, mine)
+  return _save(fig, study, results, out)
+
+
+def _audit_column(ax, dx, group, runs, rows) -> None:
+  curves = [at.seed_curves(run, runs) for run in group]
+  n = min(len(c[0]) for c in curves)
+  steps = fa.measured(group[0])[0][:n]
+  c = np.mean([e[:n] for e, _, _ in curves], axis=0)
+  for i, (run, (e, _, pk)) in enumerate(zip(group, curves, strict=True)):
     ax.plot(
-      ps, p, color="k", ls="--", lw=1, label=f"predicted, seed {ref.seed}"
+      steps, e[:n], lw=0.8, color=f"C{i}", label=f"measured, seed {run.seed}"
     )
+    dx.plot(steps, e[:n] - c, lw=0.8, color=f"C{i}")
+    if pk is not None:
+      ax.plot(steps, pk[:n], lw=0.8, ls=":", color=f"C{i}")
+      dx.plot(steps, pk[:n] - c, lw=0.8, ls=":", color=f"C{i}")
+  p = curves[0][1][:n]
+  ax.plot(steps, p, color="k", ls="--", lw=1, label="source trace (reused)")
+  ax.plot([], [], color="grey", ls=":", label="matched fp32 trace")
+  dx.plot(steps, p - c, color="k", ls="--", lw=1)
   ax.set_ylabel("erased fraction")
   ax.legend(fontsize=7)
-  ax.set_title(study, fontsize=9)
+  ax.set_title(_audit_title(group[0], rows), fontsize=8)
   dx.axhline(0, color="grey", lw=0.5)
-  dx.set_ylabel("measured - predicted")
+  dx.set_ylabel("minus the mean measured curve")
   dx.set_xlabel("step")
-  return _save(fig, study, results, out)
+
+
+def _audit_title(run, rows) -> str:
+  def mean(key):
+    xs = [r[key] for r in rows if r.get(key) is not None]
+    return f"{np.mean(xs):.4f}" if xs else "n/a"
+
+  def verdict(key):
+    xs = [r.get(key) for r in rows]
+    if any(x is None for x in xs):
+      return "n/a"
+    return "passes" if all(x > 0 for x in xs) else "fails"
+
+  return (
+    f"{run.arm} (batch {rows[0]['batch_size']}): RMSE source "
+    f"{mean('rmse')}, matched {mean('matched_rmse')}, floor "
+    f"{mean('noise_floor')}\nspecificity: source "
+    f"{verdict('source_specificity_corr')}, matched "
+    f"{verdict('matched_specificity_corr')}"
+  )
 
 
 def user_reports_panels(study, results="results", out=None) -> str:

@@ -14,8 +14,8 @@ import os
 import re
 
 from experiments.analysis import bwd_tables
+from experiments.analysis.audit_tables import audit_table
 from experiments.analysis.freeze_tables import (
-  audit_table,
   fp8_table,
   freeze_table,
   grid_table,
@@ -62,6 +62,12 @@ HEADINGS = {
   "category_agrees": "categories agree",
   "rmse": "curve RMSE",
   "naive_rmse": "naive RMSE",
+  "matched_rmse": "matched-reference RMSE",
+  "noise_floor": "noise floor (fp32 seeds' traces)",
+  "source_specificity_corr": "specificity corr., source",
+  "matched_specificity_corr": "specificity corr., matched",
+  "matched_val_loss": "fp32 val loss, same seed",
+  "batch_size": "batch",
   "reference_seed": "trace seed",
   "measured_move_prob": "move prob., measured",
   "predicted_move_prob": "move prob., predicted",
