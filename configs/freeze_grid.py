@@ -15,7 +15,7 @@ with the weights on the format's grid and nearest write-back.
 The run is long enough for the span to be measured: a post-init crossing
 is at step 2 or later, so a run of T steps caps the span at T/2 (300 steps:
 150x, below the paper's 384x; 800 steps: 400x). The table also counts the
-cells that cross at step 2: Adam's first update is exactly +-lr at every
+cells that cross at step 2: Adam's first update is +-lr (up to eps) at every
 coordinate (m / sqrt(v) = g / |g| after bias correction) and the second
 about lr, so a crossing there says the grid gap at the initial weights
 decides, not the trajectory; it gives the span over all post-init
