@@ -1,12 +1,13 @@
 """GPT-2 with weights on an FP8 grid after every step: freeze at init.
 
-Reproduces: "In a 124M-parameter GPT-2 transformer with weights constrained
-to an 8-bit floating-point grid after every optimizer step, with no master
-weights, the dense weights of both fp8 formats freeze at initialization --
-predicted a priori from the fp32 reference -- and validation loss plateaus
-while full precision keeps improving. Stochastic rounding removes the
-persistent freeze, which the same reference also predicts" (write-back
-freeze paper).
+Reproduces the write-back freeze paper's claim, known from its Chinese
+summary only (translated here, not the authors' wording): in a
+124M-parameter GPT-2 transformer with weights constrained to an 8-bit
+floating-point grid after every optimizer step, with no master weights, the
+dense weights of both fp8 formats freeze at initialization -- predicted a
+priori from the fp32 reference -- and validation loss plateaus while full
+precision keeps improving. Stochastic rounding removes the persistent
+freeze, which the same reference also predicts.
 
 Arms: `fp32_reference` (float32; its trace predicts, for float8_e4m3fn and
 float8_e5m2, the erased fraction under nearest write-back and the move

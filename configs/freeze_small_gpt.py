@@ -1,9 +1,10 @@
 """Write-back freeze of a small GPT with bf16-equivalent weights.
 
-Reproduces: "In a small GPT trained with standard AdamW plus cosine, with
-weights stored as bf16-equivalent values, training proceeds normally, then
-freezes permanently just past mid-run, within four steps of the a-priori
-prediction" (write-back freeze paper).
+Reproduces the write-back freeze paper's claim, known from its Chinese
+summary only (translated here, not the authors' wording): in a small GPT
+trained with standard AdamW plus cosine, with weights stored as
+bf16-equivalent values, training proceeds normally, then freezes permanently
+just past mid-run, within four steps of the a-priori prediction.
 
 Arms: `fp32_reference` (float32 weights; `reference_trace` predicts the
 bf16 erased fraction of every step), `rn_bf16` (weights on the bf16 grid in

@@ -1,9 +1,10 @@
 """Mantissa sweep e8m3..e8m10: the prediction transfers across models.
 
-Reproduces: "The condition holds across frozen-feature regression, a
-mantissa-truncation simulator spanning 128x in precision, small networks,
-and a CNN on MNIST: a computable axis of low-precision training rather than
-diffuse noise" (write-back freeze paper).
+Reproduces the write-back freeze paper's claim, known from its Chinese
+summary only (translated here, not the authors' wording): the condition
+holds across frozen-feature regression, a mantissa-truncation simulator
+spanning 128x in precision, small networks, and a CNN on MNIST: a computable
+axis of low-precision training rather than diffuse noise.
 
 Tasks: `regression` (a linear model on frozen random features, SGD),
 `mlp` (one hidden layer on 8x8 digits, AdamW) and `cnn` (two conv layers on

@@ -9,7 +9,6 @@ training: non-finite loss, a failed write), without a traceback;
 
 from __future__ import annotations
 
-import difflib
 import importlib.util
 import logging
 import os
@@ -119,8 +118,10 @@ def _check_key(config, key: str) -> None:
     keys = list(node.keys()) if hasattr(node, "keys") else []
     if part not in keys:
       where = ".".join(seen) or "the config"
-      close = difflib.get_close_matches(part, keys, n=1)
-      hint = f" Did you mean {'.'.join([*seen, close[0]])!r}?" if close else ""
+      from lowprec.names import suggest  # jax starts after the XLA flags
+
+      close = [".".join([*seen, k]) for k in keys]
+      hint = suggest(".".join([*seen, part]), close)
       fail(
         f"--config.{key}: {where} has no key {part!r}.{hint} Valid keys of "
         f"{where}: {', '.join(sorted(keys)) or '(none: it is a value)'}"

@@ -16,6 +16,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 
+from lowprec import names
 from lowprec import nn as lpnn
 from lowprec import ops as lpops
 from lowprec import policy as lppolicy
@@ -32,6 +33,7 @@ def _dense_init(std):
 
 
 NORMS = {"layernorm": "layer", "rmsnorm": "rms"}
+POSITIONS = ("learned", "rotary")
 
 
 def numerics_from(lp) -> lpnn.Numerics:
@@ -103,8 +105,7 @@ class Block(nn.Module):
 
 
 def _norm(name: str) -> str:
-  if name not in NORMS:
-    raise ValueError(f"unknown model.norm {name!r}; valid: {', '.join(NORMS)}")
+  names.check_choice("model.norm", name, NORMS)
   return NORMS[name]
 
 
@@ -138,9 +139,7 @@ class GPT(nn.Module):
       )
       x = x + wpe[None, :t]
     elif c["positions"] != "rotary":
-      raise ValueError(
-        f"unknown model.positions {c['positions']!r}; valid: learned, rotary"
-      )
+      names.check_choice("model.positions", c["positions"], POSITIONS)
     # With `remat`, each block's backward recomputes its forward (the same
     # draws: the rng of a block is the same on recompute), so a backward
     # pass holds one block's activations rather than every block's.

@@ -13,27 +13,21 @@ import optax
 import lowprec
 from lowprec.storage import path_name
 
-OPTIMIZERS = ("adamw", "sgd")
-SCHEDULES = ("cosine", "constant")
+
+def _constant(opt, warmup: int, steps: int) -> optax.Schedule:
+  del steps
+  if warmup == 0:
+    return optax.constant_schedule(opt.lr)
+  return optax.join_schedules(
+    [
+      optax.linear_schedule(0.0, opt.lr, warmup),
+      optax.constant_schedule(opt.lr),
+    ],
+    [warmup],
+  )
 
 
-def schedule(opt, steps: int) -> optax.Schedule:
-  """Linear warmup, then cosine decay to `min_lr_ratio * lr` (or constant)."""
-  if opt.schedule not in SCHEDULES:
-    raise ValueError(
-      f"unknown opt.schedule {opt.schedule!r}; valid: {', '.join(SCHEDULES)}"
-    )
-  warmup = min(opt.warmup_steps, max(steps - 1, 0))
-  if opt.schedule == "constant":
-    if warmup == 0:
-      return optax.constant_schedule(opt.lr)
-    return optax.join_schedules(
-      [
-        optax.linear_schedule(0.0, opt.lr, warmup),
-        optax.constant_schedule(opt.lr),
-      ],
-      [warmup],
-    )
+def _cosine(opt, warmup: int, steps: int) -> optax.Schedule:
   return optax.warmup_cosine_decay_schedule(
     init_value=0.0 if warmup else opt.lr,
     peak_value=opt.lr,
@@ -41,6 +35,33 @@ def schedule(opt, steps: int) -> optax.Schedule:
     decay_steps=max(steps, warmup + 1),
     end_value=opt.lr * opt.min_lr_ratio,
   )
+
+
+# opt.schedule -> (opt, warmup steps, run steps) -> schedule
+SCHEDULES = {"cosine": _cosine, "constant": _constant}
+
+
+def schedule(opt, steps: int) -> optax.Schedule:
+  """Linear warmup, then cosine decay to `min_lr_ratio * lr` (or constant).
+
+  `opt.schedule` must be a key of `SCHEDULES` (`study.validate` checks it).
+  """
+  warmup = min(opt.warmup_steps, max(steps - 1, 0))
+  return SCHEDULES[opt.schedule](opt, warmup, steps)
+
+
+def _adamw(opt, lr) -> optax.GradientTransformation:
+  return optax.adamw(
+    lr, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay
+  )
+
+
+def _sgd(opt, lr) -> optax.GradientTransformation:
+  return optax.sgd(lr, momentum=opt.momentum or None)
+
+
+# opt.name -> (opt, learning-rate schedule) -> the optimizer
+OPTIMIZERS = {"adamw": _adamw, "sgd": _sgd}
 
 
 def writeback_format(lp):
@@ -198,25 +219,16 @@ def build(config, key: jax.Array, params=None) -> optax.GradientTransformation:
   """clip -> AdamW/SGD -> write-back (low precision) or trace (float32).
 
   `params` (the initial parameters) are needed only for per-tensor `intK`
-  scales (`needs_params`).
+  scales (`needs_params`). The config's names (`opt.name`, `opt.schedule`,
+  `lowprec.rounding`, ...) are checked by `study.validate` before a run
+  directory is touched.
   """
   opt, lp = config.opt, config.lowprec
-  if opt.name not in OPTIMIZERS:
-    raise ValueError(
-      f"unknown opt.name {opt.name!r}; valid: {', '.join(OPTIMIZERS)}"
-    )
   lr = schedule(opt, config.train.steps)
   parts = []
   if opt.clip_norm > 0:
     parts.append(clip_by_global_norm(opt.clip_norm))
-  if opt.name == "adamw":
-    parts.append(
-      optax.adamw(
-        lr, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay
-      )
-    )
-  else:
-    parts.append(optax.sgd(lr, momentum=opt.momentum or None))
+  parts.append(OPTIMIZERS[opt.name](opt, lr))
   target = writeback_target(lp, params)
   if lp.get("decay_erasure", False):
     parts.append(_decay_erasure(config, lr, target))

@@ -12,7 +12,6 @@ refused.
 from __future__ import annotations
 
 import copy
-import difflib
 
 import ml_collections
 
@@ -27,8 +26,10 @@ from experiments import (
   train,
 )
 from experiments import data as data_lib
+from lowprec import names
+from lowprec.ops import saved
+from lowprec.rounding import OVERFLOW_MODES, ROUNDINGS
 
-ROUNDINGS = ("nearest", "stochastic", "deadzone")
 # study.kind -> what runs one arm x seed: (config, overrides, options) ->
 # summary, written under results.run_dir(config) (a ledger.open_run entry)
 RUNNERS = {
@@ -42,8 +43,36 @@ class ConfigError(ValueError):
 
 
 def _suggest(name, valid) -> str:
-  close = difflib.get_close_matches(name, list(valid), n=1)
-  return f" Did you mean {close[0]!r}?" if close else ""
+  return names.suggest(name, valid)
+
+
+def choices() -> dict:
+  """Each config key naming one of a set of choices -> that set: the
+  registries the runner builds from, so validation and construction share
+  one source."""
+  return {
+    "study.kind": RUNNERS,
+    "model.kind": tasks.TASKS,
+    "model.norm": models.NORMS,
+    "model.positions": models.POSITIONS,
+    "model.activation": lowprec.ops.ACTIVATIONS,
+    "data.name": data_lib.DATASETS,
+    "opt.name": optim.OPTIMIZERS,
+    "opt.schedule": optim.SCHEDULES,
+    "lowprec.rounding": ROUNDINGS,
+    "lowprec.overflow": OVERFLOW_MODES,
+    "lowprec.fwd_rounding": saved.MODES,
+    "lowprec.bwd_rounding": saved.MODES,
+    "lowprec.attn_fresh_out": lowprec.ops.FRESH_OUT,
+    "lowprec.int_scale_scope": optim.INT_SCOPES,
+  }
+
+
+def check_choices(c) -> None:
+  """Every key of `choices()` names one of its choices."""
+  for key, valid in choices().items():
+    section, name = key.split(".")
+    names.check_choice(key, c[section][name], valid)
 
 
 def arms_of(config) -> list[str]:
@@ -123,34 +152,20 @@ def resolve(
 
 def validate(c) -> None:
   """Clear errors (naming the fix) for values the code would reject later."""
+  check_choices(c)
   lp = c.lowprec
-  if lp.rounding not in ROUNDINGS:
-    raise ValueError(
-      f"unknown lowprec.rounding {lp.rounding!r}; valid: "
-      f"{', '.join(ROUNDINGS)}.{_suggest(lp.rounding, ROUNDINGS)}"
-    )
-  if lp.int_scale_scope not in optim.INT_SCOPES:
-    raise ValueError(
-      f"unknown lowprec.int_scale_scope {lp.int_scale_scope!r}; valid: "
-      f"{', '.join(optim.INT_SCOPES)}."
-      f"{_suggest(lp.int_scale_scope, optim.INT_SCOPES)}"
-    )
-  if lp.attn_fresh_out not in lowprec.ops.FRESH_OUT:
-    valid = lowprec.ops.FRESH_OUT
-    raise ValueError(
-      f"unknown lowprec.attn_fresh_out {lp.attn_fresh_out!r}; valid: "
-      f"{', '.join(valid)}.{_suggest(lp.attn_fresh_out, valid)}"
-    )
-  names = [
+  formats = [
     ("lowprec.fwd_format", lp.fwd_format),
     ("lowprec.bwd_format", lp.bwd_format),
   ]
-  names += [
-    ("lowprec.trace_targets", t.partition(":")[0]) for t in lp.trace_targets
-  ]
+  for t in lp.trace_targets:
+    name, _, rounding = t.partition(":")
+    formats.append(("lowprec.trace_targets", name))
+    if rounding:
+      names.check_choice("lowprec.trace_targets rounding", rounding, ROUNDINGS)
   if lp.writeback:
-    names.append(("lowprec.writeback", lp.writeback))
-  for field, name in names:
+    formats.append(("lowprec.writeback", lp.writeback))
+  for field, name in formats:
     try:
       scale = lp.int_scale if name.startswith("int") else None
       if scale == 0 and field == "lowprec.writeback":
@@ -175,16 +190,11 @@ def validate(c) -> None:
       models.check_policy(lp)
     except ValueError as e:
       raise ValueError(f"lowprec.policy: {e}") from None
-  if c.model.kind not in tasks.TASKS:
+  if c.train.probe_every_steps and c.model.kind not in tasks.PROBED:
     raise ValueError(
-      f"unknown model.kind {c.model.kind!r}; valid: {', '.join(tasks.TASKS)}."
-      f"{_suggest(c.model.kind, tasks.TASKS)}"
-    )
-  datasets = data_lib.DATASETS
-  if c.data.name not in datasets:
-    raise ValueError(
-      f"unknown data.name {c.data.name!r}; valid: {', '.join(datasets)}."
-      f"{_suggest(c.data.name, datasets)}"
+      "train.probe_every_steps needs a task with a gradient probe "
+      f"(model.kind={' or '.join(tasks.PROBED)}), not {c.model.kind!r}; set "
+      "it to 0"
     )
   config_checks.check(c)
 
@@ -196,11 +206,7 @@ def resolve_all(config, cli_keys=()) -> list:
     ConfigError: any of them is invalid (nothing has run).
   """
   try:
-    if config.study.kind not in RUNNERS:
-      raise ValueError(
-        f"unknown study.kind {config.study.kind!r}; valid: "
-        f"{', '.join(RUNNERS)}.{_suggest(config.study.kind, RUNNERS)}"
-      )
+    names.check_choice("study.kind", config.study.kind, RUNNERS)
     return [
       resolve(config, arm, seed, cli_keys)
       for arm in arms_of(config)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from collections.abc import Callable
 from typing import Any
 
@@ -201,18 +200,10 @@ TASKS: dict[str, Callable[[Any], Task]] = {
 }
 
 
+# Tasks with a gradient probe (train.probe_every_steps).
+PROBED = ("gpt",)
+
+
 def build(config) -> Task:
-  kind = config.model.kind
-  if kind not in TASKS:
-    close = difflib.get_close_matches(kind, TASKS, n=1)
-    hint = f" Did you mean {close[0]!r}?" if close else ""
-    raise ValueError(
-      f"unknown model.kind {kind!r}; valid: {', '.join(TASKS)}.{hint}"
-    )
-  task = TASKS[kind](config)
-  if config.train.probe_every_steps and task.probe is None:
-    raise ValueError(
-      f"train.probe_every_steps needs a task with a gradient probe "
-      f"(model.kind=gpt), not {kind!r}; set it to 0"
-    )
-  return task
+  """The task of `config.model.kind` (checked by `study.validate`)."""
+  return TASKS[config.model.kind](config)

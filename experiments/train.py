@@ -64,12 +64,10 @@ class Mesh:
 
 
 def make_mesh(config) -> Mesh:
+  """Every device, `train.fsdp` per parameter shard group (`study.validate`
+  checks that it divides the device count)."""
   devices = np.array(jax.devices())
   fsdp = config.train.fsdp
-  if fsdp < 1 or len(devices) % fsdp:
-    raise ValueError(
-      f"train.fsdp={fsdp} must divide the device count {len(devices)}"
-    )
   mesh = jax.sharding.Mesh(devices.reshape(-1, fsdp), ("data", "fsdp"))
   return Mesh(mesh, NamedSharding(mesh, P(("data", "fsdp"))))
 
@@ -113,10 +111,6 @@ def _tree_sum(tree):
   return jax.tree.map(total, tree)
 
 
-def _is_pow2(n: int) -> bool:
-  return n > 0 and n & (n - 1) == 0
-
-
 def _batch_axes():
   return ("data", "fsdp")
 
@@ -127,25 +121,16 @@ def _deterministic(fn, mesh: Mesh, parts: int):
   Each device scans over its consecutive microbatches one at a time (the
   same program on any device count), sums them in a fixed pairwise tree,
   gathers the device sums and finishes the same tree: the result is bit
-  for bit independent of the number of devices. Returns the mean.
+  for bit independent of the number of devices. Returns the mean. `parts`
+  is a power of two, a multiple of the device count, and divides the batch
+  (`config_checks.check_batch` says so before a run starts).
   """
-  n_dev = mesh.mesh.size
-  if not (_is_pow2(parts) and _is_pow2(n_dev) and parts % n_dev == 0):
-    raise ValueError(
-      f"train.virtual_shards={parts} must be a power of two and a multiple "
-      f"of the device count {n_dev} (e.g. {max(16, n_dev)}); or 0 to turn "
-      "off the deterministic reduction"
-    )
-  local = parts // n_dev
+  local = parts // mesh.mesh.size
 
   def per_device(params, batch, key):
     first = jax.lax.axis_index(_batch_axes()) * local
 
     def split(x):
-      if x.shape[0] % local:
-        raise ValueError(
-          f"global batch is not divisible by train.virtual_shards={parts}"
-        )
       return x.reshape(local, x.shape[0] // local, *x.shape[1:])
 
     def body(carry, xs):
@@ -334,140 +319,214 @@ def train_and_evaluate(
 
 
 def _train(config, workdir: str) -> dict:
-  """The loop of `train_and_evaluate`, in an open run directory."""
-  # Process 0 alone writes results and progress; every process computes.
-  write_json = distributed.primary_only(results.write_json)
-  say = distributed.primary_only(print)
-  run = build_run(config)
-  state = run.state
-  ckpt = checkpoint.Checkpointer(
-    os.path.join(workdir, "checkpoints"),
-    config.ckpt.every_steps,
-    config.ckpt.keep,
-  )
-  tag = ledger.tag(config)
-  start, state, rejected = ckpt.restore_latest(
-    state, os.path.join(workdir, "bad_checkpoints")
-  )
-  for step, why in rejected:
-    say(f"{tag} checkpoint {step} is unreadable ({why}); set aside", flush=True)
-  if start:
-    say(f"{tag} resumed from step {start}", flush=True)
-  faults.point("after_restore", start)
-  metrics_file = distributed.NullWriter()
-  events = None
-  if distributed.is_primary():
-    metrics_file = results.MetricsWriter(
-      os.path.join(workdir, "metrics.jsonl"), resume_step=start
+  """The loop of `train_and_evaluate`, in an open run directory: restore,
+  then one step at a time (train, log, evaluate, probe, checkpoint,
+  report), then the summary."""
+  loop = _Loop(config, workdir)
+  loop.restore()
+  try:
+    loop.first_evaluation()
+    for step in range(loop.start, loop.total):
+      loop.step(step)
+  finally:
+    loop.close()
+  faults.point("before_summary", loop.done)
+  return loop.summary()
+
+
+class _Loop:
+  """One run's training loop, phase by phase (`_train` says the order).
+
+  Process 0 alone writes results and progress; every process computes.
+  """
+
+  def __init__(self, config, workdir: str):
+    self.config, self.workdir = config, workdir
+    self.say = distributed.primary_only(print)
+    self.run = build_run(config)
+    self.state = self.run.state
+    self.ckpt = checkpoint.Checkpointer(
+      os.path.join(workdir, "checkpoints"),
+      config.ckpt.every_steps,
+      config.ckpt.keep,
     )
-    if config.log.get("tensorboard", False):
-      events = tensorboard.EventWriter(workdir)
+    self.tag = ledger.tag(config)
+    self.total = config.train.steps
+    self.lr_fn = optim.schedule(config.opt, self.total)
+    self.probe_key = jax.random.fold_in(self.run.eval_key, 1)
+    # A run started from another run's checkpoint continues its data stream.
+    t = config.train
+    self.data_start = t.init_from_step if t.init_from_arm else 0
+    self.metrics_file = distributed.NullWriter()
+    self.events = None
+    self.start = self.done = 0
+    self.last = {}  # the last record written (the restored step's line)
+    self.t0 = None  # when the loop started (after the restore)
+    self.compiled_at = None  # (time, step) of the end of the first step
 
-  def write(record):
-    metrics_file.write(record)
-    if events is not None:
-      events.write(record)
+  # ---- restore ------------------------------------------------------------
 
-  lr_fn = optim.schedule(config.opt, config.train.steps)
+  def restore(self) -> None:
+    """The latest checkpoint that restores (broken ones set aside), then
+    the metrics file opened at that step."""
+    self.start, self.state, rejected = self.ckpt.restore_latest(
+      self.state, os.path.join(self.workdir, "bad_checkpoints")
+    )
+    for step, why in rejected:
+      self.say(
+        f"{self.tag} checkpoint {step} is unreadable ({why}); set aside",
+        flush=True,
+      )
+    if self.start:
+      self.say(f"{self.tag} resumed from step {self.start}", flush=True)
+    faults.point("after_restore", self.start)
+    self.done = self.start
+    if distributed.is_primary():
+      self.metrics_file = results.MetricsWriter(
+        os.path.join(self.workdir, "metrics.jsonl"), resume_step=self.start
+      )
+      if self.config.log.get("tensorboard", False):
+        self.events = tensorboard.EventWriter(self.workdir)
+    self.last = self.metrics_file.last or {}
+    self.eval_batches = self.run.eval_batches()
+    self.t0 = time.time()
 
-  eval_batches = run.eval_batches()
+  # ---- measurements -------------------------------------------------------
 
-  def evaluate(params):
-    faults.point("during_eval", done)
-    losses = [float(run.eval_fn(params, b, run.eval_key)) for b in eval_batches]
+  def write(self, record: dict) -> None:
+    self.metrics_file.write(record)
+    if self.events is not None:
+      self.events.write(record)
+
+  def evaluate(self, params) -> float:
+    faults.point("during_eval", self.done)
+    run = self.run
+    losses = [
+      float(run.eval_fn(params, b, run.eval_key)) for b in self.eval_batches
+    ]
     return float(np.mean(losses))
 
-  total = config.train.steps
-  probe_key = jax.random.fold_in(run.eval_key, 1)
-
-  def probe(params, step):
+  def probe(self, params, step: int) -> dict:
     """The task's probe at every `train.probe_every_steps` and the end."""
-    every = config.train.probe_every_steps
-    if run.probe_fn is None or (step % every and step != total):
+    every = self.config.train.probe_every_steps
+    if self.run.probe_fn is None or (step % every and step != self.total):
       return {}
-    out = run.probe_fn(params, jax.random.fold_in(probe_key, step))
+    out = self.run.probe_fn(params, jax.random.fold_in(self.probe_key, step))
     return {k: float(v) for k, v in jax.device_get(out).items()}
 
-  # A run started from another run's checkpoint continues its data stream.
-  data_start = config.train.init_from_step if config.train.init_from_arm else 0
-  t0, t_last, s_last = time.time(), time.time(), start
-  last = metrics_file.last or {}  # the restored step's line
-  done = start
-  compiled = False
-  try:
-    if start == 0:
-      val = evaluate(state.params)
-      write({"step": 0, "val_loss": val, **probe(state.params, 0)})
-    if start < total:
-      say(f"{tag} compiling the train step ...", flush=True)
-    for step in range(start, total):
-      state, m = run.step_fn(state, run.train_batch(data_start + step))
-      record = {"step": step + 1, "lr": float(lr_fn(step))}
-      record.update({k: float(v) for k, v in jax.device_get(m).items()})
-      record.update(lowprec.telemetry(state.opt_state))
-      done = step + 1
-      if not compiled:
-        # Rates and ETAs count from the end of the first (compiled) step.
-        compiled = True
-        t_last, s_last = time.time(), done
-        say(
-          f"{tag} compiled ({t_last - t0:.1f}s to the first step)", flush=True
+  def first_evaluation(self) -> None:
+    """Step 0's validation loss (and probe) for a run that starts afresh."""
+    if self.start == 0:
+      params = self.state.params
+      val = self.evaluate(params)
+      self.write({"step": 0, "val_loss": val, **self.probe(params, 0)})
+    if self.start < self.total:
+      self.say(f"{self.tag} compiling the train step ...", flush=True)
+
+  # ---- one step -----------------------------------------------------------
+
+  def step(self, step: int) -> None:
+    """Trains step `step + 1`, then logs, evaluates, probes, checkpoints
+    and reports it."""
+    record = self.train(step)
+    done = self.done
+    if done % self.config.train.eval_every_steps == 0 or done == self.total:
+      record["val_loss"] = self.evaluate(self.state.params)
+    record.update(self.probe(self.state.params, done))
+    save = self.ckpt.due(done, force=done == self.total)
+    check = self.checkpoint_loss(record) if save else None
+    self.write(record)
+    faults.point("after_metrics", done)
+    if save and not math.isfinite(check):
+      raise NonFiniteLoss(
+        _non_finite(
+          self.tag, check, done, self.ckpt, " of the params it produced"
         )
-      faults.point("after_step", done)
-      if not math.isfinite(record["loss"]):
-        write(record)
-        raise NonFiniteLoss(_non_finite(tag, record["loss"], done, ckpt, ""))
-      if done % config.train.eval_every_steps == 0 or done == total:
-        record["val_loss"] = evaluate(state.params)
-      record.update(probe(state.params, done))
-      save = ckpt.due(done, force=done == total)
-      # A checkpoint holds params whose own loss is finite: the val loss of
-      # this step, else the loss on the next step's batch.
-      check = record.get("val_loss")
-      if save and check is None:
-        batch = run.train_batch(data_start + done)
-        check = float(run.eval_fn(state.params, batch, run.eval_key))
-      write(record)
-      faults.point("after_metrics", done)
-      if save and not math.isfinite(check):
-        raise NonFiniteLoss(
-          _non_finite(tag, check, done, ckpt, " of the params it produced")
-        )
-      last = record
-      if save:
-        ckpt.save(done, state)
-      if done % config.log.progress_every_steps == 0 or done == total:
-        now = time.time()
-        rate = (
-          (done - s_last) / max(now - t_last, 1e-9) if done > s_last else None
-        )
-        t_last, s_last = now, done
-        say(
-          tag,
-          _progress(
-            done, total, record["loss"], record.get("val_loss"), rate, now - t0
-          ),
-          flush=True,
-        )
-  finally:
-    metrics_file.close()
-    if events is not None:
-      events.close()
-    ckpt.close()
-  faults.point("before_summary", done)
-  summary = {
-    "status": "finished",
-    "steps": total,
-    "final_loss": last.get("loss"),
-    "final_val_loss": last.get("val_loss"),
-    "wall_s": time.time() - t0,
-    "resumed_from": start,
-    "param_count": int(sum(np.size(x) for x in jax.tree.leaves(state.params))),
-    "param_digest": params_digest(state.params),
-  }
-  _check_complete(summary, tag, workdir)
-  write_json(os.path.join(workdir, "summary.json"), summary)
-  return summary
+      )
+    self.last = record
+    if save:
+      self.ckpt.save(done, self.state)
+    self.report(record)
+
+  def train(self, step: int) -> dict:
+    """The optimizer step; its record (lr, metrics, telemetry). Stops on a
+    non-finite loss, after writing the record."""
+    run = self.run
+    batch = run.train_batch(self.data_start + step)
+    self.state, m = run.step_fn(self.state, batch)
+    record = {"step": step + 1, "lr": float(self.lr_fn(step))}
+    record.update({k: float(v) for k, v in jax.device_get(m).items()})
+    record.update(lowprec.telemetry(self.state.opt_state))
+    self.done = step + 1
+    if self.compiled_at is None:
+      # Rates and ETAs count from the end of the first (compiled) step.
+      self.compiled_at = (time.time(), self.done)
+      self.say(
+        f"{self.tag} compiled ({self.compiled_at[0] - self.t0:.1f}s to the "
+        "first step)",
+        flush=True,
+      )
+    faults.point("after_step", self.done)
+    if not math.isfinite(record["loss"]):
+      self.write(record)
+      raise NonFiniteLoss(
+        _non_finite(self.tag, record["loss"], self.done, self.ckpt, "")
+      )
+    return record
+
+  def checkpoint_loss(self, record: dict) -> float:
+    """A checkpoint holds params whose own loss is finite: the val loss of
+    this step, else the loss on the next step's batch."""
+    if record.get("val_loss") is not None:
+      return record["val_loss"]
+    run = self.run
+    batch = run.train_batch(self.data_start + self.done)
+    return float(run.eval_fn(self.state.params, batch, run.eval_key))
+
+  def report(self, record: dict) -> None:
+    """A progress line every `log.progress_every_steps` and at the end."""
+    done = self.done
+    if done % self.config.log.progress_every_steps and done != self.total:
+      return
+    now = time.time()
+    t_last, s_last = self.compiled_at
+    rate = (done - s_last) / max(now - t_last, 1e-9) if done > s_last else None
+    self.compiled_at = (now, done)
+    line = _progress(
+      done,
+      self.total,
+      record["loss"],
+      record.get("val_loss"),
+      rate,
+      now - self.t0,
+    )
+    self.say(self.tag, line, flush=True)
+
+  # ---- the end ------------------------------------------------------------
+
+  def close(self) -> None:
+    self.metrics_file.close()
+    if self.events is not None:
+      self.events.close()
+    self.ckpt.close()
+
+  def summary(self) -> dict:
+    """summary.json, written only when the run is whole."""
+    params = self.state.params
+    summary = {
+      "status": "finished",
+      "steps": self.total,
+      "final_loss": self.last.get("loss"),
+      "final_val_loss": self.last.get("val_loss"),
+      "wall_s": time.time() - self.t0,
+      "resumed_from": self.start,
+      "param_count": int(sum(np.size(x) for x in jax.tree.leaves(params))),
+      "param_digest": params_digest(params),
+    }
+    _check_complete(summary, self.tag, self.workdir)
+    write_json = distributed.primary_only(results.write_json)
+    write_json(os.path.join(self.workdir, "summary.json"), summary)
+    return summary
 
 
 def _check_complete(summary: dict, tag: str, workdir: str) -> None:

@@ -27,7 +27,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import re
 
 import jax
@@ -35,7 +34,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from lowprec import _bits
+from lowprec import _bits, names
 
 # What happens at the top of the exponent range:
 #   "ieee":    all-ones exponent is inf (mantissa 0) or NaN (otherwise);
@@ -349,9 +348,7 @@ def get_format(fmt: str | Format, *, scale: float | None = None) -> Format:
     return NAMED[name]
   if m := _GENERIC.match(name):
     return ieee_format(int(m.group(1)), int(m.group(2)))
-  close = difflib.get_close_matches(name, list(NAMED), n=1)
-  hint = f" Did you mean {close[0]!r}?" if close else ""
   raise ValueError(
-    f"unknown format {name!r}.{hint} Valid formats: "
+    f"unknown format {name!r}.{names.suggest(name, NAMED)} Valid formats: "
     + ", ".join(format_names())
   )

@@ -44,10 +44,11 @@ Reference: "Backward-State Policy Is Part of the Learning Algorithm" (2026).
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import re
 import types
 from collections.abc import Mapping, Sequence
+
+from lowprec import names as names_lib
 
 VALUES = ("rounded", "original", "fresh", "nearest")
 
@@ -56,8 +57,7 @@ _RESERVED = (",", "=")
 
 
 def _suggest(name: str, options: Sequence[str]) -> str:
-  close = difflib.get_close_matches(name, list(options), n=1, cutoff=0.5)
-  return f" Did you mean {close[0]!r}?" if close else ""
+  return names_lib.suggest(name, options, cutoff=0.5)
 
 
 def check_use_name(use: str) -> str:

@@ -12,18 +12,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowprec import _bits
+from lowprec import _bits, names
 from lowprec import rng as rng_lib
 from lowprec.formats import Format, get_format
 
 OVERFLOW_MODES = ("saturate", "ieee")
+# How a write-back rounds w + u (lowprec.writeback, lowprec.freeze targets).
+ROUNDINGS = ("nearest", "stochastic", "deadzone")
 
 
 def _check_overflow(overflow: str) -> None:
-  if overflow not in OVERFLOW_MODES:
-    raise ValueError(
-      f"unknown overflow mode {overflow!r}; valid: {', '.join(OVERFLOW_MODES)}"
-    )
+  names.check_choice("overflow mode", overflow, OVERFLOW_MODES)
 
 
 def _emit(q: jax.Array, fmt: Format, dtype) -> jax.Array:

@@ -26,9 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from lowprec import names
 from lowprec import rng as rng_lib
 from lowprec.formats import Format
-from lowprec.rounding import OVERFLOW_MODES, round_and_flag
+from lowprec.rounding import OVERFLOW_MODES, ROUNDINGS, round_and_flag
 from lowprec.storage import (
   check_on_grid,
   check_storage,
@@ -36,7 +37,6 @@ from lowprec.storage import (
   path_name,
 )
 
-ROUNDINGS = ("nearest", "stochastic", "deadzone")
 NONFINITE_MODES = ("keep", "propagate")
 
 _COUNTS = ("proposals", "moved", "saturated", "unreachable", "nonfinite")
@@ -323,8 +323,7 @@ def writeback(
 
 
 def _check_mode(what: str, value: str, valid: tuple[str, ...]) -> None:
-  if value not in valid:
-    raise ValueError(f"unknown {what} {value!r}; valid: {', '.join(valid)}")
+  names.check_choice(what, value, valid)
 
 
 def _key_words(key, rounding: str):

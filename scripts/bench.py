@@ -16,6 +16,12 @@ measured on the 2-core CPU machine. Never used as timed assertions in tests.
 
 from __future__ import annotations
 
+if not __package__:  # run as a file, `python scripts/bench.py`
+  raise SystemExit(
+    "run it from the repository root as a module: python -m scripts.bench ..."
+  )
+
+
 import argparse
 import importlib
 import json

@@ -11,6 +11,13 @@ off (plain float32).
 
 from __future__ import annotations
 
+if not __package__:  # run as a file, `python scripts/bench_ops.py`
+  raise SystemExit(
+    "run it from the repository root as a module: "
+    "python -m scripts.bench_ops ..."
+  )
+
+
 import flax.linen as fnn
 import jax
 import jax.numpy as jnp

@@ -17,52 +17,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from lowprec import ops
+from experiments import swiglu
 from lowprec.ops import saved
 from scripts.benchlib import Result, interleave
 
-SR8 = ops.Rounding("float8_e4m3fn", "stochastic")
-
-
-@jax.custom_jvp
-def _silu_through_output(g, a, a_d):
-  return a
-
-
-@_silu_through_output.defjvp
-def _silu_jvp(primals, tangents):
-  g, a, a_d = primals
-  s = jax.nn.sigmoid(g)
-  return a, (s + a_d * (1 - s)) * tangents[0]
-
-
-def _swiglu(x, w_gate, w_up, w_down, read):
-  g = x @ w_gate
-  a = jax.nn.silu(g)
-  act = _silu_through_output(
-    g, read("swiglu.act@dw_down", a), read.stored("swiglu.act@dact", a)
-  )
-  return (act * (x @ w_up)) @ w_down
-
-
-def _declared():
-  op = ops.Custom(
-    "swiglu",
-    _swiglu,
-    args=("x", "w_gate", "w_up", "w_down"),
-    saved={"swiglu.act": SR8},
-    uses=("swiglu.act@dact", "swiglu.act@dw_down"),
-  )
-  # The table audit.derive gives (tests/user_ops_test.py checks it).
-  return op.with_table(
-    tuple(
-      ops.Requirement(u, "swiglu.act", v, True, (), "")
-      for u, v in (
-        ("swiglu.act@dact", "original"),
-        ("swiglu.act@dw_down", "rounded"),
-      )
-    )  # fmt: skip
-  )
+SR8 = swiglu.SR8
 
 
 @jax.custom_vjp
@@ -94,7 +53,7 @@ _by_hand.defvjp(_by_hand_fwd, _by_hand_bwd)
 
 
 def _steps():
-  op = _declared()
+  op = swiglu.declared()
 
   def loss_declared(params, x, key):
     return jnp.mean(jnp.square(op(x, *params, key=key)))

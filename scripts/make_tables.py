@@ -6,6 +6,13 @@ Reads `<results>/<study>/<arm>/seed<k>/` and writes `<out>/<study>.md` and
 `<out>/<study>.csv` (default out: `<results>/<study>/tables`).
 """
 
+if not __package__:  # run as a file, `python scripts/make_tables.py`
+  raise SystemExit(
+    "run it from the repository root as a module: "
+    "python -m scripts.make_tables ..."
+  )
+
+
 import argparse
 
 from experiments.analysis import tables

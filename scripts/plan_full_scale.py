@@ -14,6 +14,13 @@ the numbers measured.
 
 from __future__ import annotations
 
+if not __package__:  # run as a file, `python scripts/plan_full_scale.py`
+  raise SystemExit(
+    "run it from the repository root as a module: "
+    "python -m scripts.plan_full_scale ..."
+  )
+
+
 import argparse
 import importlib
 import json

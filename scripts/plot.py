@@ -5,6 +5,12 @@
 Writes `<out>/<study>.png` (default out: `<results>/<study>/tables`).
 """
 
+if not __package__:  # run as a file, `python scripts/plot.py`
+  raise SystemExit(
+    "run it from the repository root as a module: python -m scripts.plot ..."
+  )
+
+
 import argparse
 
 from experiments.analysis import figures

@@ -23,6 +23,13 @@ byte-level) to `--out`, the same files `data.name = "builtin_text"` uses.
 
 from __future__ import annotations
 
+if not __package__:  # run as a file, `python scripts/prepare_text.py`
+  raise SystemExit(
+    "run it from the repository root as a module: "
+    "python -m scripts.prepare_text ..."
+  )
+
+
 import argparse
 import json
 import os

@@ -7,6 +7,13 @@ followed by `scripts.make_tables` and `scripts.plot`. Finished runs are
 skipped, so a rerun only redoes the tables.
 """
 
+if not __package__:  # run as a file, `python scripts/reproduce.py`
+  raise SystemExit(
+    "run it from the repository root as a module: "
+    "python -m scripts.reproduce ..."
+  )
+
+
 import argparse
 
 from experiments.analysis import reproduce

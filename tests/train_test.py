@@ -174,6 +174,36 @@ def test_bad_config_values_are_rejected_before_training(
     study.resolve(c, "", 0)
 
 
+def _typo(value: str) -> str:
+  """A near miss: the last character dropped (or one added)."""
+  return value[:-1] if len(value) > 3 else value + "x"
+
+
+@pytest.mark.parametrize("key", sorted(study.choices()))
+def test_every_named_choice_is_checked_with_a_suggestion(key):
+  # The registries the runner builds from are the ones validation checks:
+  # a near miss of a valid value is refused, naming the key and the value.
+  c = smoke.get_config()
+  section, name = key.split(".")
+  valid = list(study.choices()[key])
+  good = c[section][name]
+  assert good in valid  # the default is a valid choice
+  c[section][name] = _typo(valid[0])
+  with pytest.raises(ValueError, match=f"unknown {key} .*Did you mean"):
+    study.resolve(c, "", 0)
+
+
+def test_a_typo_exits_2_before_the_run_directory_exists(tmp_path):
+  # Checked with every other choice (the test above) before anything is
+  # written; an optimizer name was once checked only when the optimizer
+  # was built, after config.json and env.json, with exit status 1.
+  override = "--config.opt.name=adamx"
+  out = _run(tmp_path, "--config=configs/smoke.py:arm=rn_bf16", override)
+  assert out.returncode == 2 and "Traceback" not in out.stderr
+  assert "Did you mean" in out.stderr
+  assert not (tmp_path / "smoke").exists()
+
+
 def test_unknown_arm_lists_the_arms():
   c = smoke.get_config("arm=rn_bf17")
   with pytest.raises(ValueError, match="Did you mean 'rn_bf16'"):

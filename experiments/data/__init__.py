@@ -23,7 +23,6 @@ Example:
 
 from __future__ import annotations
 
-import difflib
 import inspect
 from collections.abc import Callable
 
@@ -52,6 +51,7 @@ from experiments.data.tokenizer import (
   gpt2_tokenizer,
 )
 from experiments.data.tokens import TokenData, open_tokens, read_meta
+from lowprec import names
 
 
 def builtin_text(
@@ -182,12 +182,7 @@ def build(name: str, **kwargs) -> TokenData | ArrayData:
     >>> data.batch(0)[0].shape
     (32, 256)
   """
-  if name not in DATASETS:
-    close = difflib.get_close_matches(name, DATASETS, n=1)
-    hint = f" Did you mean {close[0]!r}?" if close else ""
-    raise ValueError(
-      f"unknown data set {name!r}; valid: {', '.join(DATASETS)}.{hint}"
-    )
+  names.check_choice("data set", name, DATASETS)
   ctor = DATASETS[name]
   try:
     inspect.signature(ctor).bind(**kwargs)

@@ -19,10 +19,10 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
-from lowprec import rounding, storage
+from lowprec import names, rounding, storage
 from lowprec.formats import Format, get_format
+from lowprec.rounding import ROUNDINGS
 
-ROUNDINGS = ("nearest", "stochastic", "deadzone")
 _SUFFIX = {"nearest": "", "stochastic": "_sr", "deadzone": "_dzsr"}
 
 
@@ -45,10 +45,7 @@ class Target:
   rounding: str = "nearest"
 
   def __post_init__(self):
-    if self.rounding not in ROUNDINGS:
-      raise ValueError(
-        f"unknown rounding {self.rounding!r}; valid: {', '.join(ROUNDINGS)}"
-      )
+    names.check_choice("rounding", self.rounding, ROUNDINGS)
     if isinstance(self.fmt, (str, Format)):
       object.__setattr__(self, "fmt", get_format(self.fmt))
     object.__setattr__(self, "_lookup", storage.format_lookup(self.fmt))

@@ -7,6 +7,7 @@ import functools
 
 import jax
 
+from lowprec import names
 from lowprec.ops.base import Op
 from lowprec.ops.requirements import Requirement
 from lowprec.ops.saved import Rounding
@@ -67,10 +68,7 @@ class Activation(Op):
   table = _TABLE
 
   def __post_init__(self):
-    if self.fn not in ACTIVATIONS:
-      raise ValueError(
-        f"unknown activation {self.fn!r}; valid: {', '.join(ACTIVATIONS)}"
-      )
+    names.check_choice("activation", self.fn, ACTIVATIONS)
     self._coerce()
 
   def _forward(self, values, args, keys):

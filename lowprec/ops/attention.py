@@ -8,6 +8,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from lowprec import names
 from lowprec.ops import saved
 from lowprec.ops.base import Op, per_value
 from lowprec.ops.requirements import Requirement
@@ -125,10 +126,7 @@ class Attention(Op):
   table = _TABLE
 
   def __post_init__(self):
-    if self.fresh_out not in FRESH_OUT:
-      raise ValueError(
-        f"unknown fresh_out {self.fresh_out!r}; valid: {', '.join(FRESH_OUT)}"
-      )
+    names.check_choice("fresh_out", self.fresh_out, FRESH_OUT)
     self._coerce()
 
   def _redraws_probs(self) -> bool:

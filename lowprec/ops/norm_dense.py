@@ -7,6 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from lowprec import names
 from lowprec.ops import saved
 from lowprec.ops.base import Op, per_value
 from lowprec.ops.requirements import Requirement
@@ -113,8 +114,7 @@ class NormDense(Op):
   table = _TABLE
 
   def __post_init__(self):
-    if self.norm not in NORMS:
-      raise ValueError(f"unknown norm {self.norm!r}; valid: {', '.join(NORMS)}")
+    names.check_choice("norm", self.norm, NORMS)
     self._coerce()
 
   def __call__(self, x, gain, shift, kernel, bias=None, **kwargs):

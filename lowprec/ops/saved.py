@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lowprec import names
 from lowprec import rounding as rounding_lib
 from lowprec.formats import Format, get_format
 
@@ -61,10 +62,7 @@ class Rounding:
   def __post_init__(self):
     fmt = get_format(self.format)
     object.__setattr__(self, "format", fmt)
-    if self.mode not in MODES:
-      raise ValueError(
-        f"unknown rounding mode {self.mode!r}; valid: {', '.join(MODES)}"
-      )
+    names.check_choice("rounding mode", self.mode, MODES)
     if self.scaled is None:
       object.__setattr__(self, "scaled", fmt.is_float and fmt.bits <= 8)
 
