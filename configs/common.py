@@ -112,7 +112,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.lowprec.writeback = ""  # weight grid format; "" trains in float32
   c.lowprec.rounding = "nearest"  # nearest | stochastic | deadzone
   c.lowprec.overflow = "saturate"
-  c.lowprec.int_scale = 0.0  # intK grid step; 0: per tensor, from the start
+  c.lowprec.int_scale = 0.0  # intK grid step; 0: from the starting params
+  # With int_scale 0: the smallest power-of-two step covering max |w| of
+  # each tensor ("tensor") or of every tensor on the grid ("model")
+  c.lowprec.int_scale_scope = "tensor"
   c.lowprec.keep_float32 = ""  # regex of param paths left in float32
   c.lowprec.trace_targets = ()  # formats predicted by a reference trace
   c.lowprec.trace_sample = 0  # coordinates whose (w, u) are logged

@@ -11,19 +11,27 @@ nearest write-back), `sr` (full stochastic write-back), `dzsr` (dead-zone
 stochastic write-back: stochastic only where nearest rounding would erase
 the proposal). Per seed, with L the final validation loss, the recovery of
 the nearest-rounding gap is `(L_rn - L_x) / (L_rn - L_fp32)` for x = sr,
-dzsr; the table gives the means and their ratio. The narrow e8m4 grid (4
+dzsr; the table gives the means and their ratio, and the matched-seed
+differences `L_dzsr - L_sr` (each seed, their mean and sample sd, and how
+many seeds are negative and positive), since a ratio of means hides
+whether the contrast is consistent across seeds. The narrow e8m4 grid (4
 mantissa bits) makes nearest write-back lose clearly at this scale.
+
+The learning rate is chosen so that the fp32 baseline is trained: at lr
+1e-3 both stochastic arms ended below the fp32 loss in every seed
+(recoveries 1.016 / 1.053), against a baseline that had not converged.
+Whether both recoveries are below 1 at lr 3e-3, as in the paper, is what
+the table reports (the line "recovery above 1").
 
   python -m experiments.run --config configs/deadzone_vs_sr.py
   python -m scripts.make_tables deadzone_vs_sr
 
 CPU scale (default): the small GPT of `freeze_small_gpt` (2 layers, d=64,
-built-in corpus), AdamW lr 1e-3 with cosine to 0, 200 steps; 12 runs in
-about 4 minutes on 2 CPU cores. Full scale (`:scale=full`): a 12-layer
-d=768 decoder on token files in data.path, bf16 grid.
-Expected (CPU scale): nearest write-back loses 0.67 nats (mean over seeds);
-mean recoveries full SR / dead-zone SR 1.016 / 1.053 (both runs end at or
-slightly below the fp32 loss), ratio dead-zone / full 1.037.
+built-in corpus), AdamW lr 3e-3 with warmup and cosine to 0, 200 steps;
+12 runs. Runtime, an estimate (the same runs at lr 1e-3 took 4.1 minutes
+on 2 CPU cores): about 4 minutes. Full scale (`:scale=full`): a 12-layer
+d=768 decoder on token files in data.path, bf16 grid, lr 6e-4.
+Expected (CPU scale): to be measured
 """
 
 from configs import common
@@ -36,7 +44,8 @@ def get_config(arg=None):
   c.study.name = "deadzone_vs_sr"
   c.study.seeds = (0, 1, 2)
   fmt = "e8m4"
-  c.opt.update(dict(lr=1e-3, warmup_steps=20, min_lr_ratio=0.0))
+  # lr 3e-3: the fp32 baseline is trained (at 1e-3 both SR arms beat it)
+  c.opt.update(dict(lr=3e-3, warmup_steps=20, min_lr_ratio=0.0))
   c.train.steps = 200
   c.train.eval_every_steps = 50
   c.data.eval_batches = 8

@@ -85,34 +85,55 @@ def trace_target(spec: str, keep_float32: str = ""):
   return lowprec.freeze.Target(rules, rounding or "nearest")
 
 
-def per_tensor_int(lp, params):
-  """`intK` formats, one per tensor, each scaled to the tensor's values.
+INT_SCOPES = ("tensor", "model")  # lowprec.int_scale_scope
 
-  The scale of a tensor is the smallest power of two `s` with
-  `s * (2**(K-1) - 1) >= max |w|`, so rounding the tensor onto its grid clips
-  nothing (a power of two, so that float32 deltas land exactly). Paths
-  matching `lp.keep_float32` get None (left in float32).
 
-  Raises:
-    ValueError: a tensor on the grid that is all zeros (no scale fits it).
-  """
-  bits = int(lp.writeback[3:])
-  top = 2 ** (bits - 1) - 1
+def _int_amax(lp, params):
+  """max |w| of every tensor put on the grid; None where `keep_float32`."""
 
   def leaf(path, x):
     name = path_name(path)
     if lp.keep_float32 and re.fullmatch(lp.keep_float32, name):
       return None
-    amax = float(np.max(np.abs(np.asarray(jax.device_get(x)))))
-    if not (amax > 0 and math.isfinite(amax)):
-      raise ValueError(
-        f"parameter {name!r} has max |w| = {amax}: no per-tensor "
-        f"{lp.writeback} scale fits it; set lowprec.int_scale, or leave it "
-        "in float32 with lowprec.keep_float32"
-      )
-    return lowprec.int_format(bits, 2.0 ** math.ceil(math.log2(amax / top)))
+    return float(np.max(np.abs(np.asarray(jax.device_get(x)))))
 
   return jax.tree_util.tree_map_with_path(leaf, params)
+
+
+def int_formats(lp, params):
+  """`intK` formats scaled to the values of `params`, one per tensor.
+
+  The scale is the smallest power of two `s` with `s * (2**(K-1) - 1) >=
+  max |w|` (so rounding onto the grid clips nothing; a power of two, so that
+  float32 deltas land exactly), with `max |w|` taken per tensor
+  (`lp.int_scale_scope = "tensor"`) or over every tensor on the grid
+  (`"model"`: one step for the whole model, which zeroes the weights below
+  half of it). Paths matching `lp.keep_float32` get None (left in float32).
+
+  Raises:
+    ValueError: a tensor on the grid that is all zeros under per-tensor
+      scales, or a model whose grid tensors are all zeros.
+  """
+  bits = int(lp.writeback[3:])
+  top = 2 ** (bits - 1) - 1
+  amax = _int_amax(lp, params)
+  scope = lp.get("int_scale_scope", "tensor")
+
+  def fmt(a, name="the model"):
+    if not (a > 0 and math.isfinite(a)):
+      raise ValueError(
+        f"{name} has max |w| = {a}: no {lp.writeback} scale from its "
+        "values fits it; set lowprec.int_scale, or leave it in float32 "
+        "with lowprec.keep_float32"
+      )
+    return lowprec.int_format(bits, 2.0 ** math.ceil(math.log2(a / top)))
+
+  if scope == "model":
+    one = fmt(max(jax.tree.leaves(amax), default=0.0))
+    return jax.tree.map(lambda a: one, amax)
+  return jax.tree_util.tree_map_with_path(
+    lambda path, a: fmt(a, f"parameter {path_name(path)!r}"), amax
+  )
 
 
 def needs_params(lp) -> bool:
@@ -130,15 +151,15 @@ def has_telemetry(lp) -> bool:
 
 def writeback_target(lp, params=None):
   """The write-back's `fmt` argument: a Format, or rules keeping some paths
-  in float32, or a pytree of per-tensor formats (`needs_params`, computed
-  from `params`); None when the run trains in float32."""
+  in float32, or a pytree of formats scaled to `params` (`needs_params`,
+  `int_formats`); None when the run trains in float32."""
   if needs_params(lp):
     if params is None:
       raise ValueError(
-        f"{lp.writeback} write-back with per-tensor scales "
+        f"{lp.writeback} write-back with scales from the params "
         "(lowprec.int_scale=0) needs the initial params"
       )
-    return per_tensor_int(lp, params)
+    return int_formats(lp, params)
   fmt = writeback_format(lp)
   if fmt is None or not lp.keep_float32:
     return fmt

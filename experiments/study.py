@@ -64,6 +64,7 @@ def choices() -> dict:
     "lowprec.fwd_rounding": saved.MODES,
     "lowprec.bwd_rounding": saved.MODES,
     "lowprec.attn_fresh_out": lowprec.ops.FRESH_OUT,
+    "lowprec.int_scale_scope": optim.INT_SCOPES,
   }
 
 

@@ -721,6 +721,91 @@ def test_summarize_counts_within_tolerance():
   assert s.n_category_disagree == 0 and s.skill > 0
 
 
+def _seeds_around_common_time(steps=60):
+  """Three seeds' curves: a shared sigmoid plus deviations summing to 0."""
+  t = np.arange(steps)
+  common = 1 / (1 + np.exp(-(t - 20) / 5))
+  d1 = 0.05 * np.sin(t / 4)
+  d2 = 0.03 * np.cos(t / 7)
+  dev = np.stack([d1, d2, -(d1 + d2)])
+  return common, dev, common + dev
+
+
+def test_common_time_share_by_hand_and_against_the_residual_identity():
+  # c = [1, 3], grand mean 2: common 2 * (1 + 1) = 4 of a total 8.
+  assert freeze.common_time_share([[0.0, 2.0], [2.0, 4.0]]) == 0.5
+  assert freeze.common_time_share([[0.1, 0.9]] * 3) == pytest.approx(1.0)
+  # Seeds offset by constants around a flat common time: share 0.
+  assert freeze.common_time_share([[1.0, 1.0], [3.0, 3.0]]) == 0.0
+  _, _, e = _seeds_around_common_time()
+  e = e + np.random.default_rng(0).normal(0, 0.02, e.shape)
+  resid = np.sum((e - e.mean(0)) ** 2)  # total = common + residual
+  want = 1 - resid / np.sum((e - e.mean()) ** 2)
+  assert freeze.common_time_share(e) == pytest.approx(want, rel=1e-12)
+  # A step without a value in one curve drops that step for every seed.
+  holed = e.copy()
+  holed[1, 7] = nan
+  assert freeze.common_time_share(holed) == pytest.approx(
+    freeze.common_time_share(np.delete(e, 7, axis=1)), rel=1e-12
+  )
+  np.testing.assert_allclose(freeze.common_time(e), e.mean(0))
+  assert math.isnan(freeze.common_time_share([[0.5, 0.5], [0.5, 0.5]]))
+  with pytest.raises(ValueError, match="length"):
+    freeze.common_time_share([[0.1, 0.2], [0.1]])
+
+
+def _corr(a, b):
+  return float(np.corrcoef(a, b)[0, 1])
+
+
+def test_directional_specificity_passes_for_matched_predictions():
+  common, dev, e = _seeds_around_common_time()
+  noise = np.random.default_rng(1).normal(0, 0.01, e.shape)
+  p = common + 0.5 * dev + noise  # each seed's own departure, damped
+  s = freeze.directional_specificity(p, e)
+  c = e.mean(0)
+  want = [_corr(p[k] - c, e[k] - c) for k in range(3)]
+  np.testing.assert_allclose(s.correlations, want, rtol=1e-12)
+  assert s.specific and min(s.correlations) > 0.5
+
+
+def test_directional_specificity_fails_for_one_reused_trace():
+  common, dev, e = _seeds_around_common_time()
+  trace = common + 0.5 * dev[0]  # right for seed 0, reused for all
+  s = freeze.directional_specificity(trace, e)
+  assert not s.specific
+  assert s.correlations[0] > 0.5 and min(s.correlations) < 0
+  # The covariances with one fixed p - c sum to zero over the seeds.
+  c = e.mean(0)
+  covs = [np.cov(trace - c, e[k] - c)[0, 1] for k in range(3)]
+  assert abs(sum(covs)) < 1e-12 * max(map(abs, covs))
+  # Right for two seeds, wrong for the third: not specific either.
+  p = common + 0.5 * dev
+  p[2] = common - 0.5 * dev[2]
+  s = freeze.directional_specificity(p, e)
+  assert not s.specific and s.correlations[2] == pytest.approx(-1.0)
+  assert s.correlations[0] == pytest.approx(1.0)
+  # The common time course itself has no deviation to correlate.
+  s = freeze.directional_specificity(c, e)
+  assert all(math.isnan(r) for r in s.correlations) and not s.specific
+
+
+def test_directional_specificity_errors_and_missing_steps():
+  common, dev, e = _seeds_around_common_time()
+  with pytest.raises(ValueError, match="two seeds"):
+    freeze.directional_specificity(common, e[:1])
+  with pytest.raises(ValueError, match="one per seed"):
+    freeze.directional_specificity(np.stack([common] * 2), e)
+  p = common + 0.5 * dev
+  holed = e.copy()
+  holed[0, 3] = nan
+  got = freeze.directional_specificity(p, holed).correlations
+  want = freeze.directional_specificity(
+    np.delete(p, 3, axis=1), np.delete(e, 3, axis=1)
+  ).correlations
+  np.testing.assert_allclose(got, want, rtol=1e-12)
+
+
 # ---- coordinate audit ------------------------------------------------------
 
 

@@ -21,6 +21,7 @@ import ml_collections
 import numpy as np
 import pytest
 
+import lowprec
 from configs import common
 from experiments import checkpoint, models, optim, study, tasks, train
 from experiments.analysis import figures, tables
@@ -101,9 +102,15 @@ def test_fp8_full_scale_is_gpt2_small():
 
 
 @pytest.mark.parametrize(
-  "name, arm", [("freeze_gpt2_fp8", "rn_e4m3"), ("e4m3_audit", "rn_e4m3")]
+  "name, arm",
+  [
+    ("freeze_gpt2_fp8", "rn_e4m3"),
+    ("e4m3_audit", "rn_e4m3"),
+    ("e4m3_audit", "rn_e4m3_b64"),
+    ("int3_replay", "int3m_from_2"),
+  ],
 )
-def test_fp8_studies_keep_only_norms_and_biases_in_float32(name, arm):
+def test_studies_keep_only_norms_and_biases_in_float32(name, arm):
   c = _load(name, "scale=smoke")
   r = study.resolve(c, arm, study.seeds_of(c, arm)[0])
   paths = leaf_paths(jax.eval_shape(tasks.build(r).init, jax.random.key(0)))
@@ -120,20 +127,45 @@ def test_grid_has_72_cells_and_a_reference_for_each():
   assert len({c.study.arms[a].study.cell for a in cells}) == 72
 
 
-def test_per_tensor_int_scales_are_powers_of_two_covering_the_tensor():
-  lp = ml_collections.ConfigDict({"writeback": "int3", "keep_float32": ""})
+def test_int_scales_are_powers_of_two_covering_the_tensor_or_model():
+  lp = ml_collections.ConfigDict(
+    {"writeback": "int3", "keep_float32": "", "int_scale_scope": "tensor"}
+  )
   params = {
     "a": {"kernel": jnp.array([0.3, -0.1]), "bias": jnp.array([0.01])},
     "b": jnp.array([[-2.0, 1.0]]),
   }
-  fmts = optim.per_tensor_int(lp, params)
+  fmts = optim.int_formats(lp, params)
   assert fmts["a"]["kernel"].scale == 0.125  # 0.3 / 3 = 0.1 -> 0.125
   assert fmts["a"]["bias"].scale == 2.0**-8  # 0.01 / 3 -> 2^-8
   assert fmts["b"].scale == 1.0  # 2 / 3 -> 1
+  # One step for the model: the largest |w| (2.0) sets it everywhere.
+  lp.int_scale_scope = "model"
+  fmts = optim.int_formats(lp, params)
+  assert [f.scale for f in jax.tree.leaves(fmts)] == [1.0, 1.0, 1.0]
+  grid = lowprec.to_grid(params, fmts)
+  np.testing.assert_array_equal(grid["a"]["kernel"], [0.0, 0.0])  # zeroed
+  np.testing.assert_array_equal(grid["b"], [[-2.0, 1.0]])
+  lp.keep_float32 = r"b"  # left out of the grid and of the model's max
+  fmts = optim.int_formats(lp, params)
+  assert fmts["b"] is None and fmts["a"]["bias"].scale == 0.125
   lp.keep_float32 = r".*bias"
-  assert optim.per_tensor_int(lp, params)["a"]["bias"] is None
+  lp.int_scale_scope = "tensor"
+  assert optim.int_formats(lp, params)["a"]["bias"] is None
   with pytest.raises(ValueError, match="keep_float32"):
-    optim.per_tensor_int(lp, {"z": jnp.zeros(3)})
+    optim.int_formats(lp, {"z": jnp.zeros(3)})
+  lp.int_scale_scope = "model"
+  with pytest.raises(ValueError, match="the model has max"):
+    optim.int_formats(lp, {"z": jnp.zeros(3), "y": jnp.zeros(2)})
+  assert optim.int_formats(lp, {"z": jnp.zeros(3), "y": jnp.ones(2)})
+
+
+def test_unknown_int_scale_scope_is_refused_with_a_suggestion():
+  c = _load("int3_replay", "scale=smoke")
+  arm = next(a for a in c.study.arms if a != "fp32_reference")
+  c.study.arms[arm].lowprec.int_scale_scope = "modle"
+  with pytest.raises(ValueError, match="Did you mean 'model'"):
+    study.resolve(c, arm, 0)
 
 
 def test_init_from_arm_needs_a_step():
@@ -168,12 +200,17 @@ def _run_dir(root, study_name, arm, seed, config, metrics):
       f.write(json.dumps(rec) + "\n")
 
 
-def _reference(root, name, fmt, pred, seed=0, arm="ref", extra=None):
+def _reference(
+  root, name, fmt, pred, seed=0, arm="ref", extra=None, batch=None
+):
   recs = [{"step": 0, "val_loss": 3.0}]
   for i, p in enumerate(pred):
     rec = {"step": i + 1, f"pred/{fmt}/erased_fraction": p}
     recs.append({**rec, **(extra or {}).get(i + 1, {})})
-  _run_dir(root, name, arm, seed, {}, recs)
+  config = {"lowprec": {"trace_targets": [fmt]}}
+  if batch is not None:
+    config["data"] = {"batch_size": batch}
+  _run_dir(root, name, arm, seed, config, recs)
 
 
 def _lowprec(root, name, arm, fmt, erased, seed=0, props=None, cell="", **cfg):
@@ -217,9 +254,10 @@ def test_step_without_proposals_does_not_count_as_unfrozen(tmp_path):
 def test_grid_table_counts_crossings_span_and_categories(tmp_path):
   root = str(tmp_path)
   n = 40
-  # (predicted crossing, measured crossing): within 15%, outside, and a
-  # category disagreement (at_init predicted, post-init measured).
-  cells = {"a": (10, 11), "b": (20, 30), "c": (1, 4)}
+  # (predicted crossing, measured crossing): within 15%, outside, a
+  # category disagreement (at_init predicted, post-init measured), and two
+  # measured at step 2 (the first post-init step), one predicted there.
+  cells = {"a": (10, 11), "b": (20, 30), "c": (1, 4), "d": (2, 2), "e": (3, 2)}
   for i, (name, (p, m)) in enumerate(cells.items()):
     arm = f"ref_{name}"
     _reference(root, "g", "e8m3", _curve(n, p), arm=arm)
@@ -235,11 +273,13 @@ def test_grid_table_counts_crossings_span_and_categories(tmp_path):
     )
   rows, lines = tables.ANALYSES["grid"](tables.load_runs(root, "g"))
   text = "\n".join(lines)
-  assert [r["width"] for r in rows] == [8, 16, 24]
-  assert "post-init crossings: 2/3" in text
-  assert "span 3x (step 11 to 30)" in text
-  assert "within 15%: 1/2" in text
-  assert "categories differ: 1/3" in text
+  assert [r["width"] for r in rows] == [8, 16, 24, 32, 40]
+  assert "post-init crossings: 4/5" in text
+  assert "steps span 15x (step 2 to 30)" in text
+  assert "measured crossing at step 2: 2/4 (predicted at step 2: 1/4)" in text
+  assert "crossings after step 2: 2/4, spanning 3x (step 11 to 30)" in text
+  assert "within 15%: 2/4" in text
+  assert "categories differ: 1/5" in text
   by = {r["cell"]: r for r in rows}
   assert by["a"]["error_steps"] == -1 and by["a"]["within_tol"]
   assert by["b"]["error_steps"] == -10 and not by["b"]["within_tol"]
@@ -302,52 +342,92 @@ def test_recovery_table_per_seed_means_and_ratio(tmp_path):
   assert "full SR / dead-zone SR: 0.8500 / 0.9000" in text
   assert "ratio dead-zone / full: 1.0588" in text
   assert "mean 0.7500 nats over 2 seeds" in text
+  assert "above 1 (the stochastic run ends below fp32): full SR 0/2" in text
+  # Matched seeds: dead-zone minus full SR, +0.1 and -0.1 nats.
+  d = [rows[0]["deadzone_minus_full_sr"], rows[1]["deadzone_minus_full_sr"]]
+  assert d == pytest.approx([0.1, -0.1])
+  sd = np.std([0.1, -0.1], ddof=1)
+  assert (
+    "dead-zone minus full SR, final val loss per matched seed: +0.1000, "
+    f"-0.1000 nats; mean +0.0000, sd {sd:.4f} (2 seeds); negative "
+    "(dead-zone lower) in 1/2 seeds, positive in 1/2" in text
+  )
 
 
-def test_replay_table_losses_per_checkpoint(tmp_path):
+def _replay_run(root, arm, start, rounding, v0, v1, **lowprec):
+  _run_dir(
+    root,
+    "r",
+    arm,
+    0,
+    {
+      "lowprec": {"writeback": "int3", "rounding": rounding, **lowprec},
+      "train": {
+        "steps": 3,
+        "init_from_arm": "fp32_reference",
+        "init_from_step": start,
+      },
+      "model": {"vocab_size": 256},
+    },
+    [{"step": 0, "val_loss": v0}, {"step": 3, "val_loss": v1}],
+  )
+
+
+def test_replay_table_relative_reduction_and_sr_minus_rn(tmp_path):
   root = str(tmp_path)
   ref = [{"step": s, "val_loss": 5.0 - s / 10} for s in range(0, 11)]
   _run_dir(root, "r", "fp32_reference", 0, {}, ref)
   for start, rounding, (v0, v1) in (
     (2, "stochastic", (6.0, 4.5)),
+    (2, "nearest", (6.0, 5.7)),
     (4, "stochastic", (5.0, 4.0)),
     (4, "nearest", (5.0, 5.0)),
   ):
-    arm = f"{rounding}_{start}"
-    _run_dir(
-      root,
-      "r",
-      arm,
-      0,
-      {
-        "lowprec": {"writeback": "int3", "rounding": rounding},
-        "train": {
-          "steps": 3,
-          "init_from_arm": "fp32_reference",
-          "init_from_step": start,
-        },
-      },
-      [{"step": 0, "val_loss": v0}, {"step": 3, "val_loss": v1}],
-    )
+    _replay_run(root, f"{rounding}_{start}", start, rounding, v0, v1)
+  # A second quantizer, one step for the model: only a stochastic replay.
+  _replay_run(root, "m_4", 4, "stochastic", 5.5, 2.75, int_scale_scope="model")
   rows, lines = tables.ANALYSES["replay"](tables.load_runs(root, "r"))
-  assert [(r["checkpoint"], r["rounding"]) for r in rows] == [
-    (2, "stochastic"),
-    (4, "stochastic"),
-    (4, "nearest"),
+  assert [(r["quantizer"], r["checkpoint"]) for r in rows] == [
+    ("one step for the model", 4),
+    ("per tensor", 2),
+    ("per tensor", 4),
   ]
-  first = rows[0]
+  first = rows[1]
   assert first["fp32_at_checkpoint"] == pytest.approx(4.8)
-  assert first["after_quantizing"] == 6.0 and first["after_3_steps"] == 4.5
-  assert first["change"] == pytest.approx(-1.5)
-  assert first["change_pct"] == pytest.approx(-0.25)
+  assert first["after_quantizing"] == 6.0
+  assert first["start_over_uniform"] == pytest.approx(6.0 / np.log(256))
+  assert first["stochastic_final"] == 4.5 and first["nearest_final"] == 5.7
+  assert first["stochastic_change"] == pytest.approx(-1.5)
+  assert first["stochastic_reduction"] == pytest.approx(0.25)
+  assert first["nearest_reduction"] == pytest.approx(0.05)
+  assert first["sr_minus_rn"] == pytest.approx(-1.2)
+  assert first["sr_minus_rn_rel"] == pytest.approx(-0.2)
   assert first["fp32_same_data_step"] == pytest.approx(4.5)
-  assert rows[2]["change"] == 0
+  assert rows[2]["nearest_change"] == 0 and rows[2]["sr_minus_rn"] == -1.0
+  model = rows[0]
+  assert model["stochastic_reduction"] == pytest.approx(0.5)
+  assert model["nearest_final"] is None and model["sr_minus_rn"] is None
   text = "\n".join(lines)
   assert (
-    "stochastic write-back, 2 checkpoint(s): validation-loss change "
-    "-1.5000 to -1.0000 nats (mean -1.2500, -22.50%)" in text
+    "- per tensor, stochastic write-back, 2 checkpoint(s): relative "
+    "reduction 20.00% to 25.00% (mean 22.50%); change -1.5000 to -1.0000 "
+    "(mean -1.2500) nats" in text
   )
-  assert "nearest write-back, 1 checkpoint(s)" in text
+  assert (
+    "- per tensor, nearest write-back, 2 checkpoint(s): relative reduction "
+    "0.00% to 5.00% (mean 2.50%)" in text
+  )
+  assert (
+    "- per tensor, stochastic minus nearest final val loss, 2 "
+    "checkpoint(s): -1.2000 to -1.0000 (mean -1.1000) nats; -20.00% to "
+    "-20.00% (mean -20.00%) of the start" in text
+  )
+  assert (
+    "- one step for the model, stochastic write-back, 1 checkpoint(s): "
+    "relative reduction 50.00% to 50.00%" in text
+  )
+  assert "- one step for the model: start / ln V 0.992 to 0.992" in text
+  assert "69.71%" in text
 
 
 def test_audit_table_rmse_skill_and_template(tmp_path):
@@ -373,6 +453,90 @@ def test_audit_table_rmse_skill_and_template(tmp_path):
     "template (mean measured curve of the other seeds): macro RMSE "
     "0.10000" in text
   )
+
+
+def _audit_variant(root, suffix, batch, dev_scale):
+  """Source trace (seed 0), matched fp32 runs and e4m3 runs (seeds 1-3):
+  measured e_k = base + d_k (deviations summing to zero over k), source
+  p = base + d_1 / 2 for every seed, matched p_k = base + d_k / 2."""
+  t = np.arange(8)
+  base = 0.5 + 0.05 * t
+  d1 = dev_scale * np.sin(t)
+  d2 = dev_scale * np.cos(t)
+  dev = {1: d1, 2: d2, 3: -(d1 + d2)}
+  fmt = "float8_e4m3fn"
+  ref, matched = f"ref{suffix}", f"fp32_matched{suffix}"
+  _reference(root, "a", fmt, list(base + d1 / 2), seed=0, arm=ref, batch=batch)
+  for k, d in dev.items():
+    pk = list(base + d / 2)
+    _reference(root, "a", fmt, pk, seed=k, arm=matched, batch=batch)
+    _lowprec(
+      root,
+      "a",
+      f"rn_e4m3{suffix}",
+      fmt,
+      list(base + d),
+      seed=k,
+      study={"reference_arm": ref},
+      data={"batch_size": batch},
+    )
+  e = np.stack([base + dev[k] for k in (1, 2, 3)])
+  return base + d1 / 2, np.stack([base + dev[k] / 2 for k in (1, 2, 3)]), e
+
+
+def _rms(x):
+  return float(np.sqrt(np.mean(np.square(x))))
+
+
+def test_audit_table_matched_references_floor_specificity_common_time(
+  tmp_path,
+):
+  root = str(tmp_path)
+  want = {
+    16: _audit_variant(root, "", 16, 0.04),
+    64: _audit_variant(root, "_b64", 64, 0.01),
+  }
+  rows, lines = tables.ANALYSES["audit"](tables.load_runs(root, "a"))
+  text = "\n".join(lines)
+  assert [(r["batch_size"], r["seed"]) for r in rows] == [
+    (16, 1),
+    (16, 2),
+    (16, 3),
+    (64, 1),
+    (64, 2),
+    (64, 3),
+  ]
+  for r in rows:
+    p, pk, e = want[r["batch_size"]]
+    k = r["seed"] - 1
+    c = e.mean(0)
+    assert r["reference_seed"] == 0
+    assert r["rmse"] == pytest.approx(_rms(p - e[k]))
+    assert r["matched_rmse"] == pytest.approx(_rms(pk[k] - e[k]))
+    assert r["noise_floor"] == pytest.approx(_rms(p - pk[k]))
+    assert r["source_specificity_corr"] == pytest.approx(
+      np.corrcoef(p - c, e[k] - c)[0, 1]
+    )
+    assert r["matched_specificity_corr"] == pytest.approx(1.0)
+  # The reused trace is right for seed 1 only: it fails; matched passes.
+  assert rows[0]["source_specificity_corr"] == pytest.approx(1.0)
+  assert min(r["source_specificity_corr"] for r in rows[:3]) < 0
+  assert text.count("source trace (reused): corr +1.000, ") == 2
+  assert text.count(": fails") == 2
+  assert (
+    text.count("matched references: corr +1.000, +1.000, +1.000: passes") == 2
+  )
+  for batch, suffix in ((16, ""), (64, "_b64")):
+    p, pk, e = want[batch]
+    share = len(e) * np.sum((e.mean(0) - e.mean()) ** 2)
+    share /= np.sum((e - e.mean()) ** 2)
+    assert f"- rn_e4m3{suffix} (batch {batch}): macro RMSE" in text
+    floor = np.mean([_rms(p - x) for x in pk])
+    assert f"{floor:.5f}" in text
+    assert f"variation that is common time: {share:.2%}" in text
+  floors = [np.mean([_rms(want[b][0] - x) for x in want[b][1]]) for b in want]
+  assert f"  - noise floor (mean): {floors[0]:.5f} vs {floors[1]:.5f}" in text
+  assert "- batch 16 vs 64:" in text and "99.65%" in text
 
 
 def test_fp8_table_frozen_coordinates_and_loss_change(tmp_path):
@@ -448,8 +612,24 @@ def _smoke(name, tmp_path):
 @pytest.mark.slow
 def test_int3_replay_smoke_restores_checkpoints_and_tabulates(tmp_path):
   c, md = _smoke("int3_replay", tmp_path)
-  assert "stochastic write-back, 2 checkpoint(s)" in md
-  assert "nearest write-back, 1 checkpoint(s)" in md
+  model = "one step for the model (norms, biases float32)"
+  for q in ("per tensor", model):
+    for rounding in ("stochastic", "nearest"):
+      assert f"- {q}, {rounding} write-back, 2 checkpoint(s)" in md
+    assert f"- {q}, stochastic minus nearest final val loss, 2 " in md
+    assert f"- {q}: start / ln V " in md
+  table = tmp_path / "int3_replay" / "tables" / "int3_replay.csv"
+  rows = list(csv.DictReader(open(table)))
+  assert len(rows) == 4  # 2 quantizers x 2 checkpoints
+  for r in rows:
+    sr, rn, v0 = (
+      float(r[k])
+      for k in ("stochastic_final", "nearest_final", "after_quantizing")
+    )
+    assert float(r["sr_minus_rn"]) == pytest.approx(sr - rn)
+    assert float(r["sr_minus_rn_rel"]) == pytest.approx((sr - rn) / v0)
+    assert float(r["stochastic_reduction"]) == pytest.approx((v0 - sr) / v0)
+    assert float(r["start_over_uniform"]) == pytest.approx(v0 / math.log(256))
   # The parameters a replay starts from are the reference's, bit for bit.
   ref = study.resolve(c, "fp32_reference", 0)
   run = train.build_run(ref)
@@ -471,6 +651,30 @@ def test_int3_replay_smoke_restores_checkpoints_and_tabulates(tmp_path):
     scale = 2.0 ** math.ceil(math.log2(np.abs(x).max() / 3))
     assert np.all(np.abs(x / scale - np.round(x / scale)) == 0)
     assert np.abs(x / scale).max() <= 3
+  # One step for the model: from the largest |w| of the checkpoint's grid
+  # tensors; norms and biases as saved, every other weight a multiple of it.
+  rep = study.resolve(c, "int3m_from_2", 0)
+  src = checkpoint.restore_params(
+    os.path.join(d, "checkpoints"), 2, run.state.params
+  )
+  got = train.build_run(rep).state.params
+  keep = rep.lowprec.keep_float32
+  flat_src = dict(zip(leaf_paths(src), jax.tree.leaves(src), strict=True))
+  flat_got = dict(zip(leaf_paths(got), jax.tree.leaves(got), strict=True))
+  on_grid = [p for p in flat_src if not re.fullmatch(keep, p)]
+  amax = max(float(np.abs(np.asarray(flat_src[p])).max()) for p in on_grid)
+  scale = 2.0 ** math.ceil(math.log2(amax / 3))
+  zeroed = []
+  for p, x in flat_got.items():
+    x, x0 = np.asarray(x), np.asarray(flat_src[p])
+    if p not in on_grid:
+      np.testing.assert_array_equal(x, x0)
+      continue
+    np.testing.assert_array_equal(
+      x, np.clip(np.round(x0 / scale), -3, 3) * scale
+    )
+    zeroed.append(np.mean(x == 0))
+  assert np.mean(zeroed) > 0.5  # most small weights are zeroed
 
 
 @pytest.mark.slow
@@ -478,6 +682,9 @@ def test_grid_smoke_makes_its_table(tmp_path):
   _, md = _smoke("freeze_grid", tmp_path)
   assert "cells with predicted and measured post-init crossings: " in md
   assert "categories differ" in md
+  assert re.search(r"measured crossing at step 2: \d+/\d+ \(predicted", md)
+  assert "measured crossings after step 2: " in md
+  assert "freeze_grid.png" in os.listdir(tmp_path / "freeze_grid" / "tables")
 
 
 @pytest.mark.slow
@@ -492,6 +699,16 @@ def test_slow_smoke_study_makes_its_table(name, tmp_path):
     "deadzone_vs_sr": "mean recovery, full SR / dead-zone SR",
   }[name]
   assert expect in md
+  if name == "deadzone_vs_sr":
+    rows = list(
+      csv.DictReader(open(tmp_path / name / "tables" / f"{name}.csv"))
+    )
+    d = float(rows[0]["deadzone_minus_full_sr"])
+    want = float(rows[0]["val_loss_deadzone"]) - float(
+      rows[0]["val_loss_stochastic"]
+    )
+    assert d == pytest.approx(want)
+    assert f"per matched seed: {d:+.4f} nats" in md
 
 
 @pytest.mark.slow
@@ -570,8 +787,27 @@ def test_reproduce_runs_the_audit_smoke_through_the_entry_point(tmp_path):
     env=env,
     capture_output=True,
     text=True,
-    timeout=600,
+    timeout=1200,  # 10 smoke runs, compilation-bound: ~9 min on 2 busy cores
   )
   assert out.returncode == 0, out.stdout + out.stderr
-  assert "macro RMSE, one fp32 trace (seed 0) vs 1 unseen seeds" in out.stdout
+  md = out.stdout
+  for arm, batch in (("rn_e4m3", 16), ("rn_e4m3_b64", 64)):
+    assert (
+      f"- {arm} (batch {batch}): macro RMSE, one fp32 trace (seed 0) vs 2 "
+      "unseen seeds" in md
+    )
+  assert md.count("matched reference (each seed's own fp32 trace)") == 2
+  assert md.count("noise floor, RMSE between the seed-0 trace") == 2
+  assert md.count("source trace (reused): corr ") == 2
+  assert md.count("matched references: corr ") == 2
+  assert md.count("variation that is common time: ") == 2
+  assert "- batch 16 vs 64:" in md
+  # With two unseen seeds, e_1 - c = -(e_2 - c): one reused trace's two
+  # correlations have opposite signs (or are undefined).
+  table = tmp_path / "e4m3_audit" / "tables" / "e4m3_audit.csv"
+  rows = list(csv.DictReader(open(table)))
+  assert len(rows) == 4
+  for arm in ("rn_e4m3", "rn_e4m3_b64"):
+    r = [float(x["source_specificity_corr"]) for x in rows if x["arm"] == arm]
+    assert r[0] == pytest.approx(-r[1]) or all(map(math.isnan, r))
   assert (tmp_path / "e4m3_audit" / "tables" / "e4m3_audit.png").exists()

@@ -17,10 +17,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from experiments.analysis import audit_tables as at  # noqa: E402
 from experiments.analysis import freeze_panels  # noqa: E402
 from experiments.analysis import freeze_tables as fa  # noqa: E402
+from experiments.analysis import writeback_tables as wt  # noqa: E402
 from experiments.analysis.runs import load_runs  # noqa: E402
-from lowprec import freeze  # noqa: E402
 
 
 def _save(fig, study, results, out) -> str:
@@ -67,9 +68,14 @@ def crossing_scatter(study, results="results", out=None, group=None) -> str:
     ax.set_yscale("log")
     ax.legend(fontsize=7)
   cats = [r.get("category_agrees") for r in rows]
+  steps = [m for _, _, m in pts]
+  late = [m for m in steps if m > fa.EARLY_STEP]
   ax.set_title(
     f"{study}: {len(pts)}/{len(rows)} cells post-init in both; "
-    f"{sum(not c for c in cats if c is not None)} categories differ",
+    f"{sum(not c for c in cats if c is not None)} categories differ\n"
+    f"measured span {fa.span(steps) or 'n/a'}; "
+    f"{len(steps) - len(late)} at step {fa.EARLY_STEP}, the rest span "
+    f"{fa.span(late) or 'n/a'}",
     fontsize=8,
   )
   ax.set_xlabel("measured crossing step")
@@ -83,12 +89,10 @@ def transfer_scatter(study, results="results", out=None) -> str:
   )
 
 
-def val_curves(study, results="results", out=None) -> str:
+def _val_panel(ax, runs, title: str) -> None:
   """Validation loss vs step of every arm (one colour per arm, a line per
   seed)."""
-  runs = load_runs(results, study)
   arms = list(dict.fromkeys(r.arm for r in runs))
-  fig, ax = plt.subplots(figsize=(6, 4))
   for i, arm in enumerate(arms):
     for j, run in enumerate(r for r in runs if r.arm == arm):
       s, v = _val(run)
@@ -97,7 +101,37 @@ def val_curves(study, results="results", out=None) -> str:
   ax.set_ylabel("validation loss")
   _zoom(ax, [_val(r)[1] for r in runs])
   ax.legend(fontsize=8)
-  ax.set_title(study, fontsize=9)
+  ax.set_title(title, fontsize=9)
+
+
+def recovery_figure(study, results="results", out=None) -> str:
+  """Validation loss of every arm; beside it, the matched-seed difference
+  dead-zone minus full SR of the final validation loss, per seed, with
+  its mean and +-1 sd."""
+  runs = load_runs(results, study)
+  rows, _ = wt.recovery_table(runs)
+  fig, (ax, dx) = plt.subplots(
+    1, 2, figsize=(10, 4), gridspec_kw={"width_ratios": [3, 2]}
+  )
+  _val_panel(ax, runs, study)
+  pts = [(r["seed"], r["deadzone_minus_full_sr"]) for r in rows]
+  pts = [(s, d) for s, d in pts if d is not None]
+  if pts:
+    seeds, d = zip(*pts, strict=True)
+    x = np.arange(len(d))
+    dx.bar(x, d, color=["C2" if v < 0 else "C3" for v in d])
+    dx.set_xticks(x, [f"seed {s}" for s in seeds])
+    m = float(np.mean(d))
+    sd = float(np.std(d, ddof=1)) if len(d) > 1 else 0.0
+    dx.axhline(m, color="k", lw=1)
+    dx.axhspan(m - sd, m + sd, color="grey", alpha=0.2)
+    neg = sum(v < 0 for v in d)
+    dx.set_title(
+      f"mean {m:+.4f}, sd {sd:.4f}; negative in {neg}/{len(d)} seeds",
+      fontsize=9,
+    )
+  dx.axhline(0, color="grey", lw=0.5)
+  dx.set_ylabel("L dead-zone SR - L full SR (nats)")
   return _save(fig, study, results, out)
 
 
@@ -116,37 +150,63 @@ def _zoom(ax, curves):
 
 
 def replay_curves(study, results="results", out=None) -> str:
-  """The reference's validation loss, and each replay's from its
-  checkpoint on (step 0 of a replay drawn at its checkpoint step)."""
+  """One panel per quantizer: the reference's validation loss, and each
+  replay's from its checkpoint on (step 0 of a replay drawn at its
+  checkpoint step), stochastic solid, nearest dashed; the uniform loss
+  ln V as a grey line."""
   runs = load_runs(results, study)
-  fig, ax = plt.subplots(figsize=(6.5, 4))
-  curves = []
-  for run in runs:
-    tr = run.config["train"]
-    s, v = _val(run)
-    curves.append(v)
-    if not tr.get("init_from_arm"):
+  ref = [r for r in runs if not r.config["train"].get("init_from_arm")]
+  reps = [r for r in runs if r.config["train"].get("init_from_arm")]
+  quants = list(dict.fromkeys(wt.quantizer(r.config) for r in reps))
+  fig, axes = plt.subplots(
+    1, max(len(quants), 1), figsize=(6 * max(len(quants), 1), 4), squeeze=False
+  )
+  rows, _ = wt.replay_table(runs)
+  for ax, q in zip(axes[0], quants, strict=False):
+    curves = []
+    for run in ref:
+      s, v = _val(run)
+      curves.append(v)
       ax.plot(s, v, color="k", lw=1.2, label=f"{run.arm} (fp32)")
-      continue
-    rn = run.config["lowprec"]["rounding"] == "nearest"
-    ax.plot(
-      tr["init_from_step"] + s,
-      v,
-      color="C3" if rn else "C0",
-      lw=1,
-      ls="--" if rn else "-",
-      marker=".",
-      ms=3,
-      label=None,
-    )
-  ax.plot([], [], color="C0", label="int3 stochastic replay")
-  ax.plot([], [], color="C3", ls="--", label="int3 nearest replay")
-  _zoom(ax, curves)
-  ax.set_xlabel("data step")
-  ax.set_ylabel("validation loss")
-  ax.legend(fontsize=8)
-  ax.set_title(study, fontsize=9)
+    for run in (r for r in reps if wt.quantizer(r.config) == q):
+      rn = run.config["lowprec"]["rounding"] == "nearest"
+      s, v = _val(run)
+      curves.append(v)
+      ax.plot(
+        run.config["train"]["init_from_step"] + s,
+        v,
+        color="C3" if rn else "C0",
+        lw=1,
+        ls="--" if rn else "-",
+        marker=".",
+        ms=3,
+      )
+    vocab = reps[0].config.get("model", {}).get("vocab_size")
+    if vocab:
+      ax.axhline(np.log(vocab), color="grey", lw=0.6, label=f"ln {vocab}")
+    ax.plot([], [], color="C0", label="int3 stochastic replay")
+    ax.plot([], [], color="C3", ls="--", label="int3 nearest replay")
+    mine = [r for r in rows if r["quantizer"] == q]
+    ax.set_title(f"{study}: {q}\n{_reductions(mine)}", fontsize=8)
+    ax.set_xlabel("data step")
+    ax.set_ylabel("validation loss")
+    ax.legend(fontsize=7)
   return _save(fig, study, results, out)
+
+
+def _reductions(rows) -> str:
+  """`mean reduction SR 12.9%, RN 0.0%; SR - RN -0.365 nats`."""
+  out = []
+  for key, label in (
+    ("stochastic_reduction", "SR"),
+    ("nearest_reduction", "RN"),
+  ):
+    xs = [r[key] for r in rows if r[key] is not None]
+    if xs:
+      out.append(f"{label} {np.mean(xs):.1%}")
+  d = [r["sr_minus_rn"] for r in rows if r["sr_minus_rn"] is not None]
+  text = "mean reduction " + ", ".join(out) if out else ""
+  return text + (f"; SR - RN {np.mean(d):+.3f} nats" if d else "")
 
 
 def fp8_panels(study, results="results", out=None) -> str:
@@ -195,34 +255,67 @@ def fp8_panels(study, results="results", out=None) -> str:
 
 
 def audit_curves(study, results="results", out=None) -> str:
-  """The one reference prediction against each unseen seed's measured
-  erased fraction, and their differences."""
+  """One column per batch size. Top: each unseen seed's measured erased
+  fraction (solid), its own fp32 trace (the matched reference, dotted) and
+  the one reused source trace (black, dashed). Bottom: the same as
+  deviations from the common time course c (the mean measured curve),
+  where directional specificity is read off."""
   runs = load_runs(results, study)
-  low = [r for r in runs if r.config["lowprec"]["writeback"]]
-  fig, (ax, dx) = plt.subplots(2, 1, figsize=(6, 6), sharex=True)
-  ref = None
-  for i, run in enumerate(low):
-    ref = fa.reference_for(run, runs)
-    s, e = fa.measured(run)
-    ax.plot(s, e, lw=0.8, color=f"C{i}", label=f"measured, seed {run.seed}")
-    ps, p = fa.predicted(ref, run.config["lowprec"]["writeback"])
-    n = min(len(p), len(e))
-    dx.plot(s[:n], e[:n] - p[:n], lw=0.8, color=f"C{i}")
-    step, _ = freeze.crossing(e, steps=s)
-    if step is not None:
-      ax.axvline(step, color=f"C{i}", lw=0.6, ls=":")
-  if ref is not None and low:
-    ps, p = fa.predicted(ref, low[0].config["lowprec"]["writeback"])
+  rows, _ = at.audit_table(runs)
+  variants = at.variants(runs)
+  ncol = max(len(variants), 1)
+  fig, axes = plt.subplots(
+    2, ncol, figsize=(6 * ncol, 6.5), sharex=True, squeeze=False
+  )
+  for col, (arm, group) in enumerate(variants.items()):
+    mine = [r for r in rows if r["arm"] == arm]
+    _audit_column(axes[0][col], axes[1][col], group, runs, mine)
+  return _save(fig, study, results, out)
+
+
+def _audit_column(ax, dx, group, runs, rows) -> None:
+  curves = [at.seed_curves(run, runs) for run in group]
+  n = min(len(c[0]) for c in curves)
+  steps = fa.measured(group[0])[0][:n]
+  c = np.mean([e[:n] for e, _, _ in curves], axis=0)
+  for i, (run, (e, _, pk)) in enumerate(zip(group, curves, strict=True)):
     ax.plot(
-      ps, p, color="k", ls="--", lw=1, label=f"predicted, seed {ref.seed}"
+      steps, e[:n], lw=0.8, color=f"C{i}", label=f"measured, seed {run.seed}"
     )
+    dx.plot(steps, e[:n] - c, lw=0.8, color=f"C{i}")
+    if pk is not None:
+      ax.plot(steps, pk[:n], lw=0.8, ls=":", color=f"C{i}")
+      dx.plot(steps, pk[:n] - c, lw=0.8, ls=":", color=f"C{i}")
+  p = curves[0][1][:n]
+  ax.plot(steps, p, color="k", ls="--", lw=1, label="source trace (reused)")
+  ax.plot([], [], color="grey", ls=":", label="matched fp32 trace")
+  dx.plot(steps, p - c, color="k", ls="--", lw=1)
   ax.set_ylabel("erased fraction")
   ax.legend(fontsize=7)
-  ax.set_title(study, fontsize=9)
+  ax.set_title(_audit_title(group[0], rows), fontsize=8)
   dx.axhline(0, color="grey", lw=0.5)
-  dx.set_ylabel("measured - predicted")
+  dx.set_ylabel("minus the mean measured curve")
   dx.set_xlabel("step")
-  return _save(fig, study, results, out)
+
+
+def _audit_title(run, rows) -> str:
+  def mean(key):
+    xs = [r[key] for r in rows if r.get(key) is not None]
+    return f"{np.mean(xs):.4f}" if xs else "n/a"
+
+  def verdict(key):
+    xs = [r.get(key) for r in rows]
+    if any(x is None for x in xs):
+      return "n/a"
+    return "passes" if all(x > 0 for x in xs) else "fails"
+
+  return (
+    f"{run.arm} (batch {rows[0]['batch_size']}): RMSE source "
+    f"{mean('rmse')}, matched {mean('matched_rmse')}, floor "
+    f"{mean('noise_floor')}\nspecificity: source "
+    f"{verdict('source_specificity_corr')}, matched "
+    f"{verdict('matched_specificity_corr')}"
+  )
 
 
 def user_reports_panels(study, results="results", out=None) -> str:
@@ -287,7 +380,7 @@ PLOTS = {
   "freeze_gpt2_fp8": fp8_panels,
   "freeze_grid": crossing_scatter,
   "freeze_transfer": transfer_scatter,
-  "deadzone_vs_sr": val_curves,
+  "deadzone_vs_sr": recovery_figure,
   "int3_replay": replay_curves,
   "e4m3_audit": audit_curves,
   "freeze_user_reports": user_reports_panels,

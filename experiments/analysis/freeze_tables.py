@@ -78,7 +78,7 @@ def _cell(run) -> str:
   return run.config["study"].get("cell") or run.arm
 
 
-def _val_at(run, step: int):
+def val_at(run, step: int):
   """Validation loss logged at `step` (None if not logged there)."""
   steps, vals = run.curve("val_loss")
   if step == 0:
@@ -170,25 +170,55 @@ def _summary_lines(cells, theta, tol, skill_label="leave-one-out average"):
   return lines
 
 
-def _post_init_span(rows) -> str | None:
-  """`384x (step 2 to 768)`: spread of the measured post-init crossings
-  of the cells where both crossings are post-init."""
-  steps = [
-    int(r["measured_crossing"].split()[0])
-    for r in rows
-    if r.get("within_tol") is not None
+EARLY_STEP = 2  # the first step after Adam's first, whose updates are +-lr
+
+
+def post_init_steps(rows, key: str = "measured_crossing") -> list[int]:
+  """Crossing steps (measured, or `predicted_crossing`) of the cells where
+  both crossings are post-init."""
+  return [
+    int(r[key].split()[0]) for r in rows if r.get("within_tol") is not None
   ]
+
+
+def span(steps) -> str | None:
+  """`384x (step 2 to 768)`: the spread of crossing steps (None if none)."""
   if not steps:
     return None
   lo, hi = min(steps), max(steps)
   return f"{hi / lo:.0f}x (step {lo} to {hi})"
 
 
+def _grid_lines(rows) -> list[str]:
+  """Cells with post-init crossings, their span, how many cross at step 2
+  and the span of the others."""
+  steps = post_init_steps(rows)
+  lines = [
+    f"- cells with predicted and measured post-init crossings: "
+    f"{len(steps)}/{len(rows)}"
+  ]
+  early = sum(s == EARLY_STEP for s in steps)
+  pred = sum(
+    s == EARLY_STEP for s in post_init_steps(rows, "predicted_crossing")
+  )
+  late = [s for s in steps if s > EARLY_STEP]
+  lines += [
+    f"- their measured crossing steps span {span(steps) or 'n/a'}",
+    f"- of these, measured crossing at step {EARLY_STEP}: {early}/"
+    f"{len(steps)} (predicted at step {EARLY_STEP}: {pred}/{len(steps)}); "
+    "there every proposal is about lr in size (Adam's first steps), so the "
+    "grid gap at the initial weights decides, not the trajectory",
+    f"- measured crossings after step {EARLY_STEP}: {len(late)}/"
+    f"{len(steps)}, spanning {span(late) or 'n/a'}",
+  ]
+  return lines
+
+
 def grid_table(runs, theta: float = THETA, tol: float = TOL):
   """The controlled grid: one row per cell (write-back run), predicted vs
   measured crossing; totals as the paper gives them (cells with post-init
   crossings, their span, within 15%, category disagreements, confusion,
-  macro RMSE)."""
+  macro RMSE), and how many cross at step 2 with the span of the rest."""
   rows, cells = _freeze_rows(runs, theta, tol)
   configs = {(r.arm, r.seed): r.config for r in runs}
   for r in rows:
@@ -199,16 +229,7 @@ def grid_table(runs, theta: float = THETA, tol: float = TOL):
       schedule=c["opt"]["schedule"],
     )
   rows.sort(key=lambda r: (r["format"], r["schedule"], r["width"], r["lr"]))
-  post = sum(r.get("within_tol") is not None for r in rows)
-  lines = [
-    f"- cells with predicted and measured post-init crossings: "
-    f"{post}/{len(rows)}"
-  ]
-  span = _post_init_span(rows)
-  if span:
-    lines.append(f"- their measured crossing steps span {span}")
-  lines += _summary_lines(cells, theta, tol)
-  return rows, lines
+  return rows, _grid_lines(rows) + _summary_lines(cells, theta, tol)
 
 
 def transfer_table(runs, theta: float = THETA, tol: float = TOL):
@@ -280,7 +301,7 @@ def fp8_table(runs, theta: float = THETA, tol: float = TOL):
       never, late = frozen_shares(run, half, lp["writeback"])
       row["frozen_whole_run"] = never
       row["frozen_second_half"] = late
-    v_half, v_end = _val_at(run, half), run.last("val_loss")
+    v_half, v_end = val_at(run, half), run.last("val_loss")
     row[f"val_loss@{half}"] = v_half
     row["final_val_loss"] = v_end
     row["second_half_change"] = (
@@ -373,126 +394,3 @@ def _f(x, spec: str = ".4f") -> str:
 
 def _pct(x) -> str:
   return "n/a" if x is None else f"{x:.1%}"
-
-
-def audit_table(runs, theta: float = THETA, tol: float = TOL):
-  """One fp32 trace reused across unseen seeds: per-seed RMSE of the
-  prediction, of a naive flat baseline (the trace's own time-averaged
-  prediction) and of a template (the mean measured curve of the other
-  seeds); macro RMSEs and skill `1 - RMSE_pred / RMSE_naive`."""
-  rows, cells = _freeze_rows(runs, theta, tol)
-  if not cells:
-    return rows, []
-  s = freeze.summarize(cells, theta=theta, tol=tol)
-  naive = []
-  for row, (pred, meas) in zip(rows, cells.values(), strict=True):
-    flat = np.full_like(pred, np.nanmean(pred))
-    row["naive_rmse"] = freeze.rmse(flat, meas)
-    row["reference_seed"] = _reference_seed(row, runs)
-    naive.append(row["naive_rmse"])
-  naive_macro = float(np.mean(naive))
-  skill = "n/a (flat curves)"
-  if naive_macro > 0:
-    skill = f"{1 - s.macro_rmse / naive_macro:.3f}"
-  lines = [
-    f"- macro RMSE, one fp32 trace (seed "
-    f"{rows[0]['reference_seed']}) vs {len(cells)} unseen seeds: "
-    f"{s.macro_rmse:.5f}",
-    f"- naive flat baseline (the trace's mean prediction): macro RMSE "
-    f"{naive_macro:.5f}; skill 1 - RMSE/RMSE_naive = {skill}",
-    f"- template (mean measured curve of the other seeds): macro RMSE "
-    f"{s.baseline_rmse:.5f}",
-    f"- categories agree in {len(cells) - s.n_category_disagree}/"
-    f"{len(cells)} seeds",
-  ]
-  return rows, lines
-
-
-def _reference_seed(row, runs):
-  run = next(r for r in runs if r.arm == row["arm"] and r.seed == row["seed"])
-  ref = reference_for(run, runs)
-  return ref.seed if ref else None
-
-
-def recovery_table(runs):
-  """Recovery of the nearest-rounding loss gap, per seed:
-  `(L_RN - L_x) / (L_RN - L_fp32)` for full and dead-zone stochastic
-  write-back, with L the final validation loss; means and their ratio."""
-  by_seed: dict[int, dict[str, float]] = {}
-  for run in runs:
-    lp = run.config["lowprec"]
-    kind = lp["rounding"] if lp["writeback"] else "fp32"
-    by_seed.setdefault(run.seed, {})[kind] = run.last("val_loss")
-  rows = []
-  for seed in sorted(by_seed):
-    loss = by_seed[seed]
-    row = {"seed": seed}
-    for k in ("fp32", "nearest", "stochastic", "deadzone"):
-      row[f"val_loss_{k}"] = loss.get(k)
-    if all(loss.get(k) is not None for k in ("fp32", "nearest")):
-      gap = loss["nearest"] - loss["fp32"]
-      row["rn_gap"] = gap
-      for k, name in (("stochastic", "full_sr"), ("deadzone", "deadzone_sr")):
-        if loss.get(k) is not None and gap:
-          row[f"recovery_{name}"] = (loss["nearest"] - loss[k]) / gap
-    rows.append(row)
-  full = [r["recovery_full_sr"] for r in rows if "recovery_full_sr" in r]
-  dz = [r["recovery_deadzone_sr"] for r in rows if "recovery_deadzone_sr" in r]
-  lines = []
-  if full and dz:
-    mf, md = float(np.mean(full)), float(np.mean(dz))
-    gaps = [r["rn_gap"] for r in rows if "rn_gap" in r]
-    lines = [
-      f"- nearest-rounding loss gap L_RN - L_fp32: mean {np.mean(gaps):.4f} "
-      f"nats over {len(gaps)} seeds",
-      f"- mean recovery, full SR / dead-zone SR: {mf:.4f} / {md:.4f}",
-      f"- ratio dead-zone / full: {md / mf:.4f} (full / dead-zone "
-      f"{mf / md:.4f})",
-    ]
-  return rows, lines
-
-
-def replay_table(runs):
-  """Write-back replayed from a reference's checkpoints: per replay, the
-  validation loss of the reference at the checkpoint, right after putting
-  the weights on the grid (replay step 0), at the end of the replay, and
-  the change; and the reference's own loss at the same data step."""
-  rows = []
-  for run in runs:
-    tr = run.config["train"]
-    if not tr.get("init_from_arm"):
-      continue
-    src = next(
-      (r for r in runs if r.arm == tr["init_from_arm"] and r.seed == run.seed),
-      None,
-    )
-    start, steps = tr["init_from_step"], tr["steps"]
-    v0, v1 = _val_at(run, 0), run.last("val_loss")
-    row = {
-      "arm": run.arm,
-      "seed": run.seed,
-      "checkpoint": start,
-      "format": run.config["lowprec"]["writeback"],
-      "rounding": run.config["lowprec"]["rounding"],
-      "fp32_at_checkpoint": _val_at(src, start) if src else None,
-      "after_quantizing": v0,
-      f"after_{steps}_steps": v1,
-      "change": None if None in (v0, v1) else v1 - v0,
-      "change_pct": None if None in (v0, v1) or not v0 else (v1 - v0) / v0,
-      "fp32_same_data_step": _val_at(src, start + steps) if src else None,
-    }
-    rows.append(row)
-  rows.sort(key=lambda r: (r["rounding"] != "stochastic", r["checkpoint"]))
-  lines = []
-  for rounding in dict.fromkeys(r["rounding"] for r in rows):
-    ch = [r["change"] for r in rows if r["rounding"] == rounding]
-    ch = [c for c in ch if c is not None]
-    if not ch:
-      continue
-    pct = [r["change_pct"] for r in rows if r["rounding"] == rounding]
-    lines.append(
-      f"- {rounding} write-back, {len(ch)} checkpoint(s): validation-loss "
-      f"change {min(ch):+.4f} to {max(ch):+.4f} nats (mean {np.mean(ch):+.4f},"
-      f" {np.mean([p for p in pct if p is not None]):+.2%})"
-    )
-  return rows, lines

@@ -14,17 +14,16 @@ import os
 import re
 
 from experiments.analysis import bwd_tables
+from experiments.analysis.audit_tables import audit_table
 from experiments.analysis.freeze_tables import (
-  audit_table,
   fp8_table,
   freeze_table,
   grid_table,
-  recovery_table,
-  replay_table,
   transfer_table,
 )
 from experiments.analysis.runs import load_runs
 from experiments.analysis.user_reports import user_reports_table
+from experiments.analysis.writeback_tables import recovery_table, replay_table
 
 ANALYSES = {
   "freeze": freeze_table,
@@ -63,6 +62,12 @@ HEADINGS = {
   "category_agrees": "categories agree",
   "rmse": "curve RMSE",
   "naive_rmse": "naive RMSE",
+  "matched_rmse": "matched-reference RMSE",
+  "noise_floor": "noise floor (fp32 seeds' traces)",
+  "source_specificity_corr": "specificity corr., source",
+  "matched_specificity_corr": "specificity corr., matched",
+  "matched_val_loss": "fp32 val loss, same seed",
+  "batch_size": "batch",
   "reference_seed": "trace seed",
   "measured_move_prob": "move prob., measured",
   "predicted_move_prob": "move prob., predicted",
@@ -74,8 +79,15 @@ HEADINGS = {
   "frozen_second_half": "not moved in 2nd half",
   "fp32_at_checkpoint": "fp32 val loss there",
   "after_quantizing": "after the int grid",
-  "change": "change (nats)",
-  "change_pct": "change (relative)",
+  "start_over_uniform": "start / ln V",
+  "stochastic_final": "SR: final val loss",
+  "stochastic_change": "SR: change (nats)",
+  "stochastic_reduction": "SR: reduction",
+  "nearest_final": "RN: final val loss",
+  "nearest_change": "RN: change (nats)",
+  "nearest_reduction": "RN: reduction",
+  "sr_minus_rn": "SR - RN (nats)",
+  "sr_minus_rn_rel": "SR - RN (of the start)",
   "fp32_same_data_step": "fp32 at the same data step",
   "val_loss_fp32": "L fp32",
   "val_loss_nearest": "L nearest",
@@ -84,6 +96,7 @@ HEADINGS = {
   "rn_gap": "nearest gap",
   "recovery_full_sr": "recovery, full SR",
   "recovery_deadzone_sr": "recovery, dead-zone SR",
+  "deadzone_minus_full_sr": "dead-zone - full SR",
   "train_loss_last10%": "train loss, last 10%",
   "within_margin": "within the margin",
   "at_init_predicted": "predicted (fp32 trace)",

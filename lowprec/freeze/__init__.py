@@ -4,6 +4,9 @@
   records online the predicted erased fraction `p_t` for target formats.
 * `crossing`, `compare`, `summarize`: crossing steps and comparisons of
   predicted against measured curves, per cell and over many cells.
+* `common_time_share`, `directional_specificity`: across seeds, how much of
+  the measured curves is their common time course, and whether per-seed
+  predictions point where each seed departs from it.
 * `audit_coordinates`: exact erasure events at sampled coordinates of a
   low-precision run next to the predicted ones.
 * `decay_erasure`: an optax pass-through after AdamW that counts the
@@ -27,9 +30,13 @@ from lowprec.freeze.coords import (
 from lowprec.freeze.curves import (
   CATEGORIES,
   CellComparison,
+  Specificity,
   Summary,
+  common_time,
+  common_time_share,
   compare,
   crossing,
+  directional_specificity,
   rmse,
   summarize,
 )
@@ -51,14 +58,18 @@ __all__ = [
   "CoordinateAudit",
   "DecayErasureState",
   "ReferenceTraceState",
+  "Specificity",
   "StuckShare",
   "Summary",
   "Target",
   "TraceLayout",
   "audit_coordinates",
+  "common_time",
+  "common_time_share",
   "compare",
   "crossing",
   "decay_erasure",
+  "directional_specificity",
   "frozen_from",
   "leaf_paths",
   "measured_events",
