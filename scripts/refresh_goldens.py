@@ -14,6 +14,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+if not __package__:  # run as a file, `python scripts/refresh_goldens.py`
+  raise SystemExit(
+    "run it from the repository root as a module: "
+    'python -m scripts.refresh_goldens --why "..."'
+  )
+
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
