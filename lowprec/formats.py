@@ -8,10 +8,10 @@ values behave. Three families:
   `float8_e3m4`, `float8_e4m3`, `float6_e2m3fn`, `float6_e3m2fn`,
   `float4_e2m1fn`), plus `float32`;
 * generic IEEE-like `eXmY`: X exponent bits (2..8), Y explicit mantissa bits
-  (0..23), bias 2**(X-1)-1, subnormals, inf and NaN. `e8m7` has bfloat16's
-  grid, `e5m10` float16's;
-* symmetric integer grids `intK` with a scale s: the values s * {-(2**(K-1)-1),
-  ..., 2**(K-1)-1}, e.g. `int3` is s * {-3..3}.
+  (0..23), bias `2**(X-1) - 1`, subnormals, inf and NaN. `e8m7` has
+  bfloat16's grid, `e5m10` float16's;
+* symmetric integer grids `intK` with a scale s: the values
+  `s * {-(2**(K-1) - 1), ..., 2**(K-1) - 1}`, e.g. `int3` is `s * {-3..3}`.
 
 Every grid value is exactly representable in float32, so values may be stored
 in float32 (always possible) or in the native dtype where one exists.
@@ -179,7 +179,7 @@ class Format:
     """All finite nonnegative grid values, ascending (float64, numpy).
 
     Enumerated from the definition, for tests and small tables; refuses
-    formats with more than 2**20 nonnegative values.
+    formats with more than `2**20` nonnegative values.
     """
     if not self.is_float:
       return np.arange(self.int_max + 1) * float(self.scale)
@@ -304,7 +304,8 @@ def ieee_format(exp_bits: int, man_bits: int) -> Format:
 
 
 def int_format(bits: int, scale: float) -> Format:
-  """The symmetric integer grid `scale * {-K', ..., K'}`, K' = 2**(bits-1)-1."""
+  """The symmetric integer grid `scale * {-K', ..., K'}`,
+  `K' = 2**(bits-1) - 1`."""
   if not 2 <= bits <= 8:
     raise ValueError(f"int{bits}: intK needs K in 2..8")
   if scale is None or not np.isfinite(scale) or scale <= 0:

@@ -9,7 +9,7 @@ iota, so every device hashes the global indices of its own shard.
 The hash is two rounds of the `lowbias32` integer finaliser (xor-shift /
 multiply; a bijection of uint32 with full avalanche), keyed by two words
 derived from the JAX key. It is for stochastic rounding, not cryptography.
-Indices wrap modulo 2**32, so arrays above 2**32 elements repeat bits.
+Indices wrap modulo `2**32`, so arrays above `2**32` elements repeat bits.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def _seeds(key) -> tuple[jax.Array, jax.Array]:
 
 
 def global_index(shape) -> jax.Array:
-  """Row-major flat index of every element (uint32, wraps at 2**32)."""
+  """Row-major flat index of every element (uint32, wraps at `2**32`)."""
   shape = tuple(int(s) for s in shape)
   idx = jnp.zeros(shape, jnp.uint32)
   stride = 1

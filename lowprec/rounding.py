@@ -196,10 +196,10 @@ def round_stochastic(
   point against the exact discarded bits of `x`: for float32 input whose
   discarded part fits in 32 bits (every normal of the target and the upper
   subnormals) the probability is exact, so the rounding is exactly unbiased;
-  deeper in the subnormal range it is truncated to a multiple of 2**-32, a
-  bias of at most 2**-32 * (hi - lo) toward zero. For `intK` the fraction is
-  computed in float32 and compared with 24 random bits: bias at most
-  2**-24 * scale plus float32 error in `x / scale`.
+  deeper in the subnormal range it is truncated to a multiple of `2**-32`, a
+  bias of at most `2**-32 * (hi - lo)` toward zero. For `intK` the fraction
+  is computed in float32 and compared with 24 random bits: bias at most
+  `2**-24 * scale` plus float32 error in `x / scale`.
 
   Args:
     x: float array (float32, or float64 with x64 enabled).

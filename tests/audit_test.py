@@ -9,6 +9,7 @@ under 4. Inputs are drawn with numpy seeds 0..4, draws with the stated
 """
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -204,6 +205,102 @@ def test_verify_catches_a_wrong_requirements_table():
     jax.random.key(3),
   )
   assert v.reference_error > 1e-3
+
+
+# ---- the built-in tables against autodiff of the forward ---------------------
+# Each row's `must_read` is checked on its own: with every saved tensor
+# rounded stochastically, reading what the table says must reproduce
+# `jax.grad` of the straight-through forward (`op.reference`) to float32
+# roundoff, and flipping any one row must move it far beyond that.
+
+TABLES = {
+  "dense": (ops.Dense(x=SR8, kernel=SR8), DENSE_IN),
+  "norm_dense": (ops.NormDense(out=SR8, kernel=SR8), NORM_IN),
+  "attention": (ops.Attention(probs=SR8, out=SR8), ATTN_IN),
+  "activation": (ops.Activation("gelu", x=SR8), (_normal(0, (8, 16), 2.0),)),
+}
+FLIPPED = 1e-3  # the smallest effect of one flipped row here is 6e-3
+KEY = jax.random.key(5)  # the forward draws
+
+
+def _grads(op, inputs, fn):
+  """Gradients of `<c, fn(*inputs)>` (c normal, numpy seed 9) with respect
+  to the inputs present, jitted."""
+  present = [i for i, x in enumerate(inputs) if x is not None]
+  c = _normal(9, jax.eval_shape(lambda: op.reference(*inputs, key=KEY)).shape)
+
+  def loss(*args):
+    full = list(inputs)
+    for i, a in zip(present, args, strict=True):
+      full[i] = a
+    return (c * fn(*full)).sum()
+
+  argnums = tuple(range(len(present)))
+  return jax.jit(jax.grad(loss, argnums))(*(inputs[i] for i in present))
+
+
+@functools.cache
+def _autodiff(name):
+  """`jax.grad` of the straight-through forward: no table involved."""
+  op, inputs = TABLES[name]
+  return _grads(op, inputs, lambda *a: op.reference(*a, key=KEY))
+
+
+def _table_error(name, op):
+  """max |grad reading what `op`'s table says - autodiff| / max |autodiff|."""
+  inputs = TABLES[name][1]
+  got = _grads(
+    op, inputs, lambda *a: op(*a, policy=op.reference_policy, key=KEY)
+  )
+  want = _autodiff(name)
+  top = max(float(np.abs(w).max()) for w in want)
+  err = max(float(np.abs(g - w).max()) for g, w in zip(got, want, strict=True))
+  return err / (top or 1.0)
+
+
+def _flip(op, i):
+  """`op` with row `i` of its table reading the other value."""
+  row = op.table[i]
+  other = "original" if row.must_read == "rounded" else "rounded"
+  table = (
+    *op.table[:i],
+    dataclasses.replace(row, must_read=other),
+    *op.table[i + 1 :],
+  )
+  flipped = type(f"Flipped{type(op).__name__}", (type(op),), {"table": table})
+  return flipped(
+    **{f.name: getattr(op, f.name) for f in dataclasses.fields(op)}
+  )
+
+
+def test_every_builtin_operator_has_a_table_check():
+  assert set(TABLES) == set(ops.OPS)
+
+
+@pytest.mark.parametrize("name", sorted(TABLES))
+def test_builtin_table_reproduces_autodiff_of_the_forward(name):
+  assert _table_error(name, TABLES[name][0]) <= audit.ROUNDOFF
+
+
+# One flipped row in the default run (the activation's); every other row
+# with `-m slow` (each compiles its own backward).
+FLIPS = [
+  pytest.param(
+    n,
+    i,
+    id=TABLES[n][0].table[i].use,
+    marks=() if (n, i) == ("activation", 0) else pytest.mark.slow,
+  )
+  for n in sorted(TABLES)
+  for i in range(len(TABLES[n][0].table))
+]
+
+
+@pytest.mark.parametrize("name, i", FLIPS)
+def test_a_flipped_row_of_a_builtin_table_is_caught(name, i):
+  """The check above can fail: each row, flipped alone, moves the
+  gradient by more than `FLIPPED` relative."""
+  assert _table_error(name, _flip(TABLES[name][0], i)) > FLIPPED
 
 
 @pytest.mark.slow

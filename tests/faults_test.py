@@ -136,6 +136,9 @@ KILLS = {
   "during_env_rewrite": ("after_metrics:6", "during_write:env.json"),
 }
 FAST_KILLS = ("right_after_checkpoint",)
+# The step a rerun resumes from: the newest checkpoint on disk (after a kill
+# right after step 4's checkpoint, steps 2 and 4 are kept), not any other.
+RESUMED_FROM = {"right_after_checkpoint": 4}
 
 
 @pytest.mark.parametrize(
@@ -150,6 +153,11 @@ def test_kill_then_rerun_equals_the_uninterrupted_run(
 ):
   got, out = kill_then_resume(tmp_path, *KILLS[name])
   assert got == reference
+  if name in RESUMED_FROM:
+    step = RESUMED_FROM[name]
+    assert f"resumed from step {step}" in out.stdout, out.stdout
+    summary = results.read_json(os.path.join(run_dir(tmp_path), "summary.json"))
+    assert summary["resumed_from"] == step
 
 
 @pytest.mark.slow

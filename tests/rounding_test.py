@@ -1,13 +1,23 @@
 """Rounding against independent oracles: ml_dtypes casts, gfloat, numpy."""
 
+import fractions
 import functools
+import re
 
 import gfloat
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gfloat.formats import format_info_ocp_e4m3
+from gfloat.formats import (
+  format_info_bfloat16,
+  format_info_binary16,
+  format_info_ocp_e2m1,
+  format_info_ocp_e2m3,
+  format_info_ocp_e3m2,
+  format_info_ocp_e4m3,
+  format_info_ocp_e5m2,
+)
 
 import lowprec
 from lowprec import rng
@@ -15,6 +25,8 @@ from lowprec.formats import NAMED
 from lowprec.rounding import round_with_bits
 
 NATIVE = [n for n in NAMED if n != "float32"]
+# XLA on CPU cannot compile float6 arrays at all (they take the float32 path).
+XLA_NATIVE = [n for n in NATIVE if not n.startswith("float6")]
 F32_MAX = np.finfo(np.float32).max
 
 
@@ -65,7 +77,7 @@ def _probe_points(values: np.ndarray, max_finite: float) -> np.ndarray:
       np.nextafter(pts, np.float32(-np.inf)),
     ]
   )
-  pts = pts[np.isfinite(pts) | ~np.isnan(pts)]
+  # NaN stays in: callers drop it only for formats without NaN.
   return np.concatenate([pts, -pts])
 
 
@@ -236,44 +248,238 @@ def test_stochastic_lands_on_a_bracketing_grid_value(name):
   np.testing.assert_array_equal(out[on], x[on])
 
 
-def _gfloat_fi(name):
-  if name == "float8_e4m3fn":
-    return format_info_ocp_e4m3
-  fmt = lowprec.get_format(name)
-  return _gfloat_ieee(fmt.exp_bits, fmt.man_bits)
+def _gfloat_fnuz(exp_bits: int, man_bits: int, bias: int) -> gfloat.FormatInfo:
+  """gfloat's description of a `fnuz` format: no infinities and no negative
+  zero, whose code is the one NaN."""
+  return gfloat.FormatInfo(
+    f"e{exp_bits}m{man_bits}fnuz",
+    k=1 + exp_bits + man_bits,
+    precision=man_bits + 1,
+    bias=bias,
+    is_signed=True,
+    domain=gfloat.Domain.Finite,
+    has_nz=False,
+    num_high_nans=0,
+    has_subnormals=True,
+    is_twos_complement=False,
+  )
 
 
-@pytest.mark.parametrize(
-  "name", ["float8_e4m3fn", "float8_e5m2", "bfloat16", "e8m3", "e3m1", "e5m7"]
-)
-def test_stochastic_equals_gfloat_with_injected_bits(name):
-  """gfloat rounds away iff srbits >= 2**32 - frac; we round up iff R < frac.
+# Every named format as gfloat describes it, written from the formats'
+# specifications (OCP, IEEE, the fnuz biases); the test below checks each
+# against the ml_dtypes codes, value for value.
+GFLOAT = {
+  "bfloat16": format_info_bfloat16,
+  "float16": format_info_binary16,
+  "float8_e4m3fn": format_info_ocp_e4m3,
+  "float8_e5m2": format_info_ocp_e5m2,
+  "float8_e4m3fnuz": _gfloat_fnuz(4, 3, 8),
+  "float8_e5m2fnuz": _gfloat_fnuz(5, 2, 16),
+  "float8_e4m3b11fnuz": _gfloat_fnuz(4, 3, 11),
+  "float8_e3m4": _gfloat_ieee(3, 4),
+  "float8_e4m3": _gfloat_ieee(4, 3),
+  "float6_e2m3fn": format_info_ocp_e2m3,
+  "float6_e3m2fn": format_info_ocp_e3m2,
+  "float4_e2m1fn": format_info_ocp_e2m1,
+}
 
-  So R and srbits = ~R (uint32) give the same decisions, bit for bit.
+
+def _gfloat_fi(name: str) -> gfloat.FormatInfo:
+  """The gfloat oracle of a named format or of `eXmY`."""
+  if name in GFLOAT:
+    return GFLOAT[name]
+  e, m = re.fullmatch(r"e(\d+)m(\d+)", name).groups()
+  return _gfloat_ieee(int(e), int(m))
+
+
+def _codes(width: int) -> np.ndarray:
+  return np.arange(1 << width, dtype=np.uint8 if width <= 8 else np.uint16)
+
+
+def test_the_gfloat_oracles_cover_every_named_format():
+  assert sorted(GFLOAT) == sorted(NATIVE)
+
+
+@pytest.mark.parametrize("name", sorted(GFLOAT))
+def test_each_gfloat_oracle_decodes_every_code_as_ml_dtypes(name):
+  fi = GFLOAT[name]
+  codes = _codes(fi.k)
+  want = codes.view(jnp.dtype(name)).astype(np.float64)
+  got = gfloat.decode_ndarray(fi, codes.astype(np.int64))
+  same = (got.view(np.uint64) == want.view(np.uint64)) | (
+    np.isnan(got) & np.isnan(want)
+  )
+  assert same.all(), (codes[~same][:5], got[~same][:5], want[~same][:5])
+
+
+def _gfloat_stochastic(name, x, bits):
+  """gfloat's stochastic rounding of float32 `x` with our 32 random bits.
+
+  gfloat rounds away iff srbits >= 2**32 - frac; we round up iff R < frac.
+  So R and srbits = ~R (uint32) give the same decisions, bit for bit,
+  wherever the discarded part of x fits in 32 bits (deeper, gfloat rounds
+  the fraction to nearest and we truncate it: a different decision with
+  probability 2**-32 per element).
   """
+  return gfloat.round_ndarray(
+    _gfloat_fi(name),
+    np.asarray(x, np.float64),
+    gfloat.RoundMode.Stochastic,
+    sat=True,
+    srbits=(~np.asarray(bits, np.uint32)).astype(np.int64),
+    srnumbits=32,
+  ).astype(np.float32)
+
+
+@pytest.mark.parametrize("name", [*sorted(GFLOAT), "e8m3", "e3m1", "e5m7"])
+def test_stochastic_equals_gfloat_with_injected_bits(name):
+  """Seed 5: 100_000 values spread over two binades below the smallest
+  subnormal up to twice the largest value (saturating), both signs."""
   fmt = lowprec.get_format(name)
   r = np.random.default_rng(5)
   n = 100_000
-  lo, hi = fmt.emin - fmt.man_bits - 2, fmt.emax + 1
+  lo, hi = fmt.emin - fmt.man_bits - 2, fmt.emax + 2
   x = (2.0 ** r.uniform(lo, hi, n) * r.choice([-1, 1], n)).astype(np.float32)
-  x = x[np.abs(x) < fmt.max_finite]
   bits = np.asarray(rng.random_bits(jax.random.key(7), x.shape))
   got = jax.jit(lambda v, b: round_with_bits(v, fmt, b))(x, bits)
-  want = gfloat.round_ndarray(
-    _gfloat_fi(name),
-    x.astype(np.float64),
-    gfloat.RoundMode.Stochastic,
-    sat=True,
-    srbits=(~bits).astype(np.int64),
-    srnumbits=32,
-  ).astype(np.float32)
+  want = _gfloat_stochastic(name, x, bits)
   _assert_bits_equal(got, want, x)
   dt = fmt.native_dtype
-  if dt is not None and dt.itemsize == 1:  # the one-byte code, directly
+  if name in XLA_NATIVE:  # the native code (one-byte codes from the bits)
     fn = jax.jit(lambda v, b: round_with_bits(v, fmt, b, dtype=dt))
     code = np.asarray(fn(x, bits))
     assert code.dtype == dt
     _assert_bits_equal(code.astype(np.float32), want, x)
+
+
+# ---- the stochastic carry at its boundary bits -----------------------------
+# Rounding up happens iff the injected bits R < frac, frac being where |x|
+# lies between its neighbours in 32-bit fixed point: floor(f * 2**32) for a
+# fraction f (intK compares 24 bits: ceil(f * 2**24) * 2**8). Random bits
+# never hit the boundary, so these tests inject R = 0, 1, frac - 1, frac,
+# frac + 1, 2**31 and 2**32 - 1 at grid values (frac = 0: never up) and at
+# exactly known fractions, on both rounding paths (float32 out, `dtype=`).
+
+TWO32 = 1 << 32
+F = fractions.Fraction
+FRACTIONS = (
+  F(1, 2),
+  F(1, 4),
+  F(3, 4),
+  F(1, 1 << 20),
+  F((1 << 20) - 1, 1 << 20),
+  F(1, TWO32),  # frac = 1: only R = 0 rounds up
+  F(TWO32 - 1, TWO32),  # frac = 2**32 - 1: only R = 2**32 - 1 stays
+  F(3, 1 << 33),  # frac = floor(1.5) = 1: the documented truncation
+)
+BOUNDARY = [
+  *(pytest.param(n, "float32", id=f"{n}-float32") for n in NATIVE),
+  *(pytest.param(n, "float32", id=f"{n}-float32") for n in ("e8m3", "e5m7")),
+  pytest.param("int3", "float32", id="int3-float32"),
+  *(pytest.param(n, "dtype", id=f"{n}-dtype") for n in XLA_NATIVE),
+]
+
+
+def _oracle_grid(name: str) -> np.ndarray:
+  """Nonnegative finite grid values, ascending (float64): every ml_dtypes
+  code decoded, gfloat's decoding for eXmY, `0 .. 2^(K-1) - 1` for intK."""
+  if name.startswith("int"):
+    return np.arange(1 << (int(name[3:]) - 1), dtype=np.float64)
+  if name in GFLOAT:
+    v = _codes(GFLOAT[name].k).view(jnp.dtype(name)).astype(np.float64)
+  else:
+    fi = _gfloat_fi(name)
+    v = gfloat.decode_ndarray(fi, np.arange(1 << fi.k, dtype=np.int64))
+  return np.unique(np.abs(v[np.isfinite(v)]))
+
+
+def _overflow_value(name: str, overflow: str) -> float:
+  """What a round up past the largest value gives: the maximum when
+  saturating (and for intK), else what the ml_dtypes cast of an overflow
+  gives (inf, NaN, or the maximum for FP6/FP4); eXmY has inf."""
+  top = _oracle_grid(name)[-1]
+  if overflow == "saturate" or name.startswith("int"):
+    return top
+  if name not in GFLOAT:
+    return np.inf
+  with np.errstate(all="ignore"):
+    return float(np.float32(np.inf).astype(jnp.dtype(name)))
+
+
+def _boundary_cases(name: str, overflow: str):
+  """(x, bits, expected), float32 / uint32 / float64: grid values and exact
+  fractions between neighbours at the bottom of the grid, either side of 1,
+  at the top and one gap past the top (there a round up overflows); both
+  signs."""
+  g = _oracle_grid(name)
+  one = int(np.searchsorted(g, 1.0))
+  past = g[-1] + (g[-1] - g[-2])  # the next value of an unbounded grid
+  pairs = [(g[0], g[1]), (g[1], g[2]), (g[one - 1], g[one])]
+  pairs += [(g[one], g[one + 1]), (g[-2], g[-1]), (g[-1], past)]
+  over = _overflow_value(name, overflow)
+  is_int = name.startswith("int")
+
+  def frac_of(f):
+    if is_int:
+      return -(-f.numerator * (1 << 24) // f.denominator) << 8  # ceil
+    return f.numerator * TWO32 // f.denominator  # floor
+
+  cases = []
+  for lo, hi in pairs:
+    up = over if hi == past else hi
+    for f in (F(0), *FRACTIONS):
+      x = F(lo) + f * (F(hi) - F(lo))
+      with np.errstate(over="ignore"):
+        x32 = np.float32(float(x))
+      if not np.isfinite(x32) or F(float(x32)) != x:
+        continue  # not a float32 value
+      frac = frac_of(f)
+      # intK rounds up toward +inf: -x lies 1 - f above its floor -hi.
+      neg_frac = frac_of(1 - f) if is_int and f else frac
+      for r in {0, 1, frac - 1, frac, frac + 1, 1 << 31, TWO32 - 1}:
+        if not 0 <= r < TWO32:
+          continue
+        cases.append((float(x), r, up if r < frac else lo))
+        if is_int:
+          neg = -lo if r < neg_frac else -(g[-1] if hi == past else hi)
+          cases.append((-float(x), r, neg if f else -lo))
+        else:
+          cases.append((-float(x), r, -(up if r < frac else lo)))
+  x, bits, want = (np.array(c) for c in zip(*cases, strict=True))
+  return x.astype(np.float32), bits.astype(np.uint32), want
+
+
+@pytest.mark.parametrize("overflow", ["saturate", "ieee"])
+@pytest.mark.parametrize("name, path", BOUNDARY)
+def test_stochastic_carry_at_the_boundary_bits(name, path, overflow):
+  """Independent of the library: the grid from the ml_dtypes codes (or
+  gfloat, or the integers), the fractions exact, the expected neighbour
+  from `R < frac` in Python integers."""
+  is_int = name.startswith("int")
+  fmt = lowprec.get_format(name, scale=1.0) if is_int else name
+  x, bits, want = _boundary_cases(name, overflow)
+  if path == "float32":
+    got = jax.jit(lambda v, b: round_with_bits(v, fmt, b, overflow=overflow))(
+      x, bits
+    )
+    got = np.asarray(got)
+    assert got.dtype == np.float32
+    if is_int:  # intK's zero has no sign to check
+      np.testing.assert_array_equal(got, want.astype(np.float32))
+      return
+    want = want.astype(np.float32)
+    if name in GFLOAT and not np.signbit(np.float32(-0.0).astype(name)):
+      want[want == 0] = 0.0  # no negative zero (fnuz)
+    _assert_bits_equal(got, want, x)
+  else:
+    dt = jnp.dtype(name)
+    got = jax.jit(
+      lambda v, b: round_with_bits(v, fmt, b, overflow=overflow, dtype=dt)
+    )(x, bits)
+    got = np.asarray(got)
+    assert got.dtype == dt
+    with np.errstate(all="ignore"):
+      _assert_codes_equal(got, want.astype(np.float32).astype(dt))
 
 
 def _up_probability_points(fmt):
@@ -384,6 +590,8 @@ def test_stochastic_is_the_same_eager_jit_and_on_eight_devices():
 
 @pytest.mark.slow
 def test_float64_input_under_x64():
+  """Stochastic half: jax.random.key(0), n = 4096 values midway between
+  bf16 neighbours (p = 1/2), up-share within 5 binomial sigmas (0.039)."""
   with jax.enable_x64(True):
     x = jnp.asarray([1.0 + 2.0**-9 + 2.0**-40, 3.0e-42, 1e300, -0.0])
     got = np.asarray(lowprec.round_nearest(x, "bfloat16"))
@@ -393,10 +601,14 @@ def test_float64_input_under_x64():
     np.testing.assert_array_equal(got[:2], want[:2].astype(np.float64))
     assert got[2] == lowprec.get_format("bfloat16").max_finite
     assert np.signbit(got[3])
+    n = 4096
     s = lowprec.round_stochastic(
-      jnp.full((4096,), 1.0 + 2.0**-8), "bfloat16", jax.random.key(0)
+      jnp.full((n,), 1.0 + 2.0**-8), "bfloat16", jax.random.key(0)
     )
-    assert s.dtype == jnp.float64 and 0.4 < float((s > 1).mean()) < 0.6
+    assert s.dtype == jnp.float64
+    s = np.asarray(s)
+    assert np.all((s == 1.0) | (s == 1.0 + 2.0**-7))
+    assert abs((s > 1).mean() - 0.5) <= 5 * np.sqrt(0.25 / n)
 
 
 def test_rounding_survives_jit_where_a_cast_pair_may_not():
@@ -489,6 +701,9 @@ EMITTED = [
 
 @pytest.mark.parametrize("name", EMITTED)
 def test_native_output_dtype_equals_the_ml_dtypes_cast_byte_for_byte(name):
+  """Nearest: the ml_dtypes cast. Stochastic: gfloat with the bits of
+  `jax.random.key(3)` injected, then the (exact) ml_dtypes cast; both for
+  the grid probes and 200_000 random float32 patterns, seed 4."""
   fmt = lowprec.get_format(name)
   dt = fmt.native_dtype
   x = np.concatenate(
@@ -512,12 +727,13 @@ def test_native_output_dtype_equals_the_ml_dtypes_cast_byte_for_byte(name):
   key = jax.random.key(3)
   sr = jax.jit(lambda v: lowprec.round_stochastic(v, name, key, dtype=dt))
   wide = jax.jit(lambda v: lowprec.round_stochastic(v, name, key))
-  xs = jnp.asarray(x[np.isfinite(x)])
-  with np.errstate(all="ignore"):
-    want_sr = np.asarray(wide(xs)).astype(dt)
-  got_sr = np.asarray(sr(xs))
+  xs = x[np.isfinite(x)]
+  want_wide = _gfloat_stochastic(name, xs, rng.random_bits(key, xs.shape))
+  want_sr = want_wide.astype(dt)
+  assert not np.isnan(want_wide).any()  # finite inputs, saturated
+  _assert_bits_equal(wide(jnp.asarray(xs)), want_wide, xs)
+  got_sr = np.asarray(sr(jnp.asarray(xs)))
   assert got_sr.dtype == dt
-  assert not np.isnan(want_sr.astype(np.float32)).any()  # finite inputs
   _assert_codes_equal(got_sr, want_sr)
 
 

@@ -1,0 +1,41 @@
+"""Recompute the golden values and rewrite tests/goldens.json.
+
+  python -m scripts.refresh_goldens --why "what changed and why"
+
+Every case of experiments/goldens.py is recomputed (the smoke study runs
+through the entry point: a few minutes on 2 CPU cores). Each entry whose
+value changed records the reason and its old and new value; the file
+records the jax/jaxlib version and CPU vector ISA it was made on. Without
+`--why` nothing runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+if not __package__:  # run as a file, `python scripts/refresh_goldens.py`
+  raise SystemExit(
+    "run it from the repository root as a module: "
+    'python -m scripts.refresh_goldens --why "..."'
+  )
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument(
+    "--why", required=True, help="the reason, recorded with each change"
+  )
+  parser.add_argument("--path", default=None, help="default tests/goldens.json")
+  args = parser.parse_args(argv)
+  if not args.why.strip():
+    parser.error("--why must say why the goldens change")
+  from experiments import goldens
+
+  changes = goldens.refresh(args.why, args.path or goldens.GOLDENS)
+  print("\n".join(changes) if changes else "no value changed")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,125 @@
+"""Each case of experiments/goldens.py against tests/goldens.json.
+
+The values are exact (losses as float64 from float32, digests of bytes) and
+were made on one jax/jaxlib version and one CPU vector ISA, both recorded
+in the file (`made_on`). Elsewhere floating-point results may differ, so
+the comparisons skip, with a message naming the difference, rather than
+fail. A deliberate change: `python -m scripts.refresh_goldens --why "..."`.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from experiments import goldens
+
+MISMATCH = goldens.mismatch(goldens.load()["made_on"], goldens.environment())
+
+
+@pytest.mark.parametrize("case", sorted(goldens.CASES))
+def test_case_equals_its_golden_values(case):
+  """Skips (does not fail) on another jax/jaxlib version or vector ISA
+  than the file's `made_on`: XLA:CPU's floating-point results may differ
+  there (e.g. AVX-512 code against AVX2 code)."""
+  if MISMATCH:
+    pytest.skip(MISMATCH)
+  pinned = {
+    k: v["value"]
+    for k, v in goldens.load()["entries"].items()
+    if k.startswith(case + "/")
+  }
+  got = json.loads(json.dumps(goldens.CASES[case]()))
+  assert sorted(got) == sorted(pinned), "entries changed; " + goldens.REFRESH
+  bad = [
+    f"{k}: golden {goldens.brief(pinned[k])}, now {goldens.brief(got[k])}"
+    for k in sorted(got)
+    if got[k] != pinned[k]
+  ]
+  assert not bad, "\n".join(
+    [*bad, f"if the change is intended: {goldens.REFRESH}"]
+  )
+
+
+def test_goldens_file_names_where_it_was_made_and_every_case():
+  data = goldens.load()
+  assert set(data["made_on"]) == {"jax", "jaxlib", "cpu_vector_isa"}
+  cases = {k.split("/")[0] for k in data["entries"]}
+  assert cases == set(goldens.CASES)
+  for name, entry in data["entries"].items():
+    assert entry["history"] and entry["history"][-1]["new"] == entry["value"]
+    assert all(h["why"].strip() for h in entry["history"]), name
+
+
+def test_mismatch_names_the_difference():
+  here = goldens.environment()
+  assert goldens.mismatch(dict(here), here) is None
+  other = {**here, "cpu_vector_isa": "avx512f", "jaxlib": "0.0.1"}
+  msg = goldens.mismatch(other, here)
+  assert "cpu_vector_isa avx512f there" in msg and "jaxlib 0.0.1" in msg
+  assert "refresh_goldens --why" in msg
+
+
+def test_cpu_vector_isa_reads_the_cpu_flags():
+  isa = goldens.cpu_vector_isa()
+  try:
+    with open("/proc/cpuinfo") as f:
+      flags = next(ln for ln in f if ln.startswith("flags")).split()
+  except (OSError, StopIteration):
+    pytest.skip("no /proc/cpuinfo flags here")
+  assert isa in flags
+  assert (isa == "avx512f") == ("avx512f" in flags)
+
+
+def test_refresh_records_why_and_what_changed(tmp_path):
+  path = str(tmp_path / "goldens.json")
+  values = {"a/x": [1.0, 2.0], "a/y": "digest0"}
+  cases = {"a": lambda: dict(values)}
+  assert goldens.refresh("first values", path, cases) == [
+    "a/x: null -> [1.0, 2.0]",
+    'a/y: null -> "digest0"',
+  ]
+  values["a/y"] = "digest1"
+  assert goldens.refresh("a new rounding", path, cases) == [
+    'a/y: "digest0" -> "digest1"'
+  ]
+  data = goldens.load(path)
+  assert data["made_on"] == goldens.environment()
+  x, y = data["entries"]["a/x"], data["entries"]["a/y"]
+  assert x["value"] == [1.0, 2.0] and len(x["history"]) == 1  # untouched
+  assert y["value"] == "digest1"
+  assert [(h["why"], h["old"], h["new"]) for h in y["history"]] == [
+    ("first values", None, "digest0"),
+    ("a new rounding", "digest0", "digest1"),
+  ]
+  del values["a/x"]
+  assert goldens.refresh("x dropped", path, cases) == ["a/x: removed"]
+  assert set(goldens.load(path)["entries"]) == {"a/y"}
+
+
+@pytest.mark.parametrize(
+  "why", [None, "", "   "], ids=["missing", "empty", "blank"]
+)
+def test_refresh_refuses_to_run_without_a_reason(why, tmp_path):
+  path = tmp_path / "goldens.json"
+  args = [] if why is None else ["--why", why]
+  out = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "scripts.refresh_goldens",
+      *args,
+      "--path",
+      str(path),
+    ],
+    cwd=goldens.ROOT,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert out.returncode == 2, out.stderr
+  assert "--why" in out.stderr
+  assert not path.exists()
+  with pytest.raises(ValueError, match="say why"):
+    goldens.refresh(why or "", str(path), {})
