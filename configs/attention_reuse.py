@@ -40,8 +40,7 @@ loss does not diverge at this scale: final validation loss reuse minus
 fresh -0.0054 (per seed -0.0040, -0.0124, +0.0001).
 """
 
-from configs import common
-from experiments.models import PRESETS
+from configs import common, presets
 
 # The arms' lowprec overrides: what attn.out@delta reads (on top of the
 # reference policy, lowprec.ops.REFERENCE) and what its fresh read redraws.
@@ -55,6 +54,9 @@ ARMS = {
 def get_config(arg=None):
   c = common.get_config(arg)
   c.study.name = "attention_reuse"
+  c.study.analysis = "attention_reuse"
+  c.study.figure = "attention_curves"
+  c.study.plan_arm = "reuse"
   c.study.arms = {a: {"lowprec": dict(v)} for a, v in ARMS.items()}
   c.study.seeds = (0, 1, 2)
   c.lowprec.update(
@@ -78,11 +80,7 @@ def get_config(arg=None):
   c.ckpt.every_steps = 100
   c.log.progress_every_steps = 50
   if c.study.scale == "full":
-    n_layer, n_head, d_model, vocab, seq = PRESETS["gpt_390m"]
-    c.model.update(
-      dict(n_layer=n_layer, n_head=n_head, d_model=d_model, seq_len=seq)
-    )
-    c.model.vocab_size = vocab
+    presets.use(c, "gpt_390m")
     c.data.update(dict(name="tokens", batch_size=256, eval_batches=20))
     # Microbatches of 4 x 1024 tokens: their activations (not the batch's)
     # are what a device holds (docs/scaling.md, scripts/plan_full_scale.py).

@@ -30,6 +30,9 @@ from configs import attention_reuse, attention_reuse_search
 def get_config(arg=None):
   c = attention_reuse.get_config(arg)
   c.study.name = "attention_reuse_e2m1"
+  c.study.analysis = "attention_reuse"
+  c.study.figure = "attention_curves"
+  c.study.plan_arm = ""
   c.lowprec.update(attention_reuse_search.SETTINGS["e2m1"]["lowprec"])
   if c.study.scale != "smoke":
     c.train.probe_every_steps = 50

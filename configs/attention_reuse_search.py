@@ -59,6 +59,10 @@ SETTINGS = {  # in order of increasing dose (the table's order)
 def get_config(arg=None):
   c = attention_reuse.get_config(arg)
   c.study.name = "attention_reuse_search"
+  c.study.analysis = "attention_search"
+  c.study.figure = "search_dose_response"
+  c.study.settings = tuple(SETTINGS)  # the table's order: increasing dose
+  c.study.plan_arm = ""
   arms = {}
   for setting, overrides in SETTINGS.items():
     for kind, reads in attention_reuse.ARMS.items():

@@ -51,6 +51,8 @@ ARMS = {
 def get_config(arg=None):
   c = common.get_config(arg)
   c.study.name = "bwd_operator_checks"
+  c.study.analysis = "operator_checks"
+  c.study.figure = "operator_z"
   c.study.kind = "operator_checks"
   c.study.arms = {a: {"lowprec": {"policy": p}} for a, p in ARMS.items()}
   c.lowprec.update(

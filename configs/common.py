@@ -63,6 +63,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.study.seeds = (0,)
   c.study.reference_arm = ""  # arm whose trace predicts this arm's freeze
   c.study.cell = ""  # label grouping arms into one table row
+  # What makes the study's table and figure from its results (names in
+  # experiments.analysis.tables.ANALYSES and figures.FIGURES), and the arm
+  # `scripts.plan_full_scale` costs at full scale ("" for none).
+  c.study.analysis = "freeze"
+  c.study.figure = "freeze_panels"
+  c.study.plan_arm = ""
   c.study.arm = parsed["arm"]  # "" runs every arm
   c.study.seed = parsed["seed"]  # -1 runs every seed
 

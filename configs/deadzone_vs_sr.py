@@ -34,7 +34,7 @@ d=768 decoder on token files in data.path, bf16 grid, lr 6e-4.
 Expected (CPU scale): to be measured
 """
 
-from configs import common
+from configs import common, presets
 
 ROUNDINGS = {"rn": "nearest", "sr": "stochastic", "dzsr": "deadzone"}
 
@@ -42,6 +42,8 @@ ROUNDINGS = {"rn": "nearest", "sr": "stochastic", "dzsr": "deadzone"}
 def get_config(arg=None):
   c = common.get_config(arg)
   c.study.name = "deadzone_vs_sr"
+  c.study.analysis = "recovery"
+  c.study.figure = "recovery_figure"
   c.study.seeds = (0, 1, 2)
   fmt = "e8m4"
   # lr 3e-3: the fp32 baseline is trained (at 1e-3 both SR arms beat it)
@@ -53,8 +55,7 @@ def get_config(arg=None):
   c.log.progress_every_steps = 100
   if c.study.scale == "full":
     fmt = "bfloat16"
-    c.model.update(dict(n_layer=12, n_head=12, d_model=768, seq_len=1024))
-    c.model.vocab_size = 50304
+    presets.use(c, "gpt2_124m_padded")
     c.data.update(dict(name="tokens", batch_size=256, eval_batches=20))
     c.opt.update(dict(lr=6e-4, warmup_steps=500))
     c.train.steps = 10000

@@ -60,7 +60,7 @@ d=1024) on token files in data.path, batch 256 and 1024 (`_b1024`).
 Expected (CPU scale): to be measured
 """
 
-from configs import common
+from configs import common, presets
 
 FMT = "float8_e4m3fn"
 UNSEEN = (1, 2, 3)
@@ -93,6 +93,8 @@ def _arms(suffix: str, batch: int, unseen) -> dict:
 def get_config(arg=None):
   c = common.get_config(arg)
   c.study.name = "e4m3_audit"
+  c.study.analysis = "audit"
+  c.study.figure = "audit_curves"
   c.model.update(dict(positions="rotary", parallel_block=True))
   c.model.tie_embeddings = False
   c.lowprec.keep_float32 = r".*/(norm_)?(bias|scale)"
@@ -103,8 +105,7 @@ def get_config(arg=None):
   c.log.progress_every_steps = 100
   unseen = UNSEEN
   if c.study.scale == "full":
-    c.model.update(dict(n_layer=27, n_head=16, d_model=1024, seq_len=1024))
-    c.model.vocab_size = 50304
+    presets.use(c, "gpt_390m")
     c.data.update(dict(name="tokens", batch_size=256))
     c.opt.update(dict(lr=3e-4, warmup_steps=500))
     c.train.steps = 5000

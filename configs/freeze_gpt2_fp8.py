@@ -40,7 +40,7 @@ final validation loss fp32 2.485, RN 5.13 / 4.83 (changes of -0.01 /
 -0.03 over the second half, fp32 -0.21), SR 2.489 / 2.492.
 """
 
-from configs import common
+from configs import common, presets
 
 FORMATS = {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}
 
@@ -48,6 +48,9 @@ FORMATS = {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}
 def get_config(arg=None):
   c = common.get_config(arg)
   c.study.name = "freeze_gpt2_fp8"
+  c.study.analysis = "fp8"
+  c.study.figure = "fp8_panels"
+  c.study.plan_arm = "rn_e4m3"
   targets = tuple(FORMATS.values())
   targets += tuple(f"{f}:stochastic" for f in FORMATS.values())
   arms = {"fp32_reference": {"lowprec": {"trace_targets": targets}}}
@@ -73,8 +76,7 @@ def get_config(arg=None):
   c.ckpt.every_steps = 100
   c.log.progress_every_steps = 50
   if c.study.scale == "full":
-    c.model.update(dict(n_layer=12, n_head=12, d_model=768, seq_len=1024))
-    c.model.vocab_size = 50257
+    presets.use(c, "gpt2_124m")
     c.data.update(dict(name="tokens", batch_size=512, eval_batches=20))
     # Microbatches of 8 x 1024 tokens: their activations (not the batch's)
     # are what a device holds (docs/scaling.md, scripts/plan_full_scale.py).

@@ -43,6 +43,8 @@ SCHEDULES = ("cosine", "constant")
 def get_config(arg=None):
   c = common.get_config(arg)
   c.study.name = "freeze_grid"
+  c.study.analysis = "grid"
+  c.study.figure = "crossing_scatter"
   widths, lrs, formats, schedules = WIDTHS, LRS, FORMATS, SCHEDULES
   if c.study.scale == "smoke":
     widths, lrs, formats, schedules = (16,), (1e-2,), FORMATS[::2], ("cosine",)

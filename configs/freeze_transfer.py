@@ -52,6 +52,8 @@ TASKS = {
 def get_config(arg=None):
   c = common.get_config(arg)
   c.study.name = "freeze_transfer"
+  c.study.analysis = "transfer"
+  c.study.figure = "transfer_scatter"
   mantissas = MANTISSAS if c.study.scale != "smoke" else (3, 10)
   tasks = dict(TASKS)
   if c.study.scale == "full":

@@ -58,6 +58,12 @@ def get_config(arg=None):
   # The small GPT, schedule and scales of freeze_small_gpt, with RMSNorm.
   c = freeze_small_gpt.get_config(arg)
   c.study.name = "freeze_user_reports"
+  c.study.analysis = "user_reports"
+  c.study.figure = "user_reports_panels"
+  # What the analysis reads (from each run's config.json): the groups of
+  # parameters, as (regex, name), and the checkpoint steps reported.
+  c.study.groups = GROUPS
+  c.study.report_steps = STEPS
   reference = {"study": {"reference_arm": "fp32_reference"}}
   c.study.arms = {
     "fp32_reference": {

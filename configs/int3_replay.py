@@ -55,7 +55,7 @@ steps.
 Expected (CPU scale): to be measured
 """
 
-from configs import common
+from configs import common, presets
 
 NORMS_AND_BIASES = r".*/(norm_)?(bias|scale)"
 # arm prefix -> (int_scale_scope, keep_float32)
@@ -66,6 +66,8 @@ ROUNDINGS = {"": "stochastic", "rn_": "nearest"}
 def get_config(arg=None):
   c = common.get_config(arg)
   c.study.name = "int3_replay"
+  c.study.analysis = "replay"
+  c.study.figure = "replay_curves"
   c.opt.lr = 1e-3
   c.opt.warmup_steps = 20
   c.train.steps = 300
@@ -73,8 +75,7 @@ def get_config(arg=None):
   c.ckpt.every_steps = 50
   replay_steps, replay_eval = 100, 25
   if c.study.scale == "full":
-    c.model.update(dict(n_layer=12, d_model=768, n_head=12, seq_len=1024))
-    c.model.vocab_size = 50304
+    presets.use(c, "gpt2_124m_padded")
     c.data.update(dict(name="tokens", batch_size=64))
     c.opt.lr = 6e-4
     c.opt.warmup_steps = 500

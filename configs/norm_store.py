@@ -43,7 +43,7 @@ within the margin of per_use in 6 of 6 comparisons (differences +0.0049,
 +0.0057, -0.0008 and +0.0039, +0.0046, -0.0000).
 """
 
-from configs import common
+from configs import common, presets
 
 # Overrides of the reference policy (lowprec.ops.REFERENCE).
 POLICIES = {
@@ -56,6 +56,8 @@ POLICIES = {
 def get_config(arg=None):
   c = common.get_config(arg)
   c.study.name = "norm_store"
+  c.study.analysis = "norm_store"
+  c.study.figure = "norm_store_curves"
   c.study.arms = {a: {"lowprec": {"policy": p}} for a, p in POLICIES.items()}
   c.study.seeds = (0, 1, 2)
   # Fixed before the runs: final validation losses within this many nats of
@@ -71,8 +73,7 @@ def get_config(arg=None):
   c.ckpt.every_steps = 100
   c.log.progress_every_steps = 100
   if c.study.scale == "full":
-    c.model.update(dict(n_layer=12, n_head=12, d_model=768, seq_len=1024))
-    c.model.vocab_size = 50304
+    presets.use(c, "gpt2_124m_padded")
     c.data.update(dict(name="tokens", batch_size=256, eval_batches=20))
     c.opt.update(dict(lr=6e-4, warmup_steps=500))
     c.train.steps = 10000

@@ -18,7 +18,8 @@
    (`write_json_atomic`: temp file, fsync, rename).
 
 A finished run (a readable `summary.json` and the same fingerprint) comes
-back with its summary, to be skipped.
+back with its summary, to be skipped. What the files are and how they are
+written is `results`'s; this module decides whether a run may write them.
 
 Example:
   >>> with ledger.open_run(config) as entry:

@@ -21,12 +21,6 @@ from lowprec import nn as lpnn
 from lowprec import ops as lpops
 from lowprec import policy as lppolicy
 
-PRESETS = {
-  # name: (n_layer, n_head, d_model, vocab_size, seq_len)
-  "gpt2_124m": (12, 12, 768, 50257, 1024),
-  "gpt_390m": (27, 16, 1024, 50304, 1024),
-}
-
 
 def _dense_init(std):
   return nn.initializers.normal(stddev=std)

@@ -7,6 +7,11 @@
   checkpoints/   orbax checkpoints
 
 Scripts read these files, never the code's internals.
+
+The split with `ledger`: this module owns what the files are (their paths,
+formats, atomic writes, the metrics writer that resumes without duplicating
+or dropping lines); `ledger` owns who may write them and when (the lock,
+the config fingerprint, restarts).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from experiments import (
 )
 from experiments import data as data_lib
 from lowprec import names
-from lowprec.ops import saved
+from lowprec.ops import rounding as op_rounding
 from lowprec.rounding import OVERFLOW_MODES, ROUNDINGS
 
 # study.kind -> what runs one arm x seed: (config, overrides, options) ->
@@ -61,8 +61,8 @@ def choices() -> dict:
     "opt.schedule": optim.SCHEDULES,
     "lowprec.rounding": ROUNDINGS,
     "lowprec.overflow": OVERFLOW_MODES,
-    "lowprec.fwd_rounding": saved.MODES,
-    "lowprec.bwd_rounding": saved.MODES,
+    "lowprec.fwd_rounding": op_rounding.MODES,
+    "lowprec.bwd_rounding": op_rounding.MODES,
     "lowprec.attn_fresh_out": lowprec.ops.FRESH_OUT,
     "lowprec.int_scale_scope": optim.INT_SCOPES,
   }

@@ -10,12 +10,12 @@ and Flax modules (`nn`; `nnx.Optimizer` for Flax NNX).
 __version__ = "0.2.0"
 
 from lowprec import audit, freeze, nn, nnx, ops, policy  # noqa: E402
+from lowprec.float32_views import in_float32
 from lowprec.formats import Format, get_format, ieee_format, int_format
 from lowprec.policy import Policy
 from lowprec.rounding import round_nearest, round_stochastic
 from lowprec.storage import apply_updates, check_on_grid, to_grid
 from lowprec.telemetry import reseed, telemetry, telemetry_arrays
-from lowprec.widen import in_float32
 from lowprec.writeback import WritebackState, writeback
 
 __all__ = [

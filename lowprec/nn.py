@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from lowprec import ops
-from lowprec.ops.saved import Rounding
+from lowprec.ops.rounding import Rounding
 from lowprec.policy import Policy
 
 Initializer = Callable[..., jax.Array]

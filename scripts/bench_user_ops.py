@@ -32,7 +32,7 @@ def _by_hand(x, w_gate, w_up, w_down, key):
 def _by_hand_fwd(x, w_gate, w_up, w_down, key):
   g, u = x @ w_gate, x @ w_up
   a = jax.nn.silu(g)
-  a_r, stored = SR8.round(a, saved.derive(key, "swiglu.act"))
+  a_r, stored = SR8.round(a, saved.key_for(key, "swiglu.act"))
   return (a_r * u) @ w_down, (x, w_gate, w_up, w_down, g, u, stored)
 
 

@@ -1,6 +1,7 @@
 """Writes a study's table (Markdown and CSV) from its result files.
 
   python -m scripts.make_tables <study> [--results results] [--out DIR]
+      [--analysis NAME]
 
 Reads `<results>/<study>/<arm>/seed<k>/` and writes `<out>/<study>.md` and
 `<out>/<study>.csv` (default out: `<results>/<study>/tables`).
@@ -23,8 +24,13 @@ def main(argv=None) -> None:
   ap.add_argument("study")
   ap.add_argument("--results", default="results")
   ap.add_argument("--out", default=None)
+  ap.add_argument(
+    "--analysis",
+    default=None,
+    help="the analysis, for runs whose config.json does not name one",
+  )
   args = ap.parse_args(argv)
-  print(tables.make(args.study, args.results, args.out))
+  print(tables.make(args.study, args.results, args.out, args.analysis))
 
 
 if __name__ == "__main__":

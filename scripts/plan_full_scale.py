@@ -8,7 +8,7 @@
 
 The table: parameters, tokens and model FLOPs per step (checked against
 XLA's cost analysis), bytes per device from XLA's memory analysis, and
-wall-clock at each device's peak (see experiments/plan.py). `--step` runs
+wall-clock at each device's peak (see experiments/costs.py). `--step` runs
 the full-scale model on synthetic token files and prints one JSON line:
 losses, probe, step time, tokens/s and peak memory. docs/scaling.md holds
 the numbers measured.
@@ -69,12 +69,12 @@ def main(argv=None) -> None:
   )
   args = parser.parse_args(argv)
   importlib.import_module("experiments.xla_flags")  # before jax starts
-  from experiments import plan
+  from experiments import costs
 
-  names = args.config or list(plan.PLANNED)
+  names = args.config or list(costs.planned())
   data_dir = args.data_dir or tempfile.mkdtemp(prefix="lowprec_tokens_")
   if not args.step:
-    plan.main(names, data_dir, args.per_device_batch, not args.skip_probe)
+    costs.main(names, data_dir, args.per_device_batch, not args.skip_probe)
     return
   keys = ("batch_size", "virtual_shards", "probe_draws", "probe_batch_size")
   keys += ("probe_chunk_rows", "probe_every_steps", "probe_groups")
@@ -86,8 +86,8 @@ def main(argv=None) -> None:
   if args.model:
     overrides["model"] = _model_overrides(parser, args.model)
   for name in names:
-    result = plan.step(name, data_dir, args.steps, **overrides)
-    print(plan.describe(result), file=sys.stderr, flush=True)
+    result = costs.step(name, data_dir, args.steps, **overrides)
+    print(costs.describe(result), file=sys.stderr, flush=True)
     print(json.dumps(result), flush=True)
 
 

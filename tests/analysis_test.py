@@ -22,7 +22,13 @@ def _write(root, arm, rounding, records, writeback="bfloat16"):
   d = os.path.join(root, "s", arm, "seed0")
   os.makedirs(d)
   config = {
-    "study": {"reference_arm": "ref" if writeback else "", "cell": ""},
+    "study": {
+      "name": "s",
+      "analysis": "freeze",
+      "figure": "freeze_panels",
+      "reference_arm": "ref" if writeback else "",
+      "cell": "",
+    },
     "lowprec": {"writeback": writeback, "rounding": rounding},
   }
   with open(os.path.join(d, "config.json"), "w") as f:

@@ -46,7 +46,7 @@ def _draws(op, inputs):
 
   def one(kf):
     out = op(q, k, v, key=kf)
-    copy = op._output_copy(p, v, saved.derive(kf, "backward"))
+    copy = op._output_copy(p, v, saved.key_for(kf, "backward"))
     return out, copy
 
   out, copy = jax.jit(jax.vmap(one))(keys)
@@ -152,7 +152,7 @@ def test_output_only_copy_is_the_earlier_fresh_read_bit_for_bit():
   p = _probs(q, k)
   want = SR8.round(
     jnp.einsum("bhqk,bkhd->bqhd", p, v),
-    saved.derive(bkey, "attn.out@delta"),
+    saved.key_for(bkey, "attn.out@delta"),
     mode="stochastic",
   )[0]
   np.testing.assert_array_equal(op._output_copy(p, v, bkey), want)

@@ -14,6 +14,7 @@ import importlib
 import json
 import math
 import os
+import pkgutil
 import shutil
 
 import jax
@@ -21,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from configs import common
+import configs
+from configs import common, presets
 from experiments import (
   models,
   operator_checks,
@@ -34,6 +36,17 @@ from experiments import (
 from experiments.analysis import bwd_tables, figures, tables
 
 STUDIES = ["bwd_operator_checks", "attention_reuse", "norm_store"]
+CONFIGS = sorted(
+  m.name
+  for m in pkgutil.iter_modules(configs.__path__)
+  if m.name not in ("common", "presets")
+)
+
+
+def _shape(name):
+  """(layers, heads, width, vocabulary, length) of a model preset."""
+  keys = ("n_layer", "n_head", "d_model", "vocab_size", "seq_len")
+  return tuple(presets.PRESETS[name][k] for k in keys)
 
 
 def _load(name, arg=None):
@@ -44,17 +57,16 @@ def _load(name, arg=None):
 
 
 @pytest.mark.parametrize("name", STUDIES)
-def test_configs_default_to_cpu_scale_and_are_registered(name):
+def test_configs_default_to_cpu_scale_and_name_their_analysis(name):
   c = _load(name)
   assert c.study.scale == "cpu"
-  assert name in bwd_tables.STUDY_ANALYSIS
-  assert tables.STUDY_ANALYSIS[name] == bwd_tables.STUDY_ANALYSIS[name]
-  assert name in figures.PLOTS
+  assert c.study.analysis in bwd_tables.ANALYSES
+  assert c.study.figure in figures.FIGURES
 
 
 def test_attention_full_scale_is_the_390m_preset():
   c = _load("attention_reuse", "scale=full")
-  n_layer, n_head, d, vocab, seq = models.PRESETS["gpt_390m"]
+  n_layer, n_head, d, vocab, seq = _shape("gpt_390m")
   m = c.model
   assert (m.n_layer, m.n_head, m.d_model, m.vocab_size, m.seq_len) == (
     n_layer,
@@ -441,7 +453,7 @@ def test_operator_checks_smoke_writes_the_layout(tmp_path):
 
 def test_every_common_field_the_studies_use_exists():
   base = common.get_config()
-  for name in STUDIES:
+  for name in CONFIGS:
     c = _load(name)
     assert c.study.kind in study.RUNNERS
     assert set(c.train.keys()) == set(base.train.keys())

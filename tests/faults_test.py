@@ -832,7 +832,7 @@ def _all_keys():
   keys = set(ledger.flatten(common.get_config().to_dict()))
   for path in glob.glob(os.path.join(ROOT, "configs", "*.py")):
     name = os.path.basename(path)[:-3]
-    if name in ("__init__", "common"):
+    if name in ("__init__", "common", "presets"):
       continue
     mod = __import__(f"configs.{name}", fromlist=["get_config"])
     keys |= set(ledger.flatten(mod.get_config().to_dict()))

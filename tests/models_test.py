@@ -6,15 +6,21 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from configs import common
+from configs import common, presets
 from experiments import models, tasks
 from lowprec import nn as lpnn
+
+
+def _shape(name):
+  """(layers, heads, width, vocabulary, length) of a model preset."""
+  keys = ("n_layer", "n_head", "d_model", "vocab_size", "seq_len")
+  return tuple(presets.PRESETS[name][k] for k in keys)
 
 
 def _gpt_config(preset=None, **kw):
   c = common.get_config()
   if preset:
-    n_layer, n_head, d, vocab, seq = models.PRESETS[preset]
+    n_layer, n_head, d, vocab, seq = _shape(preset)
     kw = (
       dict(
         n_layer=n_layer, n_head=n_head, d_model=d, vocab_size=vocab, seq_len=seq

@@ -15,7 +15,8 @@ import pytest
 from jax.test_util import check_grads
 
 from lowprec import ops
-from lowprec.ops.saved import Rounding, derive
+from lowprec.ops.rounding import Rounding
+from lowprec.ops.saved import key_for
 
 SR8 = Rounding("float8_e4m3fn", "stochastic")
 RN8 = Rounding("float8_e4m3fn", "nearest")
@@ -155,7 +156,7 @@ def _st_case(name):
     args = _case("dense")[2]
 
     def st(x, w, b):
-      return _st(SR8, x, derive(KEY, "x")) @ _st(RN8, w, None) + b
+      return _st(SR8, x, key_for(KEY, "x")) @ _st(RN8, w, None) + b
 
     return op, st, args
   if name in ("layer_norm_dense", "rms_norm_dense"):
@@ -166,7 +167,7 @@ def _st_case(name):
     def st(x, g, b, w, c):
       y = _layer_norm(x, 1e-5, rms) * g
       y = y if b is None else y + b
-      return _st(SR8, y, derive(KEY, "out")) @ _st(RN8, w, None) + c
+      return _st(SR8, y, key_for(KEY, "out")) @ _st(RN8, w, None) + c
 
     return op, st, args
   if name == "attention":
@@ -176,9 +177,9 @@ def _st_case(name):
     def st(q, k, v):
       s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / 2.0
       s = jnp.where(jnp.tril(jnp.ones((6, 6), bool)), s, -jnp.inf)
-      p = _st(SR8, jax.nn.softmax(s, -1), derive(KEY, "probs"))
+      p = _st(SR8, jax.nn.softmax(s, -1), key_for(KEY, "probs"))
       o = jnp.einsum("bhqk,bkhd->bqhd", p, v)
-      return _st(SR8, o, derive(KEY, "out"))
+      return _st(SR8, o, key_for(KEY, "out"))
 
     return op, st, args
   op = ops.Activation("gelu", x=SR8)
@@ -226,7 +227,7 @@ def _dense_dw(value, backward_key=None):
 @jax.jit
 def _dense_x_copies():
   x = _case("dense")[2][0]
-  rounded = SR8.quantize(x, derive(KEY, "x")).value()
+  rounded = SR8.quantize(x, key_for(KEY, "x")).value()
   return rounded, SR8.quantize(x, mode="nearest").value(), x
 
 
@@ -271,8 +272,8 @@ def test_same_keys_reproduce_and_backward_key_changes_only_fresh_draws():
 def test_fresh_draws_differ_per_use():
   # attn.probs@dv and attn.probs@dscores both fresh: two different draws.
   assert not np.array_equal(
-    jax.random.key_data(derive(KEY, "attn.probs@dv")),
-    jax.random.key_data(derive(KEY, "attn.probs@dscores")),
+    jax.random.key_data(key_for(KEY, "attn.probs@dv")),
+    jax.random.key_data(key_for(KEY, "attn.probs@dscores")),
   )
 
 
@@ -286,7 +287,7 @@ def _norm_dgain(value):
   _, vjp = jax.vjp(lambda g: op(x, g, b, w, c, policy=pol, key=KEY), g)
   n = _layer_norm(x, 1e-5)
   if value == "rounded":
-    n = (SR8.quantize(n * g + b, derive(KEY, "out")).value() - b) / g
+    n = (SR8.quantize(n * g + b, key_for(KEY, "out")).value() - b) / g
   return vjp(dz)[0], jnp.sum((dz @ w.T) * n, (0, 1))
 
 
@@ -304,7 +305,7 @@ def test_gradient_rounding_rounds_incoming_gradients_to_e5m2():
     dy = _normal(9, (2, 3, 5))
     _, vjp = jax.vjp(lambda b: op(x, w, b, key=KEY), jnp.zeros(5))
     # db is the sum of the rounded dy: round it here with the same key.
-    key = derive(derive(KEY, "backward"), "grad:dy")
+    key = key_for(key_for(KEY, "backward"), "grad:dy")
     return vjp(dy)[0], E5.quantize(dy, key).value(), dy
 
   db, dy_r, dy = run()
@@ -465,7 +466,7 @@ def test_op_and_reference_draw_the_same_bits_for_an_input_they_round():
   eye = jnp.eye(256, dtype=jnp.float32)
   call = jax.jit(lambda x, key: op(x, eye, None, key=key))
   ref = jax.jit(lambda x, key: op.reference(x, eye, None, key=key))
-  alone = jax.jit(lambda x, key: SR8.round(x, derive(key, "x"))[0])
+  alone = jax.jit(lambda x, key: SR8.round(x, key_for(key, "x"))[0])
   for i in range(N_DRAWS):
     key = jax.random.key(i)
     # Equal values (the matmul turns a -0 into +0): equal draws, since a

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import lowprec
-from configs import common
+from configs import common, presets
 from experiments import checkpoint, models, optim, study, tasks, train
 from experiments.analysis import figures, tables
 from lowprec.freeze import leaf_paths
@@ -32,19 +32,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(
   f[:-3]
   for f in os.listdir(os.path.join(ROOT, "configs"))
-  if f.endswith(".py") and f not in ("__init__.py", "common.py")
+  if f.endswith(".py") and f not in ("__init__.py", "common.py", "presets.py")
 )
-STUDIES = [
-  "freeze_gpt2_fp8",
-  "freeze_grid",
-  "freeze_transfer",
-  "deadzone_vs_sr",
-  "int3_replay",
-  "e4m3_audit",
-  "freeze_user_reports",
-  "attention_reuse_search",
-  "attention_reuse_e2m1",
-]
+
+
+def _shape(name):
+  """(layers, heads, width, vocabulary, length) of a model preset."""
+  keys = ("n_layer", "n_head", "d_model", "vocab_size", "seq_len")
+  return tuple(presets.PRESETS[name][k] for k in keys)
 
 
 def _load(name, arg=None):
@@ -70,14 +65,22 @@ def test_every_config_loads_and_resolves_every_arm(name, scale):
       assert not src or src in c.study.arms, (arm, src)
 
 
-@pytest.mark.parametrize("name", STUDIES)
-def test_study_configs_default_to_cpu_scale(name):
-  assert _load(name).study.scale == "cpu"
+@pytest.mark.parametrize("name", CONFIGS)
+def test_each_study_is_declared_in_its_config(name):
+  # The config names its analysis and figure (runs carry them in their
+  # config.json); the registries know them; studies default to CPU scale.
+  c = _load(name)
+  assert c.study.name == name
+  assert c.study.scale == "cpu"
+  assert c.study.analysis in tables.ANALYSES, c.study.analysis
+  assert c.study.figure in figures.FIGURES, c.study.figure
+  arm = c.study.plan_arm
+  assert not arm or arm in _load(name, "scale=full").study.arms
 
 
 def test_fp8_full_scale_is_gpt2_small():
   c = _load("freeze_gpt2_fp8", "scale=full")
-  n_layer, n_head, d, vocab, seq = models.PRESETS["gpt2_124m"]
+  n_layer, n_head, d, vocab, seq = _shape("gpt2_124m")
   m = c.model
   assert (m.n_layer, m.n_head, m.d_model, m.vocab_size, m.seq_len) == (
     n_layer,

@@ -1,15 +1,18 @@
 """Figures of the backward-state studies (PNG).
 
-`PLOTS` maps a study to its figure:
+`FIGURES` names each figure a study can declare:
 
-  bwd_operator_checks  |z| of every value of every use, by prediction
-                       (biased / exact or unbiased), with the threshold;
-  attention_reuse      per arm and seed: relative bias of the attention QKV
-                       gradient (running mean of the probe's bias2, square
-                       root), its cosine with the reference, validation loss;
-  norm_store           relative error of the gain gradients and of the
-                       norm-fed weight gradients vs step, and validation
-                       loss with per_use's margin band.
+  operator_z            |z| of every value of every use, by prediction
+                        (biased / exact or unbiased), with the threshold;
+  attention_curves      per arm and seed: relative bias of the attention
+                        QKV gradient (running mean of the probe's bias2,
+                        square root), its cosine with the reference,
+                        validation loss;
+  norm_store_curves     relative error of the gain gradients and of the
+                        norm-fed weight gradients vs step, and validation
+                        loss with per_use's margin band;
+  search_dose_response  per setting, each arm's pooled QKV bias and reuse
+                        minus each copy's final validation loss.
 """
 
 from __future__ import annotations
@@ -226,16 +229,10 @@ def norm_store_curves(study, results="results", out=None) -> str:
   return _save(fig, study, results, out)
 
 
-PLOTS = {
-  "bwd_operator_checks": operator_z,
-  "attention_reuse": attention_curves,
-  "attention_reuse_e2m1": attention_curves,
-  "norm_store": norm_store_curves,
-  "attention_reuse_search": search_dose_response,
+# figure name (a study's `study.figure`) -> (study, results, out) -> PNG path
+FIGURES = {
+  "operator_z": operator_z,
+  "attention_curves": attention_curves,
+  "norm_store_curves": norm_store_curves,
+  "search_dose_response": search_dose_response,
 }
-
-
-def plot(study: str, results: str = "results", out: str | None = None) -> str:
-  if study not in PLOTS:
-    raise ValueError(f"no figure for {study!r}; studies: {', '.join(PLOTS)}")
-  return PLOTS[study](study, results, out)

@@ -326,10 +326,9 @@ def attention_search_table(runs):
   the first diverging where its pair does not), and the pooled QKV bias of
   each arm. Only finished runs count."""
   runs = [r for r in runs if r.summary.get("status") == "finished"]
-  from configs.attention_reuse_search import SETTINGS
-
   found = {r.arm.rsplit("_", 1)[0] for r in runs if "_" in r.arm}
-  order = list(SETTINGS)  # the config's order: increasing dose
+  # The config's order (increasing dose); runs that predate it: found order.
+  order = list(runs[0].config["study"].get("settings", ())) if runs else []
   settings = sorted(
     found, key=lambda s: (order.index(s), s) if s in order else (len(order), s)
   )
@@ -379,11 +378,4 @@ ANALYSES = {
   "attention_reuse": attention_table,
   "norm_store": norm_store_table,
   "attention_search": attention_search_table,
-}
-STUDY_ANALYSIS = {
-  "bwd_operator_checks": "operator_checks",
-  "attention_reuse": "attention_reuse",
-  "attention_reuse_e2m1": "attention_reuse",
-  "norm_store": "norm_store",
-  "attention_reuse_search": "attention_search",
 }

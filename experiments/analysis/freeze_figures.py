@@ -1,10 +1,10 @@
 """Figures of the freeze studies that a per-run panel does not show (PNG).
 
-`PLOTS` maps a study to its figure: crossing scatter (predicted vs
+`FIGURES` names each figure a study can declare: crossing scatter (predicted vs
 measured, log-log) for the grid and the mantissa sweep, validation loss for
 the dead-zone study and the int3 replays, erased fraction and loss for the
-FP8 study, and the one-trace-many-seeds curves of the E4M3 audit. Studies
-without an entry use `freeze_panels.plot`.
+FP8 study, the one-trace-many-seeds curves of the E4M3 audit, and
+`freeze_panels`, one panel per low-precision run (the default).
 """
 
 from __future__ import annotations
@@ -376,16 +376,14 @@ def user_reports_panels(study, results="results", out=None) -> str:
   return _save(fig, study, results, out)
 
 
-PLOTS = {
-  "freeze_gpt2_fp8": fp8_panels,
-  "freeze_grid": crossing_scatter,
-  "freeze_transfer": transfer_scatter,
-  "deadzone_vs_sr": recovery_figure,
-  "int3_replay": replay_curves,
-  "e4m3_audit": audit_curves,
-  "freeze_user_reports": user_reports_panels,
+# figure name (a study's `study.figure`) -> (study, results, out) -> PNG path
+FIGURES = {
+  "freeze_panels": freeze_panels.plot,
+  "fp8_panels": fp8_panels,
+  "crossing_scatter": crossing_scatter,
+  "transfer_scatter": transfer_scatter,
+  "recovery_figure": recovery_figure,
+  "replay_curves": replay_curves,
+  "audit_curves": audit_curves,
+  "user_reports_panels": user_reports_panels,
 }
-
-
-def plot(study: str, results: str = "results", out: str | None = None) -> str:
-  return PLOTS.get(study, freeze_panels.plot)(study, results, out)

@@ -75,3 +75,24 @@ def load_runs(results: str, study: str) -> list[Run]:
       f"`python -m experiments.run --config configs/{study}.py` first"
     )
   return runs
+
+
+def declared(runs: list[Run], key: str, override: str | None = None) -> str:
+  """What the runs' configs name for `study.<key>` (`analysis`, `figure`):
+  the study declares it in its config, and every run carries it in its
+  config.json. `override` wins (runs made before the key existed)."""
+  if override:
+    return override
+  names = {r.config["study"].get(key) for r in runs}
+  if None in names:
+    raise ValueError(
+      f"runs of {runs[0].config['study']['name']!r} have no study.{key} in "
+      f"their config.json (made before studies declared it): pass "
+      f"--{key} NAME, or rerun the study"
+    )
+  if len(names) > 1:
+    raise ValueError(
+      f"the runs of {runs[0].config['study']['name']!r} name different "
+      f"study.{key} values: {sorted(names)}"
+    )
+  return names.pop()

@@ -2,8 +2,9 @@
 
 `make(study)` reads `results/<study>/<arm>/seed<k>/` (see `runs`) and writes
 `<out>/<study>.md` and `<out>/<study>.csv` (default out:
-`results/<study>/tables`). Each study names its analysis in
-`STUDY_ANALYSIS`; the default is the freeze analysis. Command line:
+`results/<study>/tables`). Each study names its analysis in its config
+(`study.analysis`, a key of `ANALYSES`), which every run's config.json
+carries. Command line:
 `python -m scripts.make_tables <study>`.
 """
 
@@ -21,9 +22,10 @@ from experiments.analysis.freeze_tables import (
   grid_table,
   transfer_table,
 )
-from experiments.analysis.runs import load_runs
+from experiments.analysis.runs import declared, load_runs
 from experiments.analysis.user_reports import user_reports_table
 from experiments.analysis.writeback_tables import recovery_table, replay_table
+from lowprec import names
 
 ANALYSES = {
   "freeze": freeze_table,
@@ -35,16 +37,6 @@ ANALYSES = {
   "replay": replay_table,
   "user_reports": user_reports_table,
   **bwd_tables.ANALYSES,
-}
-STUDY_ANALYSIS = {  # study name -> analysis name (default "freeze")
-  "freeze_gpt2_fp8": "fp8",
-  "freeze_grid": "grid",
-  "freeze_transfer": "transfer",
-  "deadzone_vs_sr": "recovery",
-  "int3_replay": "replay",
-  "e4m3_audit": "audit",
-  "freeze_user_reports": "user_reports",
-  **bwd_tables.STUDY_ANALYSIS,
 }
 
 
@@ -192,10 +184,21 @@ def write_csv(path: str, rows: list[dict]) -> None:
     w.writerows(rows)
 
 
-def make(study: str, results: str = "results", out: str | None = None) -> str:
-  """Writes the study's Markdown and CSV tables; returns the Markdown."""
+def make(
+  study: str,
+  results: str = "results",
+  out: str | None = None,
+  analysis: str | None = None,
+) -> str:
+  """Writes the study's Markdown and CSV tables; returns the Markdown.
+
+  The analysis is the one the study's config names (`study.analysis`, in
+  each run's config.json), or `analysis`.
+  """
   runs = load_runs(results, study)
-  analysis = ANALYSES[STUDY_ANALYSIS.get(study, "freeze")]
+  name = declared(runs, "analysis", analysis)
+  names.check_choice("study.analysis", name, ANALYSES)
+  analysis = ANALYSES[name]
   rows, lines = analysis(runs)
   out = out or os.path.join(results, study, "tables")
   os.makedirs(out, exist_ok=True)

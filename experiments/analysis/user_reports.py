@@ -26,14 +26,12 @@ STUCK_MAX = 0.05  # SR / dead-zone: no group above this share from step 200
 def _groups(runs) -> tuple:
   """The study's groups, and its steps that the runs reached (at a smaller
   scale: every checkpoint step)."""
-  from configs import freeze_user_reports
-
   c = runs[0].config
   total, every = c["train"]["steps"], c["ckpt"]["every_steps"]
-  steps = [s for s in freeze_user_reports.STEPS if s <= total]
+  steps = [s for s in c["study"]["report_steps"] if s <= total]
   if len(steps) < 2:
     steps = list(range(every, total + 1, every))
-  return freeze_user_reports.GROUPS, steps
+  return tuple(tuple(g) for g in c["study"]["groups"]), steps
 
 
 def _grouping(groups):

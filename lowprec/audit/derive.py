@@ -53,7 +53,7 @@ from lowprec.audit.report import ROUNDOFF
 from lowprec.ops.base import KEEP_ALL
 from lowprec.ops.custom import Custom
 from lowprec.ops.requirements import Requirement
-from lowprec.ops.saved import Rounding
+from lowprec.ops.rounding import Rounding
 from lowprec.policy import VALUES
 
 # The rounding a tensor gets for the derivation when the operator does not

@@ -22,7 +22,7 @@ from lowprec.audit.report import (
   yes_no,
 )
 from lowprec.ops.base import KEEP_ALL, Op
-from lowprec.ops.saved import Rounding
+from lowprec.ops.rounding import Rounding
 from lowprec.policy import VALUES
 
 

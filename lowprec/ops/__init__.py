@@ -38,7 +38,7 @@ from lowprec.ops.custom import Custom, Reader
 from lowprec.ops.dense import Dense, dense
 from lowprec.ops.norm_dense import NORMS, NormDense, norm_dense
 from lowprec.ops.requirements import Requirement
-from lowprec.ops.saved import Rounding
+from lowprec.ops.rounding import Rounding
 from lowprec.policy import Policy
 
 OPS: dict[str, type[Op]] = {

@@ -10,7 +10,7 @@ import jax
 from lowprec import names
 from lowprec.ops.base import Op
 from lowprec.ops.requirements import Requirement
-from lowprec.ops.saved import Rounding
+from lowprec.ops.rounding import Rounding
 
 # name -> function; "gelu" is the tanh approximation GPT-2 uses.
 ACTIVATIONS = {

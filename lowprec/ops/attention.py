@@ -12,7 +12,7 @@ from lowprec import names
 from lowprec.ops import saved
 from lowprec.ops.base import Op, per_value
 from lowprec.ops.requirements import Requirement
-from lowprec.ops.saved import Rounding
+from lowprec.ops.rounding import Rounding
 
 _TABLE = (
   Requirement(
@@ -208,7 +208,7 @@ class Attention(Op):
       if self.probs.is_identity or value == "original":
         return p
       if value == "fresh":
-        key = saved.derive(bkey, use)
+        key = saved.key_for(bkey, use)
         return self.probs.round(p, key, mode="stochastic")[0]
       return res["probs"][value].value()
 
@@ -239,12 +239,12 @@ class Attention(Op):
     `P~' V`, with `P~'` a new draw of the probabilities' rounding
     (`fresh_out="redraw"`) or `P` itself (`"output"`)."""
     if self._redraws_probs():
-      kp = saved.derive(bkey, "attn.out@delta:probs")
+      kp = saved.key_for(bkey, "attn.out@delta:probs")
       p = self.probs.round(p, kp if self.probs.stochastic else None)[0]
     pv = jnp.einsum("bhqk,bkhd->bqhd", p, v)
     if self.out.is_identity:
       return pv
-    key = saved.derive(bkey, "attn.out@delta")
+    key = saved.key_for(bkey, "attn.out@delta")
     return self.out.round(pv, key, mode="stochastic")[0]
 
   def _backward(self, values, res, g):

@@ -22,7 +22,7 @@ from lowprec import policy as policy_lib
 from lowprec.ops import requirements as req_lib
 from lowprec.ops import saved
 from lowprec.ops.requirements import Requirement
-from lowprec.ops.saved import Rounding
+from lowprec.ops.rounding import Rounding
 
 _NONE = Rounding()
 
@@ -200,7 +200,7 @@ class Op:
       keys["backward"] = (
         backward_key
         if backward_key is not None
-        else saved.derive(key, "backward")
+        else saved.key_for(key, "backward")
       )
     else:
       keys["backward"] = None
@@ -209,7 +209,7 @@ class Op:
   def _forward_keys(self, key) -> dict:
     """`{tensor: key of its forward draw}` (None where nothing is drawn)."""
     return {
-      t: saved.derive(key, t) if self.rounding(t).stochastic else None
+      t: saved.key_for(key, t) if self.rounding(t).stochastic else None
       for t in self.tensors
     }
 
@@ -228,7 +228,7 @@ class Op:
     """What `use` reads in the backward."""
     i = self.uses.index(use)
     r = self.table[i]
-    fresh_key = None if bkey is None else saved.derive(bkey, use)
+    fresh_key = None if bkey is None else saved.key_for(bkey, use)
     return per_value(
       values[i],
       lambda v: saved.read(
@@ -241,7 +241,7 @@ class Op:
     r = self.grad_rounding
     if r.is_identity:
       return g
-    k = None if bkey is None else saved.derive(bkey, "grad:" + name)
+    k = None if bkey is None else saved.key_for(bkey, "grad:" + name)
     return r.round(g, k)[0]
 
   # ---- implemented by each operator ---------------------------------------

@@ -56,7 +56,7 @@ from lowprec import policy as policy_lib
 from lowprec.ops import saved as saved_lib
 from lowprec.ops.base import KEEP_ALL, Op, per_value
 from lowprec.ops.requirements import Requirement
-from lowprec.ops.saved import Rounding
+from lowprec.ops.rounding import Rounding
 from lowprec.policy import VALUES
 
 _NONE = Rounding()
@@ -164,7 +164,7 @@ class Reader:
         return kept["rounded"].value().astype(t.dtype)
       if v == "nearest":  # as the built-ins read it: through the format
         return r.quantize(x, mode="nearest").value().astype(t.dtype)
-      key = saved_lib.derive(bkey, use)
+      key = saved_lib.key_for(bkey, use)
       return r.round(x, key, mode="stochastic")[0]
 
     v = values[self._op.uses.index(use)]

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from lowprec.ops.base import Op
 from lowprec.ops.requirements import Requirement
-from lowprec.ops.saved import Rounding
+from lowprec.ops.rounding import Rounding
 
 _TABLE = (
   Requirement(

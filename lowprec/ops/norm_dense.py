@@ -11,7 +11,7 @@ from lowprec import names
 from lowprec.ops import saved
 from lowprec.ops.base import Op, per_value
 from lowprec.ops.requirements import Requirement
-from lowprec.ops.saved import Rounding
+from lowprec.ops.rounding import Rounding
 
 NORMS = ("layer", "rms")
 
@@ -163,7 +163,7 @@ class NormDense(Op):
 
   def _read_y(self, values, use, res, bkey, draw=""):
     """`(y, n)` as `use` reads the norm output (`draw` names a fresh copy)."""
-    key = None if bkey is None else saved.derive(bkey, use + draw)
+    key = None if bkey is None else saved.key_for(bkey, use + draw)
     return per_value(
       values[self.uses.index(use)], lambda v: self._read_y_as(v, res, key)
     )

@@ -1,166 +1,23 @@
-"""Saved tensors: how the forward rounds a tensor and what the backward keeps.
+"""Saved tensors: what the forward keeps and what each backward use reads.
 
-`Rounding` says how one tensor is rounded (format, nearest or stochastic,
-per-tensor scaling). `save` rounds a tensor for the forward and keeps only the
-values the policy's uses will read, narrow where it can; `read` produces, in
-the backward, the value one use asks for. Keys for every draw are derived by
-name (`derive`), so draws are independent and reproducible.
+`save` rounds a tensor for the forward (with its `Rounding`) and keeps only
+the values the policy's uses will read, narrow where it can; `read`
+produces, in the backward, the value one use asks for. Keys for every draw
+are derived by name (`key_for`), so draws are independent and reproducible.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import zlib
-from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
-from lowprec import names
-from lowprec import rounding as rounding_lib
-from lowprec.formats import Format, get_format
-
-MODES = ("nearest", "stochastic")
-
-# Formats whose native dtype XLA converts to on every backend; others (FP6,
-# FP4) are stored as float32 holding grid values.
-_STORE_NATIVE_BITS = (8, 16)
+from lowprec.ops.rounding import Rounding, Stored  # noqa: F401
 
 
-def derive(key, name: str) -> jax.Array:
+def key_for(key, name: str) -> jax.Array:
   """The key for the draw called `name`: `fold_in(key, crc32(name))`."""
   return jax.random.fold_in(key, zlib.crc32(name.encode()))
-
-
-@dataclasses.dataclass(frozen=True)
-class Rounding:
-  """How the forward rounds one tensor.
-
-  With per-tensor scaling the tensor is rounded as `Q(x * s) / s` with
-  `s = max_finite / amax(x)`, so its largest magnitude lands on the format's
-  largest value; `s = 1` when `amax` is zero, not finite, or so small that `s`
-  would overflow float32.
-
-  Attributes:
-    format: a format name or `Format`; `"float32"` means no rounding at all.
-    mode: `"nearest"` (ties to even) or `"stochastic"` (unbiased).
-    scaled: per-tensor scaling; default on for float formats of 8 bits or
-      fewer, off otherwise.
-
-  Example:
-    >>> Rounding("float8_e4m3fn", "stochastic")
-    Rounding('float8_e4m3fn:stochastic')
-    >>> Rounding.parse("float8_e5m2:stochastic").scaled
-    True
-  """
-
-  format: Format | str = "float32"
-  mode: str = "nearest"
-  scaled: bool | None = None
-
-  def __post_init__(self):
-    fmt = get_format(self.format)
-    object.__setattr__(self, "format", fmt)
-    names.check_choice("rounding mode", self.mode, MODES)
-    if self.scaled is None:
-      object.__setattr__(self, "scaled", fmt.is_float and fmt.bits <= 8)
-
-  @classmethod
-  def parse(cls, spec: Rounding | str | None) -> Rounding:
-    """A `Rounding` from itself, `None` (no rounding) or `"format[:mode]"`."""
-    if spec is None:
-      return cls()
-    if isinstance(spec, Rounding):
-      return spec
-    if isinstance(spec, str):
-      fmt, _, mode = spec.partition(":")
-      return cls(fmt, mode or "nearest")
-    raise TypeError(f"expected a Rounding or 'format:mode', got {spec!r}")
-
-  @property
-  def is_identity(self) -> bool:
-    return self.format.name == "float32"
-
-  @property
-  def stochastic(self) -> bool:
-    return not self.is_identity and self.mode == "stochastic"
-
-  def __repr__(self) -> str:
-    if self.is_identity:
-      return "Rounding('float32')"
-    extra = "" if self.scaled == (self.format.bits <= 8) else ", unscaled"
-    return f"Rounding('{self.format.name}:{self.mode}'{extra})"
-
-  def scale(self, x) -> jax.Array | None:
-    """The per-tensor scale of `x` (float32 scalar), or None if unscaled."""
-    if not self.scaled:
-      return None
-    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
-    tiny = np.float32(self.format.max_finite / np.finfo(np.float32).max)
-    ok = jnp.isfinite(amax) & (amax > tiny)
-    top = jnp.float32(self.format.max_finite)
-    return jnp.where(ok, top / jnp.where(ok, amax, 1.0), jnp.float32(1.0))
-
-  def round(self, x, key=None, *, mode: str | None = None):
-    """Rounds `x` (with its scale).
-
-    Args:
-      x: float array.
-      key: PRNG key; required when rounding stochastically.
-      mode: overrides `self.mode` (the backward's `fresh` and `nearest`).
-
-    Returns:
-      `(value, stored)`: the rounded tensor in `x`'s dtype, and its narrow
-      form for the backward (computed only if used: converting to a float8
-      dtype costs more than the rounding on CPU).
-    """
-    mode = mode or self.mode
-    s = self.scale(x)
-    xs = x.astype(jnp.float32) if s is None else x.astype(jnp.float32) * s
-    if mode == "stochastic":
-      if key is None:
-        raise ValueError(
-          f"stochastic rounding to {self.format.name} needs a PRNG key"
-        )
-      q = rounding_lib.round_stochastic(xs, self.format, key)
-    else:
-      q = rounding_lib.round_nearest(xs, self.format)
-    if s is None:
-      value = q
-    else:
-      # Everything downstream reads `value`, and a division is an op XLA
-      # does not duplicate into each consumer: so the rounding (random bits
-      # included) runs once instead of once per consumer. `value * s` is
-      # within a few float32 ulps of the grid value `q`, so converting it to
-      # the format gives `q` back.
-      value = q / s
-      q = value * s
-    native = self.format.native_dtype
-    # `bits`, not the dtype's itemsize: ml_dtypes gives FP6 and FP4 one byte.
-    if native is not None and self.format.bits in _STORE_NATIVE_BITS:
-      # `q` is on the grid up to those few ulps, so nearest rounding gives
-      # the grid value back, emitted as the native code from its bits: a
-      # convert to float8 inside a fusion is slow on XLA:CPU.
-      q = rounding_lib.round_nearest(q, self.format, dtype=native)
-    elif s is not None:
-      q = rounding_lib.round_nearest(q, self.format)  # exactly on the grid
-    return value.astype(x.dtype), Stored(q, s)
-
-  def quantize(self, x, key=None, *, mode: str | None = None) -> Stored:
-    """The narrow stored form of `round(x, key, mode=mode)`."""
-    return self.round(x, key, mode=mode)[1]
-
-
-class Stored(NamedTuple):
-  """A rounded tensor as kept for the backward."""
-
-  data: jax.Array  # grid values of x * scale, native dtype where one exists
-  scale: jax.Array | None  # float32 scalar; None when unscaled
-
-  def value(self) -> jax.Array:
-    v = self.data.astype(jnp.float32)
-    return v if self.scale is None else v / self.scale
 
 
 def save(r: Rounding, x, key, reads) -> tuple[jax.Array, dict]:

@@ -1,7 +1,8 @@
 """What the full-scale configs cost: FLOPs, bytes per device, wall-clock.
 
-For each full-scale study config (`PLANNED`: the arm planned), from XLA's
-own analyses of the compiled programs on this machine's backend:
+For each full-scale study config that names an arm to plan
+(`study.plan_arm`), from XLA's own analyses of the compiled programs on
+this machine's backend:
 
 * FLOPs per step: `cost_analysis()` of one gradient pass over a
   per-device batch (no microbatch scan, whose loop body XLA would count
@@ -32,6 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import lowprec
+
 # Dense bf16 peak FLOP/s per chip (no sparsity), from the vendors' sheets:
 # H100 SXM5 and H200 SXM: 989.4 TFLOPS BF16 Tensor Core dense (NVIDIA H100
 # datasheet, "1,979 teraFLOPS*" with *sparsity, halved; NVIDIA H200
@@ -43,8 +46,24 @@ HBM_BYTES = {"H100": 80e9, "H200": 141e9, "TPU v5e": 16e9}
 # A typical MFU for a GPT of this size in JAX; wall-clock is stated at it.
 ASSUMED_MFU = 0.4
 
-# config module -> the arm planned (the most expensive one of the study)
-PLANNED = {"freeze_gpt2_fp8": "rn_e4m3", "attention_reuse": "reuse"}
+
+def planned() -> dict[str, str]:
+  """Config name -> the arm it plans (`study.plan_arm`, the study's most
+  expensive arm), for every study config in configs/ that names one."""
+  import importlib
+  import pkgutil
+
+  import configs
+
+  out = {}
+  for info in pkgutil.iter_modules(configs.__path__):
+    module = importlib.import_module(f"configs.{info.name}")
+    if not hasattr(module, "get_config"):
+      continue
+    arm = module.get_config("scale=full").study.get("plan_arm", "")
+    if arm:
+      out[info.name] = arm
+  return out
 
 
 def model_flops(params: int, n_layer: int, d_model: int, seq_len: int) -> float:
@@ -72,14 +91,15 @@ def synthetic_tokens(
 
 
 def full_config(name: str, data_dir: str, **train):
-  """The resolved full-scale config of `PLANNED[name]`, seed 0."""
+  """The resolved full-scale config of the arm `name` plans, seed 0."""
   import importlib
 
   from experiments import study
 
   module = importlib.import_module(f"configs.{name}")
-  c = module.get_config(f"scale=full,arm={PLANNED[name]},seed=0")
-  c = study.resolve(c, PLANNED[name], 0)
+  arm = module.get_config("scale=full").study.plan_arm
+  c = module.get_config(f"scale=full,arm={arm},seed=0")
+  c = study.resolve(c, arm, 0)
   c.unlock()
   c.data.path = data_dir
   c.train.update(train)
@@ -248,9 +268,9 @@ def main(
 ) -> list:
   """Plans every config in `names` and prints the table; returns the plans."""
   plans = []
+  valid = planned()
   for name in names:
-    if name not in PLANNED:
-      raise ValueError(f"unknown config {name!r}; valid: {', '.join(PLANNED)}")
+    lowprec.names.check_choice("config", name, valid)
     c = full_config(name, data_dir)
     synthetic_tokens(data_dir, c.model.vocab_size)
     p = plan(name, data_dir, per_device_batch, probe)
