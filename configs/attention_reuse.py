@@ -14,10 +14,13 @@ reference gradient reads except the row term of attention's backward,
 `D = rowsum(dO * O)`, which must read the output of the unrounded
 probabilities:
 
-  reuse   `attn.out@delta=rounded`: the forward's rounded output `O~`, as a
-          flash-attention backward that keeps its FP8 output does;
-  fresh   `attn.out@delta=fresh`: a new stochastic rounding of `P V`, from
-          the same distribution as `O~` but independent of the forward.
+  reuse    `attn.out@delta=rounded`: the forward's rounded output `O~`, as
+           a flash-attention backward that keeps its FP8 output does;
+  redraw   `attn.out@delta=fresh` (`attn_fresh_out="redraw"`): a copy with
+           the probabilities' and the output's roundings drawn anew, from
+           the distribution of `O~` but independent of the forward;
+  outonly  `attn.out@delta=fresh` with `attn_fresh_out="output"`: a new
+           stochastic rounding of `P V` only (the same mean, less variance).
 
 Seed pairs 0, 1, 2 (same data, init and forward draws within a pair). Every
 `train.probe_every_steps` the gradient probe (experiments/probes.py)
@@ -29,15 +32,17 @@ norm ratio and the bias left after the noise of the draws.
   python -m scripts.reproduce attention_reuse   # runs, table and figure
 
 CPU scale (default): 2-layer d=64 GPT on the byte-level built-in corpus,
-400 steps, 21 probes of 32 forward draws per run; about 9 minutes for the
-six runs on 2 shared CPU cores. Full scale (`:scale=full`): the 390M preset
-(27 layers, d=1024, 16 heads, 1024 tokens) on token files in data.path
-(`--config.data.path=...`), 20000 steps of 256 x 1024 tokens.
-Expected (CPU scale): reuse's QKV gradient is biased, pooled over the three
-seeds' 60 probes z = +4.3 (relative bias 3.3e-3 rms, relative error
-6.4e-3 at the last probe vs 1.6e-3 for fresh); fresh is not (z = +0.2); the
-loss does not diverge at this scale: final validation loss reuse minus
-fresh -0.0054 (per seed -0.0040, -0.0124, +0.0001).
+400 steps, 21 probes of 32 forward draws per run; about 45 minutes for the
+nine runs on 2 shared CPU cores. Full scale (`:scale=full`, this project's
+choice of size): the 390M preset (27 layers, d=1024, 16 heads, 1024
+tokens) on token files in data.path (`--config.data.path=...`), 20000
+steps of 256 x 1024 tokens.
+Expected (CPU scale, measured on an AVX2 CPU): reuse's QKV gradient is
+biased, pooled over the three seeds' 60 probes z = +5.4 (relative bias
+3.05e-3 rms, relative error 5.8e-3 at the last probe vs 2.5e-3 for
+redraw); neither copy is (redraw z = +1.0, outonly z = +0.8); the loss
+does not diverge at this scale: final validation loss reuse minus redraw
++0.0060 (per seed +0.0187, -0.0005, -0.0003).
 """
 
 from configs import common, presets
