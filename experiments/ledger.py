@@ -22,9 +22,11 @@ back with its summary, to be skipped. What the files are and how they are
 written is `results`'s; this module decides whether a run may write them.
 
 Example:
-  >>> with ledger.open_run(config) as entry:
-  ...   if entry.summary is None:
-  ...     ...  # train, writing under entry.path
+  ```python
+  with ledger.open_run(config) as entry:
+    if entry.summary is None:
+      ...  # train, writing under entry.path
+  ```
 """
 
 from __future__ import annotations
@@ -98,8 +100,10 @@ class RunLock:
   gets.
 
   Example:
-    >>> with RunLock("results/smoke/rn_bf16/seed0"):
-    ...   ...  # the only writer of that directory
+    ```python
+    with RunLock("results/smoke/rn_bf16/seed0"):
+      ...  # the only writer of that directory
+    ```
   """
 
   def __init__(self, run_dir: str):

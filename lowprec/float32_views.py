@@ -60,12 +60,14 @@ def in_float32(
       function, rather than `optax.adam(1e-3)`).
 
   Example:
-    >>> p = lowprec.to_grid({"w": w}, "float8_e4m3fn", storage="native")
-    >>> tx = optax.chain(lowprec.in_float32(optax.adam(1e-2)),
-    ...                  lowprec.writeback("float8_e4m3fn"))
-    >>> state = tx.init(p)  # Adam's moments are float32
-    >>> updates, state = tx.update(jax.grad(loss)(p), state, p)
-    >>> p = lowprec.apply_updates(p, updates)  # still float8_e4m3fn
+    ```python
+    p = lowprec.to_grid({"w": w}, "float8_e4m3fn", storage="native")
+    tx = optax.chain(lowprec.in_float32(optax.adam(1e-2)),
+                     lowprec.writeback("float8_e4m3fn"))
+    state = tx.init(p)  # Adam's moments are float32
+    updates, state = tx.update(jax.grad(loss)(p), state, p)
+    p = lowprec.apply_updates(p, updates)  # still float8_e4m3fn
+    ```
   """
   if not (hasattr(inner, "init") and hasattr(inner, "update")):
     called = "; call the factory first" if callable(inner) else ""

@@ -16,17 +16,19 @@ Parameter names follow `flax.linen`: `kernel`/`bias` for dense layers;
 Examples:
   A GPT-2 block with an emulated FP8 forward and backward:
 
-  >>> import flax.linen as fnn
-  >>> from lowprec import nn
-  >>> num = nn.Numerics.fp8()  # e4m3 SR activations and e4m3 weights,
-  >>> # e5m2 SR gradients, reference reads
-  >>> class Block(fnn.Module):
-  ...   @fnn.compact
-  ...   def __call__(self, x):
-  ...     x = x + nn.CausalSelfAttention(num_heads=12, numerics=num)(x)
-  ...     return x + nn.MLP(numerics=num)(x)
-  >>> params = Block().init(jax.random.key(0), x)
-  >>> y = Block().apply(params, x, rngs={"lowprec": jax.random.key(1)})
+  ```python
+  import flax.linen as fnn
+  from lowprec import nn
+  num = nn.Numerics.fp8()  # e4m3 SR activations and e4m3 weights,
+  # e5m2 SR gradients, reference reads
+  class Block(fnn.Module):
+    @fnn.compact
+    def __call__(self, x):
+      x = x + nn.CausalSelfAttention(num_heads=12, numerics=num)(x)
+      return x + nn.MLP(numerics=num)(x)
+  params = Block().init(jax.random.key(0), x)
+  y = Block().apply(params, x, rngs={"lowprec": jax.random.key(1)})
+  ```
 """
 
 from __future__ import annotations
@@ -114,7 +116,9 @@ def call(module: nn.Module, op: ops.Op, numerics: Numerics, *args):
       has no `numerics.rng` stream.
 
   Example:
-    >>> y = nn.call(self, my_op, self.numerics, x, kernel)
+    ```python
+    y = nn.call(self, my_op, self.numerics, x, kernel)
+    ```
   """
   return _call(module, op, numerics, *args)
 

@@ -25,14 +25,16 @@ class Optimizer(nnx.Optimizer):
   the params' dtype.
 
   Example:
-    >>> model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
-    >>> rules = [(r".*bias", None), (r".*", "float8_e4m3fn")]
-    >>> params = nnx.state(model, nnx.Param)
-    >>> nnx.update(model, lowprec.to_grid(params, rules, storage="native"))
-    >>> tx = optax.chain(lowprec.in_float32(optax.adam(1e-2)),
-    ...                  lowprec.writeback(rules))
-    >>> opt = lowprec.nnx.Optimizer(model, tx, wrt=nnx.Param)
-    >>> opt.update(model, nnx.grad(loss_fn)(model))
+    ```python
+    model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+    rules = [(r".*bias", None), (r".*", "float8_e4m3fn")]
+    params = nnx.state(model, nnx.Param)
+    nnx.update(model, lowprec.to_grid(params, rules, storage="native"))
+    tx = optax.chain(lowprec.in_float32(optax.adam(1e-2)),
+                     lowprec.writeback(rules))
+    opt = lowprec.nnx.Optimizer(model, tx, wrt=nnx.Param)
+    opt.update(model, nnx.grad(loss_fn)(model))
+    ```
   """
 
   def update(self, model, grads, /, **kwargs):

@@ -175,8 +175,10 @@ def round_nearest(
     TypeError: non-float input. ValueError: unknown format or overflow mode.
 
   Example:
-    >>> round_nearest(jnp.array([1.06, 1.07, 500.0]), "float8_e4m3fn")
-    Array([  1.  ,   1.125, 448.  ], dtype=float32)
+    ```python
+    round_nearest(jnp.array([1.06, 1.07, 500.0]), "float8_e4m3fn")
+    # Array([  1.  ,   1.125, 448.  ], dtype=float32)
+    ```
   """
   fmt = get_format(fmt)
   return _round_to(x, fmt, None, overflow, dtype)
@@ -212,9 +214,11 @@ def round_stochastic(
     dtype: the output dtype, as in `round_nearest`.
 
   Example:
-    >>> key = jax.random.key(0)
-    >>> x = jnp.full((100_000,), 1.03125)  # a quarter of the way to 1.125
-    >>> float(round_stochastic(x, "float8_e4m3fn", key).mean())  # ~1.03125
+    ```python
+    key = jax.random.key(0)
+    x = jnp.full((100_000,), 1.03125)  # a quarter of the way to 1.125
+    float(round_stochastic(x, "float8_e4m3fn", key).mean())  # ~1.03125
+    ```
   """
   fmt = get_format(fmt)
   x, lay = _bits.carrier(x)

@@ -25,10 +25,12 @@ no grid: give it a None format, or hand over only the float arrays
 (`eqx.filter(model, eqx.is_inexact_array)`).
 
 Example:
-  >>> rules = [(r".*(bias|scale)", None), (r".*", "float8_e4m3fn")]
-  >>> params = lowprec.to_grid(params, rules)  # float32 on the e4m3fn grid
-  >>> lowprec.check_on_grid(params, rules)  # raises if a value is off grid
-  >>> fp8 = lowprec.to_grid(params, rules, storage="native")  # for export
+  ```python
+  rules = [(r".*(bias|scale)", None), (r".*", "float8_e4m3fn")]
+  params = lowprec.to_grid(params, rules)  # float32 on the e4m3fn grid
+  lowprec.check_on_grid(params, rules)  # raises if a value is off grid
+  fp8 = lowprec.to_grid(params, rules, storage="native")  # for export
+  ```
 """
 
 from __future__ import annotations
@@ -240,9 +242,11 @@ def to_grid(params, fmt, *, storage: str = "float32"):
       an integer or boolean array given a format.
 
   Example:
-    >>> w = {"kernel": jnp.array([0.1, 1.06, 500.0])}
-    >>> lowprec.to_grid(w, "float8_e4m3fn")["kernel"]
-    Array([  0.1015625,   1.       , 448.       ], dtype=float32)
+    ```python
+    w = {"kernel": jnp.array([0.1, 1.06, 500.0])}
+    lowprec.to_grid(w, "float8_e4m3fn")["kernel"]
+    # Array([  0.1015625,   1.       , 448.       ], dtype=float32)
+    ```
   """
   if storage not in STORAGES:
     raise ValueError(
@@ -317,9 +321,11 @@ def check_on_grid(params, fmt) -> None:
       the grid (an integer or boolean array given a format among them).
 
   Example:
-    >>> lowprec.check_on_grid({"w": jnp.array([0.1])}, "bfloat16")
-    ValueError: 1 parameter(s) off their grid: 'w': 1 of 1 values off the
-    bfloat16 grid (first: 0.100000001). Put them on the grid first: ...
+    ```python
+    lowprec.check_on_grid({"w": jnp.array([0.1])}, "bfloat16")
+    # ValueError: 1 parameter(s) off their grid: 'w': 1 of 1 values off the
+    # bfloat16 grid (first: 0.100000001). Put them on the grid first: ...
+    ```
   """
   lookup = format_lookup(fmt)
   leaves = []
@@ -391,9 +397,11 @@ def apply_updates(params, updates):
       update for a leaf that is not an array; naming the leaf.
 
   Example:
-    >>> w = lowprec.to_grid(w, "float8_e4m3fn", storage="native")
-    >>> updates, state = opt.update(grads, state, w)
-    >>> w = lowprec.apply_updates(w, updates)  # still float8_e4m3fn
+    ```python
+    w = lowprec.to_grid(w, "float8_e4m3fn", storage="native")
+    updates, state = opt.update(grads, state, w)
+    w = lowprec.apply_updates(w, updates)  # still float8_e4m3fn
+    ```
   """
   is_none = lambda x: x is None
 

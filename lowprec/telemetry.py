@@ -194,10 +194,12 @@ def telemetry(opt_state) -> dict[str, float | int]:
       message names what was given and what to pass.
 
   Example:
-    >>> opt = optax.chain(optax.adam(1e-3), lowprec.writeback("bfloat16"))
-    >>> state = opt.init(params)
-    >>> ...
-    >>> lowprec.telemetry(state)["erased_fraction"]
+    ```python
+    opt = optax.chain(optax.adam(1e-3), lowprec.writeback("bfloat16"))
+    state = opt.init(params)
+    ...
+    lowprec.telemetry(state)["erased_fraction"]
+    ```
   """
   reports = [n.report() for n in _reporters(opt_state, "telemetry")]
   return {k: _plain(v) for k, v in _merge(reports).items()}
@@ -212,13 +214,15 @@ def telemetry_arrays(opt_state) -> dict[str, jax.Array]:
   step to get one value per ensemble member.
 
   Example:
-    >>> def step(carry, grads):
-    ...   params, state = carry
-    ...   updates, state = opt.update(grads, state, params)
-    ...   params = optax.apply_updates(params, updates)
-    ...   return (params, state), lowprec.telemetry_arrays(state)
-    >>> _, curves = jax.lax.scan(step, (params, state), grads_per_step)
-    >>> curves["erased_fraction"]  # float32 [steps]
+    ```python
+    def step(carry, grads):
+      params, state = carry
+      updates, state = opt.update(grads, state, params)
+      params = optax.apply_updates(params, updates)
+      return (params, state), lowprec.telemetry_arrays(state)
+    _, curves = jax.lax.scan(step, (params, state), grads_per_step)
+    curves["erased_fraction"]  # float32 [steps]
+    ```
 
   Raises:
     ValueError: as `telemetry`.

@@ -155,63 +155,22 @@ def writeback(
 ) -> optax.GradientTransformation:
   """Rounds `w + u` onto the weights' grid and emits the exact deltas.
 
-  For each parameter `w` (on its format's grid) and proposal `u` (the
-  incoming update, e.g. AdamW's), computed in float32:
+  For each parameter `w` on its format's grid and proposal `u` (the
+  incoming update, in float32): `w' = Q(w + u)` and `delta = w' - w`, which
+  `optax.apply_updates` lands exactly. `Q` is `nearest` (ties to even),
+  `stochastic` (`E[Q(x)] = x`, 32 random bits per element from a
+  counter-based hash, so sharded runs draw the same bits) or `deadzone`
+  (stochastic only where nearest would erase the proposal). Coordinates
+  with `u == 0` keep their bits; non-finite proposals are counted, not
+  written (`nonfinite`). The state holds a key and int32 counts of the
+  last update, read with `lowprec.telemetry` or `lowprec.telemetry_arrays`:
+  `proposals`, `erased` (`u != 0` and `w' == w`), `moved`, `saturated`,
+  `unreachable`, `nonfinite`, `erased_fraction`, in total and per path.
 
-    w' = Q(w + u),    delta = w' - w,    fl32(w + delta) == w' exactly,
-
-  with `Q` one of
-
-    nearest:     RN(x), round to nearest, ties to even;
-    stochastic:  SR(x) = hi with probability (x - lo) / (hi - lo), else lo
-                 (lo <= x <= hi the grid neighbours), so E[SR(x)] = x;
-    deadzone:    SR(x) where RN(w + u) == w and u != 0 (nearest would erase
-                 the proposal), RN(x) elsewhere.
-
-  Coordinates with `u == 0` keep their bits. SR uses 32 random bits per
-  element from a counter-based hash of (key, element index), so a sharded
-  run draws the same bits as an unsharded one; the up-probability is exact
-  for targets' normal range (see `lowprec.round_stochastic` for the bias
-  bound in the subnormal range and for `intK`).
-
-  Non-finite proposals (`u` NaN or +-inf) and NaN weights are counted as
-  `nonfinite`, never as proposals or moves. With `nonfinite="keep"` (the
-  default) those coordinates keep their weight, as `optax.apply_if_finite`
-  keeps a whole step, but per coordinate: the rest of the tensor is still
-  written. With `"propagate"` they are written as the rounding gives them
-  (NaN stays NaN; an infinite proposal saturates or overflows by
-  `overflow`).
-
-  Exact landing. `optax.apply_updates(params, deltas)` computes `w + delta`
-  in float32 and, for bfloat16/float16 storage, casts it: both reproduce `w'`
-  bit for bit (zeros land as +0 unless `w` was already zero). Float32
-  addition to `w` cannot reach every value: for formats with 1 to 11 mantissa
-  bits `m`, only a power of two `2^k` of sign opposite to `w`, with
-  `|w| < 2^(k - m)`, can be out of reach (a weight crossing zero and growing
-  by a factor over `2^m` in one step); wider formats have a few more such
-  cases. There the weight moves to the grid neighbour of `Q(w + u)` toward
-  `w` (or stays, where that is out of reach too), and `unreachable` counts
-  it; the result is the same for every storage. `intK` needs a power-of-two
-  scale for the same reason. Values below 2^-126 in magnitude
-  (only formats with 8 exponent bits have them) are flushed to zero by
-  float32 addition on backends that flush subnormals, such as XLA on CPU.
-
-  Proposals must arrive in float32 (or wider). Params stored natively in a
-  narrow dtype (`float8_*`, `float16`, `bfloat16`) give gradients of that
-  dtype, and an optimizer fed with them keeps its moments in it too (float8
-  moments underflow and turn the update into NaN): wrap the transforms
-  before the write-back in `lowprec.in_float32`, which runs them on float32
-  views and so keeps their state in float32. A narrower proposal is refused
-  at the first update, before anything is changed.
-
-  Telemetry, per parameter path and in total, for the last update:
-  `proposals` (finite `u != 0`), `erased` (`u != 0` and `w' == w`), `moved`,
-  `saturated` (`w + u` rounded beyond the largest finite value: clipped
-  under `overflow="saturate"`), `unreachable` (above), `nonfinite` (above)
-  and `erased_fraction = erased / proposals`. Read them on the host with
-  `lowprec.telemetry(opt_state)`, or as arrays inside jit, scan or vmap with
-  `lowprec.telemetry_arrays(opt_state)`. The state holds these int32
-  scalars and a key, never a copy of the parameters.
+  The guide, docs/writeback.md, says the rest: formats per parameter,
+  native storage (`lowprec.in_float32` for the optimizer before it), the
+  exact-landing rule and its `unreachable` cases, non-finite proposals,
+  telemetry and its cost.
 
   Args:
     fmt: the weights' format: a name (`"float8_e4m3fn"`, `"e8m3"`), a
@@ -228,7 +187,7 @@ def writeback(
       inf, or NaN where the format has no inf, as a cast does.
     nonfinite: "keep" (default) or "propagate", for non-finite proposals.
     telemetry: keep the counts in the state (one reduction per tensor and
-      step; on XLA:CPU it recomputes the rounding, see the README).
+      step; on XLA:CPU it recomputes the rounding: docs/writeback.md).
 
   Returns:
     An `optax.GradientTransformation` whose `update` needs `params`, stored
@@ -249,15 +208,17 @@ def writeback(
       float32. Each names the parameter.
 
   Example:
-    >>> params = lowprec.to_grid(params, "bfloat16")  # float32 on the grid
-    >>> opt = optax.chain(
-    ...     optax.adamw(optax.cosine_decay_schedule(1e-3, 1000)),
-    ...     lowprec.writeback("bfloat16", "stochastic", key=jax.random.key(0)),
-    ... )
-    >>> state = opt.init(params)
-    >>> updates, state = opt.update(grads, state, params)
-    >>> params = optax.apply_updates(params, updates)  # still on the grid
-    >>> lowprec.telemetry(state)["erased_fraction"]
+    ```python
+    params = lowprec.to_grid(params, "bfloat16")  # float32 on the grid
+    opt = optax.chain(
+        optax.adamw(optax.cosine_decay_schedule(1e-3, 1000)),
+        lowprec.writeback("bfloat16", "stochastic", key=jax.random.key(0)),
+    )
+    state = opt.init(params)
+    updates, state = opt.update(grads, state, params)
+    params = optax.apply_updates(params, updates)  # still on the grid
+    lowprec.telemetry(state)["erased_fraction"]
+    ```
 
   Reference: the write-back freezing study ("Direct low-precision
   write-back can erase nonzero optimizer proposals").

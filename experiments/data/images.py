@@ -65,9 +65,11 @@ def read_idx(path: str, magic: int) -> np.ndarray:
       longer than its header says (the message names the file and the fix).
 
   Example:
-    >>> labels = read_idx("mnist/t10k-labels-idx1-ubyte", LABELS_MAGIC)
-    >>> labels.shape
-    (10000,)
+    ```python
+    labels = read_idx("mnist/t10k-labels-idx1-ubyte", LABELS_MAGIC)
+    labels.shape
+    # (10000,)
+    ```
   """
   data = _read_bytes(path)
   fix = "download the file again"
@@ -145,9 +147,11 @@ def load_mnist(
     ValueError: see `read_idx`; also label count or range mismatches.
 
   Example:
-    >>> train_x, train_y, test_x, test_y = load_mnist("data/mnist")
-    >>> train_x.shape, train_y.dtype
-    ((60000, 28, 28, 1), dtype('int32'))
+    ```python
+    train_x, train_y, test_x, test_y = load_mnist("data/mnist")
+    train_x.shape, train_y.dtype
+    # ((60000, 28, 28, 1), dtype('int32'))
+    ```
   """
   paths = {k: _find(data_dir, n) for k, n in MNIST_FILES.items()}
   missing = [MNIST_FILES[k] for k, p in paths.items() if p is None]
@@ -191,9 +195,11 @@ def load_digits(
     ImportError: scikit-learn is not installed (the message names the fix).
 
   Example:
-    >>> train_x, train_y, test_x, test_y = load_digits()
-    >>> train_x.shape, test_x.shape
-    ((1500, 8, 8, 1), (297, 8, 8, 1))
+    ```python
+    train_x, train_y, test_x, test_y = load_digits()
+    train_x.shape, test_x.shape
+    # ((1500, 8, 8, 1), (297, 8, 8, 1))
+    ```
   """
   try:
     from sklearn import datasets

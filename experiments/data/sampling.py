@@ -40,8 +40,10 @@ def random_bits(seed: int, stream: int, counter: int, n: int) -> np.ndarray:
     ValueError: if `seed` or `stream` is negative or does not fit 64 bits.
 
   Example:
-    >>> random_bits(0, 1, 5, 2).dtype
-    dtype('uint64')
+    ```python
+    random_bits(0, 1, 5, 2).dtype
+    # dtype('uint64')
+    ```
   """
   seed, stream, counter = int(seed), int(stream), int(counter)
   if not 0 <= seed < _U64 or not 0 <= stream < _U64:
@@ -73,8 +75,10 @@ def window_starts(
     int64 array of shape [batch_size].
 
   Example:
-    >>> window_starts(0, 3, "train", batch_size=4, num_starts=10).shape
-    (4,)
+    ```python
+    window_starts(0, 3, "train", batch_size=4, num_starts=10).shape
+    # (4,)
+    ```
   """
   bits = random_bits(seed, check_split(split), step, batch_size)
   return (bits % np.uint64(num_starts)).astype(np.int64)
@@ -106,8 +110,10 @@ def epoch_indices(
     int64 array of shape [batch_size] with values in [0, num_examples).
 
   Example:
-    >>> sorted(epoch_indices(0, 0, "train", batch_size=5, num_examples=5))
-    [0, 1, 2, 3, 4]
+    ```python
+    sorted(epoch_indices(0, 0, "train", batch_size=5, num_examples=5))
+    # [0, 1, 2, 3, 4]
+    ```
   """
   stream = check_split(split)
   pos = step * batch_size + np.arange(batch_size, dtype=np.int64)

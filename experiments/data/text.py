@@ -45,8 +45,10 @@ def list_text_files(
     ValueError: no file was found.
 
   Example:
-    >>> list_text_files(["notes.txt"])
-    ['notes.txt']
+    ```python
+    list_text_files(["notes.txt"])
+    # ['notes.txt']
+    ```
   """
   found = []
   for inp in inputs:
@@ -111,10 +113,12 @@ def write_token_files(
       tokens for both splits (at least 2 each).
 
   Example:
-    >>> chunks = [np.arange(100) % 256]
-    >>> meta = write_token_files("out", chunks, tokenizer=byte_tokenizer())
-    >>> meta["train_tokens"], meta["val_tokens"]
-    (90, 10)
+    ```python
+    chunks = [np.arange(100) % 256]
+    meta = write_token_files("out", chunks, tokenizer=byte_tokenizer())
+    meta["train_tokens"], meta["val_tokens"]
+    # (90, 10)
+    ```
   """
   if not 0 < val_fraction < 1:
     raise ValueError(f"val_fraction must be in (0, 1); got {val_fraction}")
@@ -202,9 +206,11 @@ def prepare_text(
       is not UTF-8 under the gpt2 tokenizer.
 
   Example:
-    >>> meta = prepare_text(["my_texts/"], "data/my_texts")
-    >>> meta["vocab_size"]
-    256
+    ```python
+    meta = prepare_text(["my_texts/"], "data/my_texts")
+    meta["vocab_size"]
+    # 256
+    ```
   """
   tok = get_tokenizer(tokenizer, tokenizer_path)
   files = list_text_files(inputs, suffixes)

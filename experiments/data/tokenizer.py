@@ -53,8 +53,10 @@ def byte_tokenizer() -> Tokenizer:
   one; there is no end-of-text id.
 
   Example:
-    >>> byte_tokenizer().encode(b"hi").tolist()
-    [104, 105, 10]
+    ```python
+    byte_tokenizer().encode(b"hi").tolist()
+    # [104, 105, 10]
+    ```
   """
   return Tokenizer("byte", 256, _encode_bytes, None)
 
@@ -170,9 +172,11 @@ def gpt2_tokenizer(path: str | None = None) -> Tokenizer:
       what was tried and how to make one available.
 
   Example:
-    >>> tok = gpt2_tokenizer("gpt2/tokenizer.json")
-    >>> tok.vocab_size
-    50257
+    ```python
+    tok = gpt2_tokenizer("gpt2/tokenizer.json")
+    tok.vocab_size
+    # 50257
+    ```
   """
   tried: list[str] = []
   if path is not None:

@@ -91,7 +91,9 @@ def open_tokens(
       `seq_len + 1` tokens, or an id >= `vocab_size`.
 
   Example:
-    >>> tokens = open_tokens("data/train.bin", seq_len=128, vocab_size=256)
+    ```python
+    tokens = open_tokens("data/train.bin", seq_len=128, vocab_size=256)
+    ```
   """
   if not os.path.isfile(path):
     raise FileNotFoundError(
@@ -147,10 +149,12 @@ class TokenData:
     train, val: the memory-mapped token arrays.
 
   Example:
-    >>> data = TokenData("data/", seq_len=128, batch_size=8, seed=0)
-    >>> inputs, targets = data.batch(step=10)
-    >>> inputs.shape, inputs.dtype
-    ((8, 128), dtype('int32'))
+    ```python
+    data = TokenData("data/", seq_len=128, batch_size=8, seed=0)
+    inputs, targets = data.batch(step=10)
+    inputs.shape, inputs.dtype
+    # ((8, 128), dtype('int32'))
+    ```
   """
 
   def __init__(

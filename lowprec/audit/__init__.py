@@ -42,12 +42,14 @@ error to divide by); `|z| >= z_threshold` is `biased`; otherwise
 predictions are compared as `unbiased`.
 
 Example:
-  >>> fp8 = ops.Rounding("float8_e4m3fn", "stochastic")
-  >>> op = ops.Attention(probs=fp8, out=fp8)
-  >>> pol = "attn.probs@.*=rounded,attn.out@delta=rounded"  # reuse
-  >>> print(predict(op, pol))
-  >>> v = verify(op, pol, (q, k, v), 512, 1, jax.random.key(0))
-  >>> v.agrees, print(v)
+  ```python
+  fp8 = ops.Rounding("float8_e4m3fn", "stochastic")
+  op = ops.Attention(probs=fp8, out=fp8)
+  pol = "attn.probs@.*=rounded,attn.out@delta=rounded"  # reuse
+  print(predict(op, pol))
+  v = verify(op, pol, (q, k, v), 512, 1, jax.random.key(0))
+  v.agrees, print(v)
+  ```
 
 Reference: "Backward-State Policy Is Part of the Learning Algorithm" (2026).
 """

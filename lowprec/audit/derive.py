@@ -27,10 +27,12 @@ standard errors and compares each with `audit.predict` on the table; the
 `Derivation` carries that verification.
 
 Example:
-  >>> d = derive(op, (x, w), jax.random.key(0))
-  >>> print(d)         # the table, with the evidence for each row
-  >>> d.agrees         # every (use, value) verified as predicted
-  >>> op = d.op        # the operator carrying its derived table
+  ```python
+  d = derive(op, (x, w), jax.random.key(0))
+  print(d)         # the table, with the evidence for each row
+  d.agrees         # every (use, value) verified as predicted
+  op = d.op        # the operator carrying its derived table
+  ```
 
 Reference: "Backward-State Policy Is Part of the Learning Algorithm" (2026).
 """

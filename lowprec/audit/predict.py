@@ -73,9 +73,11 @@ def predict(op: Op, policy) -> Prediction:
     ValueError: the policy does not cover the operator's uses.
 
   Example:
-    >>> op = ops.NormDense(out="float8_e4m3fn:stochastic")
-    >>> predict(op, "norm.out@.*=original,dense.kernel@dx=rounded").biased
-    ('norm.out@dw',)
+    ```python
+    op = ops.NormDense(out="float8_e4m3fn:stochastic")
+    predict(op, "norm.out@.*=original,dense.kernel@dx=rounded").biased
+    # ('norm.out@dw',)
+    ```
   """
   if not isinstance(op, Op):
     raise TypeError(f"expected an operator from lowprec.ops, got {op!r}")

@@ -165,8 +165,10 @@ def audit_coordinates(
   trajectory.
 
   Example:
-    >>> a = audit_coordinates(ref_w, ref_u, lp_w, lp_u, "bfloat16")
-    >>> a.agreement, a.measured_frozen_from
+    ```python
+    a = audit_coordinates(ref_w, ref_u, lp_w, lp_u, "bfloat16")
+    a.agreement, a.measured_frozen_from
+    ```
   """
   fmt = get_format(fmt)
   rw, ru = _arrays(reference_w, reference_u)

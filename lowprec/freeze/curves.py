@@ -47,10 +47,12 @@ def crossing(curve, theta: float = 0.5, *, steps=None):
       infinite entry, or `steps` of another shape.
 
   Example:
-    >>> crossing([0.1, 0.6, 0.4, 0.7, 0.9])
-    (3, 'post_init')
-    >>> crossing([float("nan"), 0.6, 0.7])  # step 0 had no proposals
-    (1, 'at_init')
+    ```python
+    crossing([0.1, 0.6, 0.4, 0.7, 0.9])
+    # (3, 'post_init')
+    crossing([float("nan"), 0.6, 0.7])  # step 0 had no proposals
+    # (1, 'at_init')
+    ```
   """
   c = _curve(curve)
   steps = np.arange(c.size) if steps is None else np.asarray(steps)
@@ -140,9 +142,11 @@ def compare(
   step and categories as defined there.
 
   Example:
-    >>> c = compare([0.1, 0.2, 0.6, 0.9], [0.1, 0.3, 0.4, 0.8])
-    >>> c.predicted_step, c.measured_step, c.error_steps
-    (2, 3, -1)
+    ```python
+    c = compare([0.1, 0.2, 0.6, 0.9], [0.1, 0.3, 0.4, 0.8])
+    c.predicted_step, c.measured_step, c.error_steps
+    # (2, 3, -1)
+    ```
   """
   p, m = _curve(predicted), _curve(measured)
   err = rmse(p, m)
@@ -246,8 +250,10 @@ def summarize(
   categories differing; macro RMSE and skill for the E4M3 audit).
 
   Example:
-    >>> s = summarize({"a": (p_a, e_a), "b": (p_b, e_b), "c": (p_c, e_c)})
-    >>> s.within_tol, s.macro_rmse, s.skill
+    ```python
+    s = summarize({"a": (p_a, e_a), "b": (p_b, e_b), "c": (p_c, e_c)})
+    s.within_tol, s.macro_rmse, s.skill
+    ```
   """
   if not isinstance(cells, Mapping):
     cells = {str(i): pair for i, pair in enumerate(cells)}
@@ -337,8 +343,10 @@ def common_time_share(measured) -> float:
   audit's variation to common time.
 
   Example:
-    >>> common_time_share([[0.0, 2.0], [2.0, 4.0]])
-    0.5
+    ```python
+    common_time_share([[0.0, 2.0], [2.0, 4.0]])
+    # 0.5
+    ```
   """
   e = _seed_stack(measured, "measured")
   e = e[:, ~np.isnan(e).any(0)]
@@ -396,12 +404,14 @@ def directional_specificity(predicted, measured) -> Specificity:
   directional specificity"; this is the test as defined for this project.
 
   Example:
-    >>> e = [[0.5, 0.7, 0.9], [0.5, 0.5, 0.7]]  # c = [0.5, 0.6, 0.8]
-    >>> s = directional_specificity([[0.5, 0.65, 0.85], [0.5, 0.55, 0.75]], e)
-    >>> s.specific, [round(r, 3) for r in s.correlations]
-    (True, [1.0, 1.0])
-    >>> directional_specificity([0.5, 0.65, 0.85], e).specific  # one trace
-    False
+    ```python
+    e = [[0.5, 0.7, 0.9], [0.5, 0.5, 0.7]]  # c = [0.5, 0.6, 0.8]
+    s = directional_specificity([[0.5, 0.65, 0.85], [0.5, 0.55, 0.75]], e)
+    s.specific, [round(r, 3) for r in s.correlations]
+    # (True, [1.0, 1.0])
+    directional_specificity([0.5, 0.65, 0.85], e).specific  # one trace
+    # False
+    ```
   """
   e = _seed_stack(measured, "measured")
   if e.shape[0] < 2:

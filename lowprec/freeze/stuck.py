@@ -67,9 +67,11 @@ def stuck(initial, current, groups=None, fmt=None) -> dict[str, StuckShare]:
       rule matches, or a bad format specification.
 
   Example:
-    >>> groups = [(r".*norm.*", "norm gains"), (r".*", "other")]
-    >>> report = lowprec.freeze.stuck(params0, params, groups)
-    >>> report["norm gains"].share  # 1.0: no gain ever left its init value
+    ```python
+    groups = [(r".*norm.*", "norm gains"), (r".*", "other")]
+    report = lowprec.freeze.stuck(params0, params, groups)
+    report["norm gains"].share  # 1.0: no gain ever left its init value
+    ```
   """
   flat0, tree0 = jax.tree_util.tree_flatten_with_path(initial)
   flat1, tree1 = jax.tree_util.tree_flatten_with_path(current)

@@ -320,12 +320,14 @@ def reference_trace(
       coordinates, or a missing `params` argument to `update`.
 
   Example:
-    >>> opt = optax.chain(
-    ...     optax.adamw(optax.cosine_decay_schedule(1e-3, 1000)),
-    ...     lowprec.freeze.reference_trace(["bfloat16", "float8_e4m3fn"]))
-    >>> state = opt.init(params)
-    >>> updates, state = opt.update(grads, state, params)
-    >>> lowprec.telemetry(state)["pred/bfloat16/erased_fraction"]
+    ```python
+    opt = optax.chain(
+        optax.adamw(optax.cosine_decay_schedule(1e-3, 1000)),
+        lowprec.freeze.reference_trace(["bfloat16", "float8_e4m3fn"]))
+    state = opt.init(params)
+    updates, state = opt.update(grads, state, params)
+    lowprec.telemetry(state)["pred/bfloat16/erased_fraction"]
+    ```
   """
   parsed = _parse_targets(targets)
   sample = int(sample)

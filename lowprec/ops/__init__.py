@@ -26,9 +26,11 @@ requirements table is derived by `lowprec.audit.derive` (see
 `docs/own_operators.md`).
 
 Example:
-  >>> fp8 = Rounding("float8_e4m3fn", "stochastic")
-  >>> op = Attention(probs=fp8, out=fp8, grad="float8_e5m2:stochastic")
-  >>> o = op(q, k, v, key=jax.random.key(0), policy=REFERENCE)
+  ```python
+  fp8 = Rounding("float8_e4m3fn", "stochastic")
+  op = Attention(probs=fp8, out=fp8, grad="float8_e5m2:stochastic")
+  o = op(q, k, v, key=jax.random.key(0), policy=REFERENCE)
+  ```
 """
 
 from lowprec.ops.activation import ACTIVATIONS, Activation, activation

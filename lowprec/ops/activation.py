@@ -56,7 +56,9 @@ class Activation(Op):
     x: rounding of the stored input.
 
   Example:
-    >>> h = Activation("gelu", x="float8_e4m3fn")(x)
+    ```python
+    h = Activation("gelu", x="float8_e4m3fn")(x)
+    ```
   """
 
   fn: str = "gelu"

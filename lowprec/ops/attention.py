@@ -109,10 +109,12 @@ class Attention(Op):
       output's rounding only, of `P V`).
 
   Example:
-    >>> op = Attention(probs="float8_e4m3fn:stochastic",
-    ...                out="float8_e4m3fn:stochastic")
-    >>> o = op(q, k, v, key=key, policy="attn.probs@dv=rounded,"
-    ...        "attn.probs@dscores=fresh,attn.out@delta=fresh")
+    ```python
+    op = Attention(probs="float8_e4m3fn:stochastic",
+                   out="float8_e4m3fn:stochastic")
+    o = op(q, k, v, key=key, policy="attn.probs@dv=rounded,"
+           "attn.probs@dscores=fresh,attn.out@delta=fresh")
+    ```
   """
 
   probs: Rounding | str | None = None

@@ -32,14 +32,16 @@ the reference gradient (the forward as it ran, roundings straight through)
 and checks it by Monte Carlo; `op.with_table(table)` stores it.
 
 Example:
-  >>> def scaled_product(x, w, read):
-  ...   return read("sp.in@dw", x) @ w
-  >>> op = Custom("sp", scaled_product, args=("x", "w"),
-  ...             saved={"sp.in": "float8_e4m3fn:stochastic"},
-  ...             uses=("sp.in@dw",))
-  >>> d = audit.derive(op, (x, w), jax.random.key(0))
-  >>> op = d.op  # carries the derived table
-  >>> y = op(x, w, key=jax.random.key(1))  # reads what the reference reads
+  ```python
+  def scaled_product(x, w, read):
+    return read("sp.in@dw", x) @ w
+  op = Custom("sp", scaled_product, args=("x", "w"),
+              saved={"sp.in": "float8_e4m3fn:stochastic"},
+              uses=("sp.in@dw",))
+  d = audit.derive(op, (x, w), jax.random.key(0))
+  op = d.op  # carries the derived table
+  y = op(x, w, key=jax.random.key(1))  # reads what the reference reads
+  ```
 
 Reference: "Backward-State Policy Is Part of the Learning Algorithm" (2026).
 """
@@ -222,13 +224,15 @@ class Custom(Op):
       read of an undeclared use.
 
   Example:
-    >>> def act(x, read):
-    ...   return jax.nn.gelu(read.stored("my.in@dact", x))
-    >>> op = Custom("my_act", act, args=("x",),
-    ...             saved={"my.in": "float8_e4m3fn"}, uses=("my.in@dact",))
-    >>> op = audit.derive(op, (x,), jax.random.key(0)).op
-    >>> op.requirements["my.in@dact"].must_read
-    'original'
+    ```python
+    def act(x, read):
+      return jax.nn.gelu(read.stored("my.in@dact", x))
+    op = Custom("my_act", act, args=("x",),
+                saved={"my.in": "float8_e4m3fn"}, uses=("my.in@dact",))
+    op = audit.derive(op, (x,), jax.random.key(0)).op
+    op.requirements["my.in@dact"].must_read
+    # 'original'
+    ```
   """
 
   name: str = ""

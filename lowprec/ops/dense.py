@@ -58,10 +58,12 @@ class Dense(Op):
     grad: rounding of the incoming gradient.
 
   Example:
-    >>> op = Dense(x="float8_e4m3fn:stochastic", kernel="float8_e4m3fn")
-    >>> y = op(x, w, b, key=jax.random.key(0))  # reference policy
-    >>> y = op(x, w, b, policy="dense.in@dw=fresh,dense.kernel@dx=rounded",
-    ...        key=jax.random.key(0))
+    ```python
+    op = Dense(x="float8_e4m3fn:stochastic", kernel="float8_e4m3fn")
+    y = op(x, w, b, key=jax.random.key(0))  # reference policy
+    y = op(x, w, b, policy="dense.in@dw=fresh,dense.kernel@dx=rounded",
+           key=jax.random.key(0))
+    ```
   """
 
   x: Rounding | str | None = None

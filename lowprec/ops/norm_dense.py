@@ -97,9 +97,11 @@ class NormDense(Op):
     grad: rounding of the incoming gradient `dz`.
 
   Example:
-    >>> op = NormDense(out="float8_e4m3fn:stochastic")
-    >>> z = op(x, gain, shift, w, c, key=key, policy=(
-    ...   ("norm.out@dw|dense.kernel@dx", "rounded"), (".*", "original")))
+    ```python
+    op = NormDense(out="float8_e4m3fn:stochastic")
+    z = op(x, gain, shift, w, c, key=key, policy=(
+      ("norm.out@dw|dense.kernel@dx", "rounded"), (".*", "original")))
+    ```
   """
 
   norm: str = "layer"
