@@ -126,6 +126,7 @@ def test_the_guard_hides_what_the_device_lacks(tmp_path):
   assert run.returncode != 0 and b"not on the device image" in run.stderr
 
 
+@pytest.mark.slow
 def test_dry_run_of_device_check_on_the_cpu(tmp_path):
   env, _ = _device_like_env(tmp_path)
   run = subprocess.run(

@@ -150,6 +150,7 @@ def reference(tmp_path_factory):
   return _REFERENCE["record"]
 
 
+@pytest.mark.slow
 def test_two_processes_give_the_bits_of_one_and_process_0_writes(
   tmp_path_factory, tmp_path
 ):

@@ -72,6 +72,7 @@ def test_chunked_run_gradient_is_the_mean_of_its_chunks():
   assert float(out["probe/all/bias"]) < 0.05
 
 
+@pytest.mark.slow
 def test_lean_probe_gives_the_bits_of_the_one_program_probe_on_a_gpt():
   # The attention-reuse arm (biased reads, stochastic roundings) on a
   # small GPT, perturbed off init: the lean probe (separate programs, a
