@@ -25,6 +25,7 @@ right in the mean. Telemetry counts these *state erasures* per state leaf.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import zlib
 from collections.abc import Mapping
@@ -363,16 +364,15 @@ def store_state(
     state = inner.init(params)
     plan = _plan(parsed, state, check=True)
     flat, treedef = jax.tree_util.tree_flatten_with_path(state)
-    leaves, scales = [], {}
-    for path, x in flat:
-      sf = plan.get(path_name(path))
-      if sf is None:
-        leaves.append(x)
-        continue
-      stored, scale, _ = store.round(jnp.asarray(x, jnp.float32), sf, None)
-      leaves.append(stored)
+    leaves = [x for _, x in flat]
+    picked = [i for i, (p, _) in enumerate(flat) if path_name(p) in plan]
+    sfs = tuple(plan[path_name(flat[i][0])] for i in picked)
+    rounded = _store_all([leaves[i] for i in picked], sfs, store)
+    scales = {}
+    for i, (stored, scale) in zip(picked, rounded, strict=True):
+      leaves[i] = stored
       if scale is not None:
-        scales[path_name(path)] = scale
+        scales[path_name(flat[i][0])] = scale
 
     def zeros():
       return {n: jnp.zeros([], jnp.int32) for n in plan} if telemetry else None
@@ -431,6 +431,16 @@ def store_state(
     return updates, new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+# One compiled program for the initial state, not one dispatch per
+# operation (init usually runs eagerly).
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _store_all(xs, sfs, store):
+  return [
+    store.round(jnp.asarray(x, jnp.float32), sf, None)[:2]
+    for x, sf in zip(xs, sfs, strict=True)
+  ]
 
 
 def _key_words(key):
