@@ -482,10 +482,9 @@ def test_vmap_ensemble_reseeded_stores_distinct_draws():
 def test_eight_devices_store_the_bits_of_one(storage):
   # Rows split over 8 devices; blocks of 128 cut the last axis.
   params = {"w": jax.random.normal(jax.random.key(3), (16, 300))}
-  rules = {
-    "mu": "float8_e4m3fn:stochastic:block128",
-    "nu": "float8_e5m2:deadzone:tensor",
-  }
+  rules = {"mu": "float8_e4m3fn:stochastic:block128"}
+  if storage == "float32":  # the slow run adds a second rule
+    rules["nu"] = "float8_e5m2:deadzone:tensor"
   tx = lowprec.store_state(optax.adam(1e-2), rules, key=KEY, storage=storage)
 
   @jax.jit
