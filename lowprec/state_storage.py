@@ -97,7 +97,9 @@ def parse_state_format(spec) -> StateFormat | None:
   """A rule's value as a `StateFormat` (None stays None: left as it is).
 
   Takes a `StateFormat`, a `Format` (nearest, no scale) or a string
-  `"<format>[:<rounding>][:<scale>]"` (see `StateFormat`).
+  `"<format>[:<rounding>][:<scale>]"` (see `StateFormat`). An `intK`
+  format with a scale, e.g. `"int8:stochastic:block128"`, is the unit grid
+  `{-(2^(K-1) - 1), ..., 2^(K-1) - 1}` under that scale.
 
   Raises:
     ValueError: an unknown format, rounding or scale, with the valid ones.
@@ -111,7 +113,7 @@ def parse_state_format(spec) -> StateFormat | None:
       f"a state rule's value is a string such as 'bfloat16:stochastic', a "
       f"StateFormat or None, got {type(spec).__name__} {spec!r}"
     )
-  fmt, *rest = spec.strip().split(":")
+  name, *rest = spec.strip().split(":")
   rounding, scale = "nearest", None
   for part in rest:
     if part in ROUNDINGS:
@@ -126,7 +128,10 @@ def parse_state_format(spec) -> StateFormat | None:
         f"{names.suggest(part, valid)} E.g. 'bfloat16:stochastic' or "
         "'float8_e4m3fn:stochastic:block128'"
       )
-  return StateFormat(fmt, rounding, scale)
+  # An integer grid under a scale is the unit grid {-K'..K'} (int8: the
+  # values -127..127), times the block's or tensor's scale.
+  unit = 1.0 if scale is not None and name.startswith("int") else None
+  return StateFormat(get_format(name, scale=unit), rounding, scale)
 
 
 class _Rule(NamedTuple):
@@ -394,6 +399,7 @@ def store_state(
         jax.random.wrap_key_data(state.counts.key, impl=impl)
       )
       new_key, step_key = jax.random.key_data(pair[0]), pair[1]
+    leaf_keys = _leaf_keys(step_key, plan) if random else {}
     old = {
       path_name(p): x
       for p, x in jax.tree_util.tree_flatten_with_path(widened)[0]
@@ -409,8 +415,7 @@ def store_state(
         continue
       bits = None
       if sf.rounding != "nearest":
-        leaf_key = jax.random.fold_in(step_key, _seed(name))
-        bits = rng_lib.random_bits(leaf_key, jnp.shape(x))
+        bits = rng_lib.random_bits(leaf_keys[name], jnp.shape(x))
       s_old = old[name]
       s_new = jnp.asarray(x, jnp.float32)
       stored, scale, flags = store.round(s_new, sf, bits, s_old)
@@ -457,6 +462,18 @@ def _key_words(key):
 def _seed(name: str) -> int:
   # Keyed by state path, as writeback keys by parameter path.
   return zlib.crc32(name.encode()) & 0x7FFFFFFF
+
+
+def _leaf_keys(step_key, plan) -> dict[str, jax.Array]:
+  """`fold_in(step_key, _seed(path))` of every randomly rounded leaf, in
+  one vectorized fold (one threefry program rather than one per leaf)."""
+  names = [n for n, sf in plan.items() if sf.rounding != "nearest"]
+  if not names:
+    return {}
+  seeds = jnp.asarray([_seed(n) for n in names], jnp.uint32)
+  fold = jax.vmap(lambda s: jax.random.fold_in(step_key, s))
+  words = jax.random.key_data(fold(seeds))
+  return {n: words[i] for i, n in enumerate(names)}
 
 
 def _plan(rules, state, *, check: bool) -> dict[str, StateFormat]:
