@@ -276,8 +276,8 @@ def store_state(
 
   where `amax` is the largest finite `|s'|` of the tensor or block and
   `max_E` the format's largest value: the smallest power of two that needs
-  no clipping, so `s' / scale'` is exact and a scaled leaf never
-  saturates. `Q` is the leaf's rounding:
+  no clipping, so `s' / scale'` is exact (in float32's normal range) and a
+  scaled leaf never saturates. `Q` is the leaf's rounding:
 
     nearest:     round to nearest, ties to even (the ml_dtypes cast);
     stochastic:  up with probability (x - lo) / (hi - lo), so E[Q(x)] = x;
@@ -286,7 +286,11 @@ def store_state(
 
   Random bits are 32 per element from a counter-based hash of the step's
   key, the state path and the global element index (as in
-  `lowprec.writeback`), so sharded and unsharded runs store the same bits.
+  `lowprec.writeback`), so sharded and unsharded runs store the same bits;
+  the up-probability is exact in the target's normal range (see
+  `lowprec.round_stochastic` for the bias bound below it). `init` stores
+  the inner state's initial values (zeros, for most optimizers) with
+  nearest rounding.
 
   Rules. `rules` is a dict `{regex: spec}` or a list of `(regex, spec)`
   pairs, in order; the first rule whose regex `re.fullmatch`es one or more
@@ -296,7 +300,9 @@ def store_state(
   `inner_state/0/nu/w` under `optax.inject_hyperparams`: so `"mu"`
   matches all of Adam's first moment, `"nu/.*bias"` the second moment of
   every bias. A spec is `"<format>[:<rounding>][:<scale>]"` (rounding
-  nearest by default; scale `tensor` or `block<N>`), a `StateFormat`, or
+  nearest by default; scale `tensor` or `block<N>`; an `intK` format under
+  a scale is the unit grid, e.g. `"int8:stochastic:block128"`), a
+  `StateFormat`, or
   None to keep matching leaves as they are (an exception before a broader
   rule). Leaves that no rule matches are kept as they are: step counts,
   hyperparameters, Muon's `ns_coeffs`.
