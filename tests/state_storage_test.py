@@ -311,6 +311,10 @@ def _transforms():
   }
 
 
+# In the default run: adam, adafactor and inject_hyperparams(adam).
+SLOW_TX = ("adamw", "lion", "muon", "momentum")
+
+
 def _problem():
   k1, k2 = jax.random.split(jax.random.key(0))
   params = {
@@ -330,7 +334,7 @@ def _grads(params, t):
 @pytest.mark.parametrize(
   "name",
   [
-    pytest.param(n, marks=pytest.mark.slow if n == "adamw" else ())
+    pytest.param(n, marks=pytest.mark.slow if n in SLOW_TX else ())
     for n in _transforms()
   ],
 )
