@@ -41,6 +41,7 @@ from lowprec import rng as rng_lib
 from lowprec.formats import Format, get_format
 from lowprec.rounding import OVERFLOW_MODES, ROUNDINGS, round_and_flag
 from lowprec.storage import is_array, path_name
+from lowprec.writeback import _count as count_masks  # one reduction
 
 STORAGES = ("native", "float32")
 
@@ -579,15 +580,16 @@ class _Store:
     x = s / per if scale is not None else s
     sr = bits if sf.rounding == "stochastic" else None
     q, over = round_and_flag(x, fmt, sr, overflow=self.overflow)
+    v = q if scale is None else q * per  # what the next update will see
     if sf.rounding == "deadzone" and s_old is not None:
       q_sr, over_sr = round_and_flag(x, fmt, bits, overflow=self.overflow)
-      lost = (q * per == s_old) & (s != s_old)
+      lost = (v == s_old) & (s != s_old)
       q = jnp.where(lost, q_sr, q)
       over = jnp.where(lost, over_sr, over)
+      v = q if scale is None else q * per
     stored = q.astype(self.dtype(fmt))
     if s_old is None:
       return stored, scale, None
-    v = q * per  # the value the next update will see
     finite = jnp.isfinite(s)
     changed = finite & (s != s_old)
     flags = (
@@ -597,7 +599,7 @@ class _Store:
       over & finite,
       ~finite,
     )
-    return stored, scale, tuple(jnp.sum(f, dtype=jnp.int32) for f in flags)
+    return stored, scale, count_masks(*flags)
 
 
 def _scale(s, fmt: Format, how):
