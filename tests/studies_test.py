@@ -750,14 +750,13 @@ def test_slow_smoke_study_makes_its_table(name, tmp_path):
 @pytest.mark.slow
 def test_state_precision_smoke_stores_narrow_state_and_tabulates(tmp_path):
   _, md = _smoke("state_precision", tmp_path)
-  assert "- rn_bf16: final val loss minus float32 state" in md
   assert "- sr_bf16: final val loss minus float32 state" in md
   rows = list(
     csv.DictReader(
       open(tmp_path / "state_precision" / "tables" / "state_precision.csv")
     )
   )
-  assert {r["arm"] for r in rows} == {"fp32", "rn_bf16", "sr_bf16"}
+  assert {r["arm"] for r in rows} == {"fp32", "sr_bf16"}
   for r in rows:
     if r["arm"] != "fp32":
       assert 0.0 <= float(r["state_erased_2nd_half"]) <= 1.0
