@@ -127,6 +127,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.lowprec.trace_sample = 0  # coordinates whose (w, u) are logged
   c.lowprec.trace_at_init = False  # also predict coordinates left at init
   c.lowprec.decay_erasure = False  # count erased proposals of decay alone
+  # Optimizer state stored in low precision (lowprec.store_state around the
+  # optimizer): "regex=spec" rules over its state paths, in order, e.g.
+  # ("mu=bfloat16:stochastic", "nu=float8_e5m2:stochastic:block128")
+  c.lowprec.state = ()
   c.lowprec.policy = ""  # backward-state policy string ("" = reference)
   c.lowprec.fwd_format = "float32"  # rounding of saved forward tensors
   c.lowprec.fwd_rounding = "nearest"

@@ -11,6 +11,7 @@ import numpy as np
 import optax
 
 import lowprec
+from lowprec.state_storage import parse_state_format
 from lowprec.storage import path_name
 
 
@@ -143,10 +144,34 @@ def needs_params(lp) -> bool:
 
 def has_telemetry(lp) -> bool:
   """Whether `build`'s chain holds a state that `lowprec.telemetry` reads
-  (a write-back, a reference trace or a decay counter)."""
+  (a write-back, a reference trace, a decay counter or stored state)."""
   return bool(
-    lp.writeback or lp.trace_targets or lp.get("decay_erasure", False)
+    lp.writeback
+    or lp.trace_targets
+    or lp.get("decay_erasure", False)
+    or lp.get("state", ())
   )
+
+
+def state_rules(lp) -> list[tuple[str, lowprec.StateFormat]]:
+  """`lowprec.state` ("regex=spec" strings) as `store_state` rules.
+
+  Raises:
+    ValueError: an entry without "=", or a bad format, rounding or scale.
+  """
+  rules = []
+  for entry in lp.get("state", ()):
+    regex, sep, spec = entry.rpartition("=")
+    if not sep or not regex:
+      raise ValueError(
+        f"lowprec.state entry {entry!r} is not 'regex=spec'; e.g. "
+        "'mu=bfloat16:stochastic' or 'nu=float8_e5m2:nearest:block128'"
+      )
+    try:
+      rules.append((regex, parse_state_format(spec)))
+    except ValueError as e:
+      raise ValueError(f"lowprec.state entry {entry!r}: {e}") from None
+  return rules
 
 
 def writeback_target(lp, params=None):
@@ -226,6 +251,9 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
 def build(config, key: jax.Array, params=None) -> optax.GradientTransformation:
   """clip -> AdamW/SGD -> write-back (low precision) or trace (float32).
 
+  With `lowprec.state` the optimizer's state is stored in low precision
+  (`lowprec.store_state` around AdamW/SGD; state paths such as `0/mu/...`).
+
   `params` (the initial parameters) are needed only for per-tensor `intK`
   scales (`needs_params`). The config's names (`opt.name`, `opt.schedule`,
   `lowprec.rounding`, ...) are checked by `study.validate` before a run
@@ -236,7 +264,13 @@ def build(config, key: jax.Array, params=None) -> optax.GradientTransformation:
   parts = []
   if opt.clip_norm > 0:
     parts.append(clip_by_global_norm(opt.clip_norm))
-  parts.append(OPTIMIZERS[opt.name](opt, lr))
+  optimizer = OPTIMIZERS[opt.name](opt, lr)
+  if lp.get("state", ()):
+    # A key of its own, so that the write-back's and the trace's keys stay
+    # those of runs without stored state.
+    state_key = jax.random.fold_in(key, 3)
+    optimizer = lowprec.store_state(optimizer, state_rules(lp), key=state_key)
+  parts.append(optimizer)
   target = writeback_target(lp, params)
   if lp.get("decay_erasure", False):
     parts.append(_decay_erasure(config, lr, target))

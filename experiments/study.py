@@ -165,6 +165,7 @@ def validate(c) -> None:
       names.check_choice("lowprec.trace_targets rounding", rounding, ROUNDINGS)
   if lp.writeback:
     formats.append(("lowprec.writeback", lp.writeback))
+  optim.state_rules(lp)  # raises for a bad lowprec.state entry
   for field, name in formats:
     try:
       scale = lp.int_scale if name.startswith("int") else None

@@ -2,7 +2,8 @@
 
 Formats and rounding (`get_format`, `round_nearest`, `round_stochastic`),
 write-back without master weights (`writeback`, `in_float32`, `to_grid`,
-`apply_updates`, `telemetry`, `telemetry_arrays`, `reseed`), freeze
+`apply_updates`, `telemetry`, `telemetry_arrays`, `reseed`), optimizer
+state in low precision (`store_state`), freeze
 prediction (`freeze`), backward-state policies (`Policy`, `ops`, `audit`)
 and Flax modules (`nn`; `nnx.Optimizer` for Flax NNX).
 """
@@ -14,6 +15,12 @@ from lowprec.float32_views import in_float32
 from lowprec.formats import Format, get_format, ieee_format, int_format
 from lowprec.policy import Policy
 from lowprec.rounding import round_nearest, round_stochastic
+from lowprec.state_storage import (
+  StateCounts,
+  StateFormat,
+  StoredState,
+  store_state,
+)
 from lowprec.storage import apply_updates, check_on_grid, to_grid
 from lowprec.telemetry import reseed, telemetry, telemetry_arrays
 from lowprec.writeback import WritebackState, writeback
@@ -21,6 +28,9 @@ from lowprec.writeback import WritebackState, writeback
 __all__ = [
   "Format",
   "Policy",
+  "StateCounts",
+  "StateFormat",
+  "StoredState",
   "WritebackState",
   "apply_updates",
   "audit",
@@ -37,6 +47,7 @@ __all__ = [
   "reseed",
   "round_nearest",
   "round_stochastic",
+  "store_state",
   "telemetry",
   "telemetry_arrays",
   "to_grid",

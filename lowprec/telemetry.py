@@ -11,10 +11,11 @@ anywhere in an optax state: inside `optax.chain`, `inject_hyperparams`,
 They also read the views of an optimizer state that have lost its types:
 `nnx.state(opt)`, `.to_pure_dict()` of it, and a checkpoint restored
 without a target (nested dicts and lists of arrays, with `{"value": x}`
-where NNX boxed a leaf). A `lowprec.writeback` state is recognized there
-by its fields and rebuilt. The reference trace and the decay counter keep
-their target and tensor names in the state's static structure, which such
-views drop: there they are refused with the fix, never skipped.
+where NNX boxed a leaf). A `lowprec.writeback` state, and the counts of a
+`lowprec.store_state`, are recognized there by their fields and rebuilt.
+The reference trace and the decay counter keep their target and tensor
+names in the state's static structure, which such views drop: there they
+are refused with the fix, never skipped.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from flax import nnx
 from lowprec import rng as rng_lib
 from lowprec.freeze.decay import DecayErasureState
 from lowprec.freeze.trace import ReferenceTraceState
+from lowprec.state_storage import StateCounts
 from lowprec.writeback import WritebackState
 
 
@@ -60,11 +62,16 @@ def _merge(dicts) -> dict[str, Any]:
 
 
 # States recognized in a plain view by their fields: (fields every view
-# keeps, transform). Only the write-back's telemetry is all in its arrays.
+# keeps, transform). The write-back's and the state storage's telemetry
+# is all in their arrays.
 _REBUILT = {
   WritebackState: (
     {"count", "proposals", "moved", "saturated", "unreachable", "nonfinite"},
     "lowprec.writeback",
+  ),
+  StateCounts: (
+    {"count", "changed", "erased", "flushed", "saturated", "nonfinite"},
+    "lowprec.store_state",
   ),
 }
 _NAMED_BY_LAYOUT = {
@@ -162,12 +169,14 @@ def _nothing_found(opt_state, caller: str) -> str:
   return (
     f"lowprec.{caller} found no telemetry in the "
     f"{kind.__module__}.{kind.__qualname__} it was given: no state of "
-    "lowprec.writeback, lowprec.freeze.reference_trace or "
-    "lowprec.freeze.decay_erasure is in it. Pass the optimizer state "
+    "lowprec.writeback, lowprec.store_state, "
+    "lowprec.freeze.reference_trace or lowprec.freeze.decay_erasure is "
+    "in it. Pass the optimizer state "
     "that holds one: the state tx.init returned (and tx.update returns), "
     "opt.opt_state or nnx.state(opt) of an NNX optimizer, their "
     "to_pure_dict(), or a checkpoint of them restored with or without a "
-    "target. A writeback built with telemetry=False is found only in the "
+    "target. A writeback or store_state built with telemetry=False is "
+    "found only in the "
     "first two: a plain view keeps no counts to recognize it by"
   )
 

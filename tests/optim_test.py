@@ -1,5 +1,7 @@
 """Clipping by a gradient norm summed in a fixed order."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -44,3 +46,42 @@ def test_clip_matches_optax(max_norm):
   assert float(optim.global_norm(ours)) <= max_norm * (1 + 1e-6) or (
     max_norm == 100.0
   )
+
+
+def _stored_state_config(tmp_path, state):
+  from configs import smoke
+  from experiments import study
+
+  c = smoke.get_config()
+  c.lowprec.state = state
+  c.train.steps = 4
+  c.log.results_dir = str(tmp_path)
+  return study.resolve(c, "sr_bf16", 0)
+
+
+@pytest.mark.slow  # about 80 s on 2 CPU cores, most of it compiling
+def test_a_stored_state_arm_trains_with_narrow_moments_and_telemetry(
+  tmp_path,
+):
+  from experiments import results, train
+
+  state = ("mu=bfloat16:stochastic", "nu=float8_e5m2:stochastic:block128")
+  config = _stored_state_config(tmp_path, state)
+  tx = optim.build(config, jax.random.key(0))
+  params = {"w": jax.ShapeDtypeStruct((4, 256), jnp.float32)}
+  adam = jax.eval_shape(tx.init, params)[1].inner[0]
+  assert adam.mu["w"].dtype == jnp.bfloat16
+  assert adam.nu["w"].dtype == jnp.float8_e5m2
+  summary = train.train_and_evaluate(config)
+  assert np.isfinite(summary["final_loss"])
+  path = os.path.join(results.run_dir(config), "metrics.jsonl")
+  last = results.read_metrics(path)[-1]
+  assert last["state/steps"] == 4 and last["state/changed"] > 0
+  assert "moved" in last  # the write-back's telemetry next to it
+
+
+def test_bad_stored_state_entries_are_rejected_before_training(tmp_path):
+  with pytest.raises(ValueError, match=r"'mu' is not 'regex=spec'"):
+    _stored_state_config(tmp_path, ("mu",))
+  with pytest.raises(ValueError, match=r"'mu=bfloat6'.*Did you mean"):
+    _stored_state_config(tmp_path, ("mu=bfloat6",))

@@ -314,6 +314,39 @@ def test_transfer_table_summarizes_each_task(tmp_path):
   )
 
 
+def test_state_table_against_float32_state_and_erased_share(tmp_path):
+  root = str(tmp_path)
+  for seed, (l32, lrn) in {0: (2.0, 2.5), 1: (2.2, 2.3)}.items():
+    _run_dir(
+      root,
+      "st",
+      "fp32",
+      seed,
+      {"lowprec": {"state": []}},
+      [{"step": 0, "val_loss": 5.0}, {"step": 4, "val_loss": l32}],
+    )
+    recs = [{"step": 0, "val_loss": 5.0}]
+    for t, e in enumerate([0.0, 0.2, 0.6, 1.0], start=1):
+      recs.append({"step": t, "state/erased_fraction": e, "state/flushed": t})
+    recs[-1]["val_loss"] = lrn
+    _run_dir(
+      root, "st", "rn", seed, {"lowprec": {"state": ["mu=bfloat16"]}}, recs
+    )
+  rows, lines = tables.ANALYSES["state"](tables.load_runs(root, "st"))
+  by = {(r["arm"], r["seed"]): r for r in rows}
+  assert by[("rn", 0)]["val_minus_fp32"] == pytest.approx(0.5)
+  assert by[("rn", 1)]["val_minus_fp32"] == pytest.approx(0.1)
+  assert by[("rn", 0)]["state_erased_2nd_half"] == pytest.approx(0.8)
+  assert by[("rn", 0)]["state_flushed_last"] == 4
+  assert by[("rn", 0)]["state"] == "mu=bfloat16"
+  assert by[("fp32", 0)]["state"] == "float32"
+  assert "state_erased_2nd_half" not in by[("fp32", 0)]
+  text = "\n".join(lines)
+  assert "- rn: final val loss minus float32 state +0.3000 nats" in text
+  assert "(range +0.1000 to +0.5000, 2 seeds)" in text
+  assert "second half 0.800" in text
+
+
 def test_recovery_table_per_seed_means_and_ratio(tmp_path):
   root = str(tmp_path)
   losses = {  # seed: fp32, nearest, stochastic, deadzone
@@ -712,6 +745,21 @@ def test_slow_smoke_study_makes_its_table(name, tmp_path):
     )
     assert d == pytest.approx(want)
     assert f"per matched seed: {d:+.4f} nats" in md
+
+
+@pytest.mark.slow
+def test_state_precision_smoke_stores_narrow_state_and_tabulates(tmp_path):
+  _, md = _smoke("state_precision", tmp_path)
+  assert "- sr_bf16: final val loss minus float32 state" in md
+  rows = list(
+    csv.DictReader(
+      open(tmp_path / "state_precision" / "tables" / "state_precision.csv")
+    )
+  )
+  assert {r["arm"] for r in rows} == {"fp32", "sr_bf16"}
+  for r in rows:
+    if r["arm"] != "fp32":
+      assert 0.0 <= float(r["state_erased_2nd_half"]) <= 1.0
 
 
 @pytest.mark.slow

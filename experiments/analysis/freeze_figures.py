@@ -377,6 +377,26 @@ def user_reports_panels(study, results="results", out=None) -> str:
 
 
 # figure name (a study's `study.figure`) -> (study, results, out) -> PNG path
+def state_figure(study, results="results", out=None) -> str:
+  """Validation loss of every arm; beside it, the measured share of state
+  updates erased by storage (`state/erased_fraction`) per step."""
+  runs = load_runs(results, study)
+  fig, (ax, ex) = plt.subplots(1, 2, figsize=(10, 4))
+  _val_panel(ax, runs, study)
+  arms = list(dict.fromkeys(r.arm for r in runs))
+  for i, arm in enumerate(arms):
+    for j, run in enumerate(r for r in runs if r.arm == arm):
+      s, e = run.curve("state/erased_fraction")
+      if s.size:
+        ex.plot(s, e, color=f"C{i}", lw=1, label=arm if j == 0 else None)
+  ex.set_xlabel("step")
+  ex.set_ylabel("state updates erased")
+  ex.set_ylim(-0.02, 1.02)
+  if ex.lines:
+    ex.legend(fontsize=8)
+  return _save(fig, study, results, out)
+
+
 FIGURES = {
   "freeze_panels": freeze_panels.plot,
   "fp8_panels": fp8_panels,
@@ -386,4 +406,5 @@ FIGURES = {
   "replay_curves": replay_curves,
   "audit_curves": audit_curves,
   "user_reports_panels": user_reports_panels,
+  "state_figure": state_figure,
 }

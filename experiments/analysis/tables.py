@@ -23,6 +23,7 @@ from experiments.analysis.freeze_tables import (
   transfer_table,
 )
 from experiments.analysis.runs import declared, load_runs
+from experiments.analysis.state_tables import state_table
 from experiments.analysis.user_reports import user_reports_table
 from experiments.analysis.writeback_tables import recovery_table, replay_table
 from lowprec import names
@@ -36,6 +37,7 @@ ANALYSES = {
   "recovery": recovery_table,
   "replay": replay_table,
   "user_reports": user_reports_table,
+  "state": state_table,
   **bwd_tables.ANALYSES,
 }
 
@@ -43,6 +45,9 @@ ANALYSES = {
 # Column headings of the Markdown tables (the CSV keeps the row keys).
 HEADINGS = {
   "format": "format",
+  "state": "stored state",
+  "state_erased_2nd_half": "state erased, 2nd half",
+  "state_flushed_last": "state flushed, last step",
   "rounding": "write-back",
   "final_val_loss": "final val loss",
   "reference_val_loss": "fp32 val loss",

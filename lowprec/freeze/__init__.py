@@ -13,6 +13,9 @@
   erased proposals that are weight decay only, per tensor.
 * `stuck`: the share of coordinates of a checkpoint still at their initial
   value, per group of tensors (norm gains, embeddings, ...).
+* `state_erasure`, `state_at_init`: from float32 optimizer states, the
+  share of state updates that `lowprec.store_state` would erase, and the
+  coordinates whose stored state would never leave its initial value.
 
 Definitions (erased, erased fraction, frozen, crossing step, categories)
 follow the write-back freezing paper (see docs/freeze.md): a nonzero
@@ -41,6 +44,7 @@ from lowprec.freeze.curves import (
   summarize,
 )
 from lowprec.freeze.decay import DecayErasureState, decay_erasure
+from lowprec.freeze.state import state_at_init, state_erasure
 from lowprec.freeze.stuck import StuckShare, stuck
 from lowprec.freeze.trace import (
   ROUNDINGS,
@@ -76,6 +80,8 @@ __all__ = [
   "predicted_events",
   "reference_trace",
   "rmse",
+  "state_at_init",
+  "state_erasure",
   "stuck",
   "summarize",
 ]
