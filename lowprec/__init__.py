@@ -2,7 +2,9 @@
 
 Formats and rounding (`get_format`, `round_nearest`, `round_stochastic`),
 write-back without master weights (`writeback`, `in_float32`, `to_grid`,
-`apply_updates`, `telemetry`, `telemetry_arrays`, `reseed`), freeze
+`apply_updates`, `telemetry`, `telemetry_arrays`, `reseed`), compensated
+write-back (`kahan_writeback`, `two_component_writeback`,
+`remainder_writeback`) and memory (`bytes_per_param`), freeze
 prediction (`freeze`), backward-state policies (`Policy`, `ops`, `audit`)
 and Flax modules (`nn`; `nnx.Optimizer` for Flax NNX).
 """
@@ -10,8 +12,15 @@ and Flax modules (`nn`; `nnx.Optimizer` for Flax NNX).
 __version__ = "0.2.0"
 
 from lowprec import audit, freeze, nn, nnx, ops, policy  # noqa: E402
+from lowprec.compensated import (
+  CompensatedState,
+  kahan_writeback,
+  remainder_writeback,
+  two_component_writeback,
+)
 from lowprec.float32_views import in_float32
 from lowprec.formats import Format, get_format, ieee_format, int_format
+from lowprec.memory import BytesPerParam, bytes_per_param
 from lowprec.policy import Policy
 from lowprec.rounding import round_nearest, round_stochastic
 from lowprec.storage import apply_updates, check_on_grid, to_grid
@@ -19,26 +28,32 @@ from lowprec.telemetry import reseed, telemetry, telemetry_arrays
 from lowprec.writeback import WritebackState, writeback
 
 __all__ = [
+  "BytesPerParam",
+  "CompensatedState",
   "Format",
   "Policy",
   "WritebackState",
   "apply_updates",
   "audit",
+  "bytes_per_param",
   "check_on_grid",
   "freeze",
   "get_format",
   "ieee_format",
   "in_float32",
   "int_format",
+  "kahan_writeback",
   "nn",
   "nnx",
   "ops",
   "policy",
+  "remainder_writeback",
   "reseed",
   "round_nearest",
   "round_stochastic",
   "telemetry",
   "telemetry_arrays",
   "to_grid",
+  "two_component_writeback",
   "writeback",
 ]

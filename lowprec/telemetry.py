@@ -27,6 +27,7 @@ import numpy as np
 from flax import nnx
 
 from lowprec import rng as rng_lib
+from lowprec.compensated import CompensatedState
 from lowprec.freeze.decay import DecayErasureState
 from lowprec.freeze.trace import ReferenceTraceState
 from lowprec.writeback import WritebackState
@@ -65,6 +66,10 @@ _REBUILT = {
   WritebackState: (
     {"count", "proposals", "moved", "saturated", "unreachable", "nonfinite"},
     "lowprec.writeback",
+  ),
+  CompensatedState: (
+    set(CompensatedState._fields) - {"key"},
+    "the compensated write-backs",
   ),
 }
 _NAMED_BY_LAYOUT = {
@@ -162,8 +167,9 @@ def _nothing_found(opt_state, caller: str) -> str:
   return (
     f"lowprec.{caller} found no telemetry in the "
     f"{kind.__module__}.{kind.__qualname__} it was given: no state of "
-    "lowprec.writeback, lowprec.freeze.reference_trace or "
-    "lowprec.freeze.decay_erasure is in it. Pass the optimizer state "
+    "lowprec.writeback (or its compensated siblings), "
+    "lowprec.freeze.reference_trace or lowprec.freeze.decay_erasure is in "
+    "it. Pass the optimizer state "
     "that holds one: the state tx.init returned (and tx.update returns), "
     "opt.opt_state or nnx.state(opt) of an NNX optimizer, their "
     "to_pure_dict(), or a checkpoint of them restored with or without a "
