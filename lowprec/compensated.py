@@ -487,7 +487,9 @@ def _compensated(
       if f is None:
         continue
       dtype = np.uint16 if remainder else _buffer_dtype(b)
-      buffers[path_name(path)] = jnp.zeros(jnp.shape(w), dtype)
+      # zeros_like takes the sharding of a concrete parameter, as optax
+      # does for its moments.
+      buffers[path_name(path)] = jnp.zeros_like(w, dtype)
     if _concrete(params):
       with jax.ensure_compile_time_eval():
         check_on_grid(params, fmt)
@@ -607,6 +609,11 @@ class _Rule:
 
   def _remainder(self, w, u, rem, fmt: Format):
     u32 = jnp.uint32
+    # A plain float32 add of the proposal as it arrives, as a master run
+    # does: without the barrier XLA:CPU contracts the optimizer's last
+    # multiply with this add into an FMA, and the bits drift from a run
+    # that applies its updates with optax.apply_updates.
+    u = jax.lax.optimization_barrier(u)
     top = jax.lax.bitcast_convert_type(w, u32)
     master = jax.lax.bitcast_convert_type(top | rem.astype(u32), jnp.float32)
     finite = jnp.isfinite(u) & ~jnp.isnan(master)
