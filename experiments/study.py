@@ -68,11 +68,22 @@ def choices() -> dict:
   }
 
 
+def optional_choices() -> dict:
+  """Keys that a config may leave out (their default is the first choice),
+  each with its choices."""
+  return {"lowprec.compensation": optim.WRITEBACKS}
+
+
 def check_choices(c) -> None:
-  """Every key of `choices()` names one of its choices."""
+  """Every key of `choices()` names one of its choices, and so does every
+  key of `optional_choices()` that the config sets."""
   for key, valid in choices().items():
     section, name = key.split(".")
     names.check_choice(key, c[section][name], valid)
+  for key, valid in optional_choices().items():
+    section, name = key.split(".")
+    if name in c[section]:
+      names.check_choice(key, c[section][name], valid)
 
 
 def arms_of(config) -> list[str]:
@@ -165,6 +176,15 @@ def validate(c) -> None:
       names.check_choice("lowprec.trace_targets rounding", rounding, ROUNDINGS)
   if lp.writeback:
     formats.append(("lowprec.writeback", lp.writeback))
+  if optim.compensation(lp) != "none":
+    if not lp.writeback:
+      raise ValueError(
+        f"lowprec.compensation={optim.compensation(lp)!r} compensates a "
+        "write-back: set lowprec.writeback to the weights' grid (e.g. "
+        "'bfloat16'), or lowprec.compensation='none'"
+      )
+    if "buffer" in lp:
+      formats.append(("lowprec.buffer", lp.buffer))
   for field, name in formats:
     try:
       scale = lp.int_scale if name.startswith("int") else None
