@@ -255,7 +255,7 @@ def _remainder(lp, target, key):
 
 
 # lowprec.compensation -> (lowprec section, grid target, key) -> the
-# write-back. A config without the key (every study before it) gets "none".
+# write-back. A config.json written before the key existed reads "none".
 WRITEBACKS = {
   "none": _plain,
   "kahan": _kahan,

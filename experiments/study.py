@@ -60,6 +60,7 @@ def choices() -> dict:
     "opt.name": optim.OPTIMIZERS,
     "opt.schedule": optim.SCHEDULES,
     "lowprec.rounding": ROUNDINGS,
+    "lowprec.compensation": optim.WRITEBACKS,
     "lowprec.overflow": OVERFLOW_MODES,
     "lowprec.fwd_rounding": op_rounding.MODES,
     "lowprec.bwd_rounding": op_rounding.MODES,
@@ -68,22 +69,11 @@ def choices() -> dict:
   }
 
 
-def optional_choices() -> dict:
-  """Keys that a config may leave out (their default is the first choice),
-  each with its choices."""
-  return {"lowprec.compensation": optim.WRITEBACKS}
-
-
 def check_choices(c) -> None:
-  """Every key of `choices()` names one of its choices, and so does every
-  key of `optional_choices()` that the config sets."""
+  """Every key of `choices()` names one of its choices."""
   for key, valid in choices().items():
     section, name = key.split(".")
     names.check_choice(key, c[section][name], valid)
-  for key, valid in optional_choices().items():
-    section, name = key.split(".")
-    if name in c[section]:
-      names.check_choice(key, c[section][name], valid)
 
 
 def arms_of(config) -> list[str]:
@@ -183,7 +173,7 @@ def validate(c) -> None:
         "write-back: set lowprec.writeback to the weights' grid (e.g. "
         "'bfloat16'), or lowprec.compensation='none'"
       )
-    if "buffer" in lp:
+    if optim.compensation(lp) == "kahan":
       formats.append(("lowprec.buffer", lp.buffer))
   for field, name in formats:
     try:

@@ -55,8 +55,7 @@ def _config(**lp):
   c = common.get_config()
   c.lowprec.writeback = "bfloat16"
   c.opt.warmup_steps = 0  # a first step that moves the weights
-  for k, v in lp.items():
-    c.lowprec[k] = v
+  c.lowprec.update(lp)
   return c
 
 
