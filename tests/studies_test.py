@@ -814,3 +814,10 @@ def test_reproduce_runs_the_audit_smoke_through_the_entry_point(tmp_path):
     r = [float(x["source_specificity_corr"]) for x in rows if x["arm"] == arm]
     assert r[0] == pytest.approx(-r[1]) or all(map(math.isnan, r))
   assert (tmp_path / "e4m3_audit" / "tables" / "e4m3_audit.png").exists()
+
+
+@pytest.mark.slow
+def test_remedies_smoke_runs_every_arm_and_tabulates(tmp_path):
+  _, md = _smoke("remedies", tmp_path)
+  for kind in ("kahan (float8_e5m2 buffer)", "remainder"):
+    assert f"| {kind} |" in md, kind
