@@ -235,9 +235,16 @@ def kahan_writeback(
   """
   buffers = _buffer_lookup(buffer)
   return _compensated(
-    "kahan_writeback", fmt, rounding, key, overflow, nonfinite, telemetry,
-    lambda path, f: buffers(path), two_sum=False,
-  )  # fmt: skip
+    "kahan_writeback",
+    fmt,
+    rounding,
+    key,
+    overflow,
+    nonfinite,
+    telemetry,
+    lambda path, f: buffers(path),
+    two_sum=False,
+  )
 
 
 def two_component_writeback(
@@ -302,9 +309,16 @@ def two_component_writeback(
     return f
 
   return _compensated(
-    "two_component_writeback", fmt, rounding, key, overflow, nonfinite,
-    telemetry, on_grid, two_sum=True,
-  )  # fmt: skip
+    "two_component_writeback",
+    fmt,
+    rounding,
+    key,
+    overflow,
+    nonfinite,
+    telemetry,
+    on_grid,
+    two_sum=True,
+  )
 
 
 def remainder_writeback(
@@ -376,9 +390,17 @@ def remainder_writeback(
       )
 
   return _compensated(
-    "remainder_writeback", fmt, "nearest", None, "saturate", nonfinite,
-    telemetry, bf16_only, two_sum=False, remainder=True,
-  )  # fmt: skip
+    "remainder_writeback",
+    fmt,
+    "nearest",
+    None,
+    "saturate",
+    nonfinite,
+    telemetry,
+    bf16_only,
+    two_sum=False,
+    remainder=True,
+  )
 
 
 # ---- the shared transform -----------------------------------------------
@@ -449,11 +471,21 @@ def _buffer_dtype(f: Format):
 
 
 def _compensated(
-  caller, fmt, rounding, key, overflow, nonfinite, telemetry, buffer_of,
-  *, two_sum: bool, remainder: bool = False,
-):  # fmt: skip
-  """The transform shared by the three remedies; `buffer_of(path, f)`
-  gives the buffer format of a parameter on `f` (None: remainder)."""
+  caller,
+  fmt,
+  rounding,
+  key,
+  overflow,
+  nonfinite,
+  telemetry,
+  buffer_of,
+  *,
+  two_sum: bool,
+  remainder: bool = False,
+):
+  """The transform shared by the three remedies. `buffer_of(path, f)`
+  gives the buffer's format for a parameter on `f` (None for the
+  remainder's uint16) and raises for a parameter the remedy cannot take."""
   if rounding == "deadzone":
     raise ValueError(
       f"{caller} does not take rounding='deadzone': dead-zone SR moves "
@@ -469,23 +501,13 @@ def _compensated(
   key, impl = _key_words(key, rounding) if random else (None, None)
   rule = _Rule(overflow, nonfinite, telemetry, two_sum, remainder)
 
-  def leaf_formats(tree, is_leaf=None):
-    out = []
-    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
-    for path, w in flat:
-      f = None if w is None else _format_of(lookup, path, w)
-      if f is None:
-        out.append((path, w, None, None))
-        continue
-      b = buffer_of(path, f)
-      out.append((path, w, f, f if two_sum else b))
-    return out
-
   def init_fn(params):
     buffers = {}
-    for path, w, f, b in leaf_formats(params):
+    for path, w in jax.tree_util.tree_flatten_with_path(params)[0]:
+      f = _format_of(lookup, path, w)
       if f is None:
         continue
+      b = buffer_of(path, f)  # raises for a weight the remedy cannot take
       dtype = np.uint16 if remainder else _buffer_dtype(b)
       # zeros_like takes the sharding of a concrete parameter, as optax
       # does for its moments.
@@ -524,7 +546,7 @@ def _compensated(
       name = path_name(path)
       check_shape(caller, name, w, u)
       _check_proposal(name, u)
-      b = None if remainder else (f if two_sum else buffer_of(path, f))
+      b = buffer_of(path, f)
       bits = None
       if random:
         leaf_key = jax.random.fold_in(step_key, _seed(name))

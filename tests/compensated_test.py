@@ -533,3 +533,17 @@ def test_errors_name_the_fix():
     tx.init({"w": jnp.array([1.0, 0.1])})
   with pytest.raises(ValueError, match="arrives as bfloat16.*in_float32"):
     tx.update({"w": jnp.ones(2, jnp.bfloat16)}, tx.init(params), params)
+
+
+def test_reseed_gives_a_stochastic_kahan_state_its_own_stream():
+  params = {"w": jnp.ones(64, jnp.bfloat16)}
+  tx = lowprec.kahan_writeback("bfloat16", "stochastic", key=KEY)
+  state = tx.init(params)
+  again = lowprec.reseed(state, jax.random.key(9))
+  assert jax.tree.structure(again) == jax.tree.structure(state)
+  assert not np.array_equal(again.key, state.key)
+  u = {"w": jnp.full(64, 3e-3)}  # SR moves some of these, by its draw
+  update = jax.jit(tx.update)
+  a, _ = update(u, state, params)
+  b, _ = update(u, again, params)
+  assert not np.array_equal(np.asarray(a["w"]), np.asarray(b["w"]))
