@@ -11,10 +11,12 @@ anywhere in an optax state: inside `optax.chain`, `inject_hyperparams`,
 They also read the views of an optimizer state that have lost its types:
 `nnx.state(opt)`, `.to_pure_dict()` of it, and a checkpoint restored
 without a target (nested dicts and lists of arrays, with `{"value": x}`
-where NNX boxed a leaf). A `lowprec.writeback` state is recognized there
-by its fields and rebuilt. The reference trace and the decay counter keep
-their target and tensor names in the state's static structure, which such
-views drop: there they are refused with the fix, never skipped.
+where NNX boxed a leaf). A `lowprec.writeback` state, and the state of a
+compensated write-back (`lowprec.kahan_writeback` and its siblings), is
+recognized there by its fields and rebuilt. The reference trace and the
+decay counter keep their target and tensor names in the state's static
+structure, which such views drop: there they are refused with the fix,
+never skipped.
 """
 
 from __future__ import annotations
