@@ -117,6 +117,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.lowprec = ml_collections.ConfigDict()
   c.lowprec.writeback = ""  # weight grid format; "" trains in float32
   c.lowprec.rounding = "nearest"  # nearest | stochastic | deadzone
+  # Keep what the write-back drops: none | kahan | two_component | remainder
+  c.lowprec.compensation = "none"
+  c.lowprec.buffer = "bfloat16"  # the Kahan buffer's format
   c.lowprec.overflow = "saturate"
   c.lowprec.int_scale = 0.0  # intK grid step; 0: from the starting params
   # With int_scale 0: the smallest power-of-two step covering max |w| of

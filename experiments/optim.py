@@ -248,11 +248,60 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
   return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
+def _plain(lp, target, key):
+  return lowprec.writeback(target, lp.rounding, key=key, overflow=lp.overflow)
+
+
+def _kahan(lp, target, key):
+  return lowprec.kahan_writeback(
+    target,
+    lp.rounding,
+    buffer=lp.get("buffer", "bfloat16"),
+    key=key,
+    overflow=lp.overflow,
+  )
+
+
+def _two_component(lp, target, key):
+  return lowprec.two_component_writeback(
+    target, lp.rounding, key=key, overflow=lp.overflow
+  )
+
+
+def _remainder(lp, target, key):
+  del key
+  if lp.rounding != "nearest":
+    raise ValueError(
+      "lowprec.compensation='remainder' rebuilds an exact float32 master "
+      f"and rounds nothing: set lowprec.rounding='nearest' (got "
+      f"{lp.rounding!r})"
+    )
+  return lowprec.remainder_writeback(target)
+
+
+# lowprec.compensation -> (lowprec section, grid target, key) -> the
+# write-back. A config.json written before the key existed reads "none".
+WRITEBACKS = {
+  "none": _plain,
+  "kahan": _kahan,
+  "two_component": _two_component,
+  "remainder": _remainder,
+}
+
+
+def compensation(lp) -> str:
+  """The config's `lowprec.compensation`, "none" where it is not set."""
+  return lp.get("compensation", "none")
+
+
 def build(config, key: jax.Array, params=None) -> optax.GradientTransformation:
   """clip -> AdamW/SGD -> write-back (low precision) or trace (float32).
 
   With `lowprec.state` the optimizer's state is stored in low precision
   (`lowprec.store_state` around AdamW/SGD; state paths such as `0/mu/...`).
+  The write-back is `lowprec.writeback`, or a compensated one picked by
+  `lowprec.compensation` ("kahan" with `lowprec.buffer`, "two_component",
+  "remainder"; see `WRITEBACKS`).
 
   `params` (the initial parameters) are needed only for per-tensor `intK`
   scales (`needs_params`). The config's names (`opt.name`, `opt.schedule`,
@@ -277,14 +326,8 @@ def build(config, key: jax.Array, params=None) -> optax.GradientTransformation:
   wb_key, trace_key = jax.random.split(key)
   if target is not None:
     needs_key = lp.rounding != "nearest"
-    parts.append(
-      lowprec.writeback(
-        target,
-        lp.rounding,
-        key=wb_key if needs_key else None,
-        overflow=lp.overflow,
-      )
-    )
+    write = WRITEBACKS[compensation(lp)]
+    parts.append(write(lp, target, wb_key if needs_key else None))
   if lp.trace_targets:
     parts.append(
       lowprec.freeze.reference_trace(

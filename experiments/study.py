@@ -60,6 +60,7 @@ def choices() -> dict:
     "opt.name": optim.OPTIMIZERS,
     "opt.schedule": optim.SCHEDULES,
     "lowprec.rounding": ROUNDINGS,
+    "lowprec.compensation": optim.WRITEBACKS,
     "lowprec.overflow": OVERFLOW_MODES,
     "lowprec.fwd_rounding": op_rounding.MODES,
     "lowprec.bwd_rounding": op_rounding.MODES,
@@ -166,6 +167,15 @@ def validate(c) -> None:
   if lp.writeback:
     formats.append(("lowprec.writeback", lp.writeback))
   optim.state_rules(lp)  # raises for a bad lowprec.state entry
+  if optim.compensation(lp) != "none":
+    if not lp.writeback:
+      raise ValueError(
+        f"lowprec.compensation={optim.compensation(lp)!r} compensates a "
+        "write-back: set lowprec.writeback to the weights' grid (e.g. "
+        "'bfloat16'), or lowprec.compensation='none'"
+      )
+    if optim.compensation(lp) == "kahan":
+      formats.append(("lowprec.buffer", lp.buffer))
   for field, name in formats:
     try:
       scale = lp.int_scale if name.startswith("int") else None

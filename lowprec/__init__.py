@@ -2,8 +2,10 @@
 
 Formats and rounding (`get_format`, `round_nearest`, `round_stochastic`),
 write-back without master weights (`writeback`, `in_float32`, `to_grid`,
-`apply_updates`, `telemetry`, `telemetry_arrays`, `reseed`), optimizer
-state in low precision (`store_state`), freeze
+`apply_updates`, `telemetry`, `telemetry_arrays`, `reseed`), compensated
+write-back (`kahan_writeback`, `two_component_writeback`,
+`remainder_writeback`), optimizer state in low precision (`store_state`)
+and memory (`bytes_per_param`), freeze
 prediction (`freeze`), backward-state policies (`Policy`, `ops`, `audit`)
 and Flax modules (`nn`; `nnx.Optimizer` for Flax NNX).
 """
@@ -11,8 +13,15 @@ and Flax modules (`nn`; `nnx.Optimizer` for Flax NNX).
 __version__ = "0.2.0"
 
 from lowprec import audit, freeze, nn, nnx, ops, policy  # noqa: E402
+from lowprec.compensated import (
+  CompensatedState,
+  kahan_writeback,
+  remainder_writeback,
+  two_component_writeback,
+)
 from lowprec.float32_views import in_float32
 from lowprec.formats import Format, get_format, ieee_format, int_format
+from lowprec.memory import BytesPerParam, bytes_per_param
 from lowprec.policy import Policy
 from lowprec.rounding import round_nearest, round_stochastic
 from lowprec.state_storage import (
@@ -26,6 +35,8 @@ from lowprec.telemetry import reseed, telemetry, telemetry_arrays
 from lowprec.writeback import WritebackState, writeback
 
 __all__ = [
+  "BytesPerParam",
+  "CompensatedState",
   "Format",
   "Policy",
   "StateCounts",
@@ -34,16 +45,19 @@ __all__ = [
   "WritebackState",
   "apply_updates",
   "audit",
+  "bytes_per_param",
   "check_on_grid",
   "freeze",
   "get_format",
   "ieee_format",
   "in_float32",
   "int_format",
+  "kahan_writeback",
   "nn",
   "nnx",
   "ops",
   "policy",
+  "remainder_writeback",
   "reseed",
   "round_nearest",
   "round_stochastic",
@@ -51,5 +65,6 @@ __all__ = [
   "telemetry",
   "telemetry_arrays",
   "to_grid",
+  "two_component_writeback",
   "writeback",
 ]

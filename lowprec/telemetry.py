@@ -11,11 +11,12 @@ anywhere in an optax state: inside `optax.chain`, `inject_hyperparams`,
 They also read the views of an optimizer state that have lost its types:
 `nnx.state(opt)`, `.to_pure_dict()` of it, and a checkpoint restored
 without a target (nested dicts and lists of arrays, with `{"value": x}`
-where NNX boxed a leaf). A `lowprec.writeback` state, and the counts of a
-`lowprec.store_state`, are recognized there by their fields and rebuilt.
-The reference trace and the decay counter keep their target and tensor
-names in the state's static structure, which such views drop: there they
-are refused with the fix, never skipped.
+where NNX boxed a leaf). A `lowprec.writeback` state, the state of a
+compensated write-back (`lowprec.kahan_writeback` and its siblings) and the
+counts of a `lowprec.store_state` are recognized there by their fields and
+rebuilt. The reference trace and the decay counter keep their target and
+tensor names in the state's static structure, which such views drop:
+there they are refused with the fix, never skipped.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 from lowprec import rng as rng_lib
+from lowprec.compensated import CompensatedState
 from lowprec.freeze.decay import DecayErasureState
 from lowprec.freeze.trace import ReferenceTraceState
 from lowprec.state_storage import StateCounts
@@ -72,6 +74,10 @@ _REBUILT = {
   StateCounts: (
     {"count", "changed", "erased", "flushed", "saturated", "nonfinite"},
     "lowprec.store_state",
+  ),
+  CompensatedState: (
+    set(CompensatedState._fields) - {"key"},
+    "the compensated write-backs",
   ),
 }
 _NAMED_BY_LAYOUT = {
@@ -169,7 +175,7 @@ def _nothing_found(opt_state, caller: str) -> str:
   return (
     f"lowprec.{caller} found no telemetry in the "
     f"{kind.__module__}.{kind.__qualname__} it was given: no state of "
-    "lowprec.writeback, lowprec.store_state, "
+    "lowprec.writeback (or its compensated siblings), lowprec.store_state, "
     "lowprec.freeze.reference_trace or lowprec.freeze.decay_erasure is "
     "in it. Pass the optimizer state "
     "that holds one: the state tx.init returned (and tx.update returns), "

@@ -85,3 +85,54 @@ def test_bad_stored_state_entries_are_rejected_before_training(tmp_path):
     _stored_state_config(tmp_path, ("mu",))
   with pytest.raises(ValueError, match=r"'mu=bfloat6'.*Did you mean"):
     _stored_state_config(tmp_path, ("mu=bfloat6",))
+# ---- compensated write-back arms --------------------------------------------
+
+
+def _config(**lp):
+  from configs import common
+
+  c = common.get_config()
+  c.lowprec.writeback = "bfloat16"
+  c.opt.warmup_steps = 0  # a first step that moves the weights
+  c.lowprec.update(lp)
+  return c
+
+
+@pytest.mark.parametrize(
+  "compensation, buffer_dtype",
+  [
+    ("kahan", jnp.float8_e5m2),
+    ("two_component", jnp.bfloat16),
+    ("remainder", jnp.uint16),
+  ],
+)
+def test_a_config_picks_the_compensated_write_back(compensation, buffer_dtype):
+  import lowprec
+  from experiments import study
+
+  c = _config(compensation=compensation, buffer="float8_e5m2")
+  study.validate(c)
+  params = lowprec.to_grid(_tree(3), "bfloat16")
+  tx = optim.build(c, jax.random.key(0))
+  updates, state = tx.update(_tree(4), tx.init(params), params)
+  (wb,) = [s for s in state if isinstance(s, lowprec.CompensatedState)]
+  assert wb.buffer["a"].dtype == buffer_dtype
+  lowprec.check_on_grid(optax.apply_updates(params, updates), "bfloat16")
+  assert lowprec.telemetry(state)["moved"] > 0
+
+
+def test_compensation_names_and_combinations_are_checked():
+  from experiments import study
+
+  with pytest.raises(ValueError, match="Did you mean 'kahan'"):
+    study.validate(_config(compensation="kahn"))
+  c = _config(compensation="kahan")
+  c.lowprec.writeback = ""
+  with pytest.raises(ValueError, match="set lowprec.writeback"):
+    study.validate(c)
+  with pytest.raises(ValueError, match="lowprec.buffer: unknown format"):
+    study.validate(_config(compensation="kahan", buffer="bf16x"))
+  c = _config(compensation="remainder", rounding="stochastic")
+  with pytest.raises(ValueError, match="rounding='nearest'"):
+    optim.build(c, jax.random.key(0))
+  assert optim.compensation(_config()) == "none"

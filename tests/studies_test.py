@@ -409,6 +409,47 @@ def _replay_run(root, arm, start, rounding, v0, v1, **lowprec):
   )
 
 
+def test_remedies_table_recovers_the_nearest_gap_per_kind(tmp_path):
+  root = str(tmp_path)
+  arms = {  # arm: (lowprec overrides, final loss for seeds 0 and 1)
+    "fp32": ({}, (2.0, 2.0)),
+    "mixed_bf16": ({"weight_format": "bfloat16"}, (2.1, 2.0)),
+    "rn_bf16": ({"writeback": "bfloat16"}, (3.0, 2.5)),
+    "kahan_e5m2": (
+      {"writeback": "bfloat16", "compensation": "kahan",
+       "buffer": "float8_e5m2"},
+      (2.5, 2.25),
+    ),
+    "remainder": (
+      {"writeback": "bfloat16", "compensation": "remainder"}, (2.1, 2.05)
+    ),
+  }  # fmt: skip
+  for arm, (lp, losses) in arms.items():
+    for seed, loss in enumerate(losses):
+      last = {"step": 1, "val_loss": loss}
+      if lp.get("writeback"):
+        last.update(erased_fraction=0.5, carried=0.25 * seed)
+      _run_dir(
+        root, "m", arm, seed, {"lowprec": lp},
+        [{"step": 0, "val_loss": 5.0}, last],
+      )  # fmt: skip
+  rows, lines = tables.ANALYSES["remedies"](tables.load_runs(root, "m"))
+  by = {r["arm"]: r for r in rows}
+  assert set(by) == {
+    "fp32", "mixed", "nearest", "kahan (float8_e5m2 buffer)", "remainder"
+  }  # fmt: skip
+  assert by["kahan (float8_e5m2 buffer)"]["recovery"] == pytest.approx(0.5)
+  assert by["remainder"]["recovery"] == pytest.approx((0.9 + 0.9) / 2)
+  assert by["mixed"]["recovery"] == pytest.approx((0.9 + 1.0) / 2)
+  assert by["remainder"]["final_val_loss"] == pytest.approx(2.075)
+  assert by["remainder"]["carried"] == pytest.approx(0.125)
+  assert by["fp32"]["erased_fraction"] is None
+  assert by["nearest"]["seeds"] == 2
+  assert "- remainder: recovers 0.900 of the nearest-rounding loss gap " in (
+    "\n".join(lines)
+  )
+
+
 def test_replay_table_relative_reduction_and_sr_minus_rn(tmp_path):
   root = str(tmp_path)
   ref = [{"step": s, "val_loss": 5.0 - s / 10} for s in range(0, 11)]
@@ -862,3 +903,9 @@ def test_reproduce_runs_the_audit_smoke_through_the_entry_point(tmp_path):
     r = [float(x["source_specificity_corr"]) for x in rows if x["arm"] == arm]
     assert r[0] == pytest.approx(-r[1]) or all(map(math.isnan, r))
   assert (tmp_path / "e4m3_audit" / "tables" / "e4m3_audit.png").exists()
+
+
+@pytest.mark.slow
+def test_remedies_smoke_runs_and_tabulates(tmp_path):
+  _, md = _smoke("remedies", tmp_path)
+  assert "| kahan (float8_e5m2 buffer) |" in md

@@ -104,6 +104,15 @@ def _val_panel(ax, runs, title: str) -> None:
   ax.set_title(title, fontsize=9)
 
 
+def remedies_figure(study, results="results", out=None) -> str:
+  """Validation loss of every arm (float32, mixed precision, nearest and
+  the compensated write-backs), a line per seed."""
+  runs = load_runs(results, study)
+  fig, ax = plt.subplots(figsize=(7, 4))
+  _val_panel(ax, runs, study)
+  return _save(fig, study, results, out)
+
+
 def recovery_figure(study, results="results", out=None) -> str:
   """Validation loss of every arm; beside it, the matched-seed difference
   dead-zone minus full SR of the final validation loss, per seed, with
@@ -403,6 +412,7 @@ FIGURES = {
   "crossing_scatter": crossing_scatter,
   "transfer_scatter": transfer_scatter,
   "recovery_figure": recovery_figure,
+  "remedies_figure": remedies_figure,
   "replay_curves": replay_curves,
   "audit_curves": audit_curves,
   "user_reports_panels": user_reports_panels,

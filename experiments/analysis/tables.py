@@ -25,7 +25,11 @@ from experiments.analysis.freeze_tables import (
 from experiments.analysis.runs import declared, load_runs
 from experiments.analysis.state_tables import state_table
 from experiments.analysis.user_reports import user_reports_table
-from experiments.analysis.writeback_tables import recovery_table, replay_table
+from experiments.analysis.writeback_tables import (
+  recovery_table,
+  remedies_table,
+  replay_table,
+)
 from lowprec import names
 
 ANALYSES = {
@@ -35,6 +39,7 @@ ANALYSES = {
   "fp8": fp8_table,
   "audit": audit_table,
   "recovery": recovery_table,
+  "remedies": remedies_table,
   "replay": replay_table,
   "user_reports": user_reports_table,
   "state": state_table,

@@ -3,6 +3,10 @@
 * `recovery_table`: how much of the nearest-rounding loss gap full and
   dead-zone stochastic write-back recover, and their matched-seed
   difference (`deadzone_vs_sr`).
+* `remedies_table`: final validation loss of the compensated write-backs
+  (Kahan, two-component, remainder) and a mixed-precision baseline beside
+  float32 and nearest write-back, and the share of the nearest-rounding
+  loss gap each recovers (`remedies`).
 * `replay_table`: write-back replayed from a float32 reference's
   checkpoints, per quantizer and checkpoint: relative reduction of the
   validation loss, stochastic minus nearest (`int3_replay`).
@@ -90,6 +94,62 @@ def _matched_lines(rows) -> list[str]:
     f"(dead-zone lower) in {sum(x < 0 for x in d)}/{n} seeds, positive in "
     f"{sum(x > 0 for x in d)}/{n}"
   ]
+
+
+def remedy_kind(config: dict) -> str:
+  """What a run's config trains with: `fp32`, `mixed` (a float32 master
+  whose forward rounds the kernels, `lowprec.weight_format`), a rounding
+  of plain write-back (`nearest`, ...) or a compensation (`kahan`, ...)."""
+  lp = config["lowprec"]
+  if not lp["writeback"]:
+    return (
+      "fp32" if lp.get("weight_format", "float32") == "float32" else "mixed"
+    )
+  comp = lp.get("compensation", "none")
+  if comp == "kahan":
+    return f"kahan ({lp.get('buffer', 'bfloat16')} buffer)"
+  return lp["rounding"] if comp == "none" else comp
+
+
+def remedies_table(runs):
+  """Per kind of run (`remedy_kind`): seeds, mean final validation loss,
+  mean last erased fraction and carried mass, and the mean recovery of
+  the nearest-rounding gap `(L_RN - L_x) / (L_RN - L_fp32)` over the seeds
+  that have all three runs."""
+  by_kind: dict[str, dict[int, object]] = {}
+  for run in runs:
+    by_kind.setdefault(remedy_kind(run.config), {})[run.seed] = run
+  loss = {
+    k: {s: r.last("val_loss") for s, r in seeds.items()}
+    for k, seeds in by_kind.items()
+  }
+  rows = []
+  for kind, seeds in by_kind.items():
+    row = {"arm": kind, "seeds": len(seeds)}
+    row["final_val_loss"] = _mean(loss[kind].values())
+    for key in ("erased_fraction", "carried"):
+      row[key] = _mean(r.last(key) for r in seeds.values())
+    gaps = [
+      (loss["nearest"][s] - loss[kind][s])
+      / (loss["nearest"][s] - loss["fp32"][s])
+      for s in seeds
+      if s in loss.get("nearest", {}) and s in loss.get("fp32", {})
+      and loss["nearest"][s] != loss["fp32"][s]
+    ]  # fmt: skip
+    row["recovery"] = _mean(gaps)
+    rows.append(row)
+  lines = [
+    f"- {r['arm']}: recovers {r['recovery']:.3f} of the nearest-rounding "
+    f"loss gap ({r['seeds']} seeds)"
+    for r in rows
+    if r["recovery"] is not None and r["arm"] not in ("fp32", "nearest")
+  ]
+  return rows, lines
+
+
+def _mean(values):
+  v = [x for x in values if x is not None and not math.isnan(x)]
+  return float(np.mean(v)) if v else None
 
 
 ROUNDINGS = ("stochastic", "nearest")
