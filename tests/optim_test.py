@@ -85,6 +85,8 @@ def test_bad_stored_state_entries_are_rejected_before_training(tmp_path):
     _stored_state_config(tmp_path, ("mu",))
   with pytest.raises(ValueError, match=r"'mu=bfloat6'.*Did you mean"):
     _stored_state_config(tmp_path, ("mu=bfloat6",))
+
+
 # ---- compensated write-back arms --------------------------------------------
 
 
