@@ -221,14 +221,16 @@ def kahan_writeback(
       weight format and no buffer format.
 
   Example:
-    >>> params = lowprec.to_grid(params, "bfloat16", storage="native")
-    >>> opt = optax.chain(
-    ...     lowprec.in_float32(optax.adamw(1e-3)),
-    ...     lowprec.kahan_writeback("bfloat16", buffer="bfloat16"),
-    ... )
-    >>> updates, state = opt.update(grads, opt.init(params), params)
-    >>> params = optax.apply_updates(params, updates)
-    >>> lowprec.telemetry(state)["carried"]
+    ```python
+    params = lowprec.to_grid(params, "bfloat16", storage="native")
+    opt = optax.chain(
+        lowprec.in_float32(optax.adamw(1e-3)),
+        lowprec.kahan_writeback("bfloat16", buffer="bfloat16"),
+    )
+    updates, state = opt.update(grads, opt.init(params), params)
+    params = optax.apply_updates(params, updates)
+    lowprec.telemetry(state)["carried"]
+    ```
 
   Reference: Kahan, "Further remarks on reducing truncation errors" (1965);
   Zamirai et al., "Revisiting BFloat16 Training" (2020).
@@ -290,10 +292,12 @@ def two_component_writeback(
       floating-point format.
 
   Example:
-    >>> opt = optax.chain(
-    ...     lowprec.in_float32(optax.adamw(1e-3)),
-    ...     lowprec.two_component_writeback("bfloat16"),
-    ... )
+    ```python
+    opt = optax.chain(
+        lowprec.in_float32(optax.adamw(1e-3)),
+        lowprec.two_component_writeback("bfloat16"),
+    )
+    ```
 
   Reference: Yu et al., "Collage: Light-Weight Low-Precision Strategy for
   LLM Training" (ICML 2024).
@@ -368,11 +372,13 @@ def remainder_writeback(
       `writeback`.
 
   Example:
-    >>> params = lowprec.to_grid(params, "bfloat16", storage="native")
-    >>> opt = optax.chain(
-    ...     lowprec.in_float32(optax.adamw(1e-3)),
-    ...     lowprec.remainder_writeback(),
-    ... )
+    ```python
+    params = lowprec.to_grid(params, "bfloat16", storage="native")
+    opt = optax.chain(
+        lowprec.in_float32(optax.adamw(1e-3)),
+        lowprec.remainder_writeback(),
+    )
+    ```
 
   Reference: Zamirai et al., "Revisiting BFloat16 Training" (2020), and
   the split float32 master of "8-bit Optimizers via Block-wise

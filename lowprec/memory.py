@@ -54,11 +54,13 @@ def bytes_per_param(params, opt_state=None) -> BytesPerParam:
     ValueError: `params` has no array leaves.
 
   Example:
-    >>> params = {"w": jnp.zeros((256, 256), jnp.bfloat16)}
-    >>> tx = optax.chain(lowprec.in_float32(optax.adam(1e-3)),
-    ...                  lowprec.kahan_writeback("bfloat16"))
-    >>> lowprec.bytes_per_param(params, tx.init(params)).total
-    12.0
+    ```python
+    params = {"w": jnp.zeros((256, 256), jnp.bfloat16)}
+    tx = optax.chain(lowprec.in_float32(optax.adam(1e-3)),
+                     lowprec.kahan_writeback("bfloat16"))
+    lowprec.bytes_per_param(params, tx.init(params)).total
+    # 12.0
+    ```
   """
   leaves = [x for x in jax.tree.leaves(nnx.as_pure(params)) if is_array(x)]
   n = sum(int(np.prod(x.shape)) for x in leaves)

@@ -351,13 +351,15 @@ def store_state(
       number). Each names the rule or leaf and the fix.
 
   Example:
-    >>> tx = lowprec.store_state(
-    ...     optax.adam(1e-3),
-    ...     {"mu": "bfloat16:stochastic", "nu": "bfloat16:stochastic"},
-    ...     key=jax.random.key(0))
-    >>> state = tx.init(params)  # mu and nu are bfloat16 arrays
-    >>> updates, state = tx.update(grads, state, params)
-    >>> lowprec.telemetry(state)["state/erased_fraction"]
+    ```python
+    tx = lowprec.store_state(
+        optax.adam(1e-3),
+        {"mu": "bfloat16:stochastic", "nu": "bfloat16:stochastic"},
+        key=jax.random.key(0))
+    state = tx.init(params)  # mu and nu are bfloat16 arrays
+    updates, state = tx.update(grads, state, params)
+    lowprec.telemetry(state)["state/erased_fraction"]
+    ```
   """
   parsed = _parse_rules(rules)
   names.check_choice("storage", storage, STORAGES)

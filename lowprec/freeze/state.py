@@ -92,10 +92,12 @@ def state_erasure(before, after, rules) -> dict[str, dict[str, jax.Array]]:
     ValueError: as `store_state`'s `init` for bad rules.
 
   Example:
-    >>> tx = optax.scale_by_adam(b2=0.999)
-    >>> s0 = tx.init(params)
-    >>> _, s1 = tx.update(grads, s0, params)
-    >>> lowprec.freeze.state_erasure(s0, s1, {"nu": "bfloat16"})["nu/w"]
+    ```python
+    tx = optax.scale_by_adam(b2=0.999)
+    s0 = tx.init(params)
+    _, s1 = tx.update(grads, s0, params)
+    lowprec.freeze.state_erasure(s0, s1, {"nu": "bfloat16"})["nu/w"]
+    ```
   """
   plan = _plan(rules, before)
   old, new = _leaves(before), _leaves(after)
@@ -135,8 +137,10 @@ def state_at_init(states, rules) -> dict[str, jax.Array]:
     `{state path: bool array shaped like the leaf}`.
 
   Example:
-    >>> still = lowprec.freeze.state_at_init(stacked, {"nu": "float8_e5m2"})
-    >>> float(still["0/nu/w"].mean())  # share whose nu stays at 0
+    ```python
+    still = lowprec.freeze.state_at_init(stacked, {"nu": "float8_e5m2"})
+    float(still["0/nu/w"].mean())  # share whose nu stays at 0
+    ```
   """
   first = jax.tree.map(lambda a: a[0], states)
   plan = _plan(rules, first)
