@@ -4,7 +4,12 @@ One jitted optimizer step (update and `optax.apply_updates`) on a pytree of
 20M float32 parameters (2M with --quick): ten square matrices and their
 biases. Write-back params are float32 holding bfloat16 grid values. Rows:
 nearest, stochastic and dead-zone write-back, each with telemetry on and
-off. Target: stochastic with telemetry at most 1.3x the plain adamw step.
+off; the compensated write-backs (Kahan with a bfloat16 buffer,
+two-component, remainder) without telemetry; and AdamW with its moments
+stored in bfloat16 by stochastic rounding (`lowprec.store_state`). Targets:
+stochastic with telemetry at most 1.3x the plain adamw step; Kahan and
+two-component at most 1.25x nearest write-back without telemetry; bf16
+stochastic moments at most 1.3x plain adamw.
 
 The cases run in interleaved rounds; ratios are medians of same-round
 ratios, with their range, so load from other processes on a shared machine
@@ -56,6 +61,20 @@ def run(quick: bool) -> Result:
       )
       name = f"+ {rounding}" + (" + telemetry" if on else "")
       cases[name] = optax.chain(adamw, wb)
+  key = jax.random.key(2)
+  cases["+ kahan (bf16 buffer)"] = optax.chain(
+    adamw, lowprec.kahan_writeback("bfloat16", telemetry=False)
+  )
+  cases["+ two-component"] = optax.chain(
+    adamw, lowprec.two_component_writeback("bfloat16", telemetry=False)
+  )
+  cases["+ remainder"] = optax.chain(
+    adamw, lowprec.remainder_writeback("bfloat16", telemetry=False)
+  )
+  moments = {"mu": "bfloat16:stochastic", "nu": "bfloat16:stochastic"}
+  cases["adamw, bf16 stochastic moments"] = lowprec.store_state(
+    adamw, moments, key=key, telemetry=False
+  )
   calls = {
     name: (_step(opt), (params, opt.init(params), grads))
     for name, opt in cases.items()
