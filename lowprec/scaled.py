@@ -129,6 +129,11 @@ class ScaledFormat:
     """The element format's largest value."""
     return self.element.max_finite
 
+  # What lowprec.storage asks of a format: a scaled grid has no dtype of
+  # its own (its values are elements times scales) and no inf.
+  native_dtype = None
+  has_inf = False
+
   @property
   def element_dtype(self) -> np.dtype:
     """How `quantize` stores elements: the native dtype of one-byte
@@ -463,15 +468,16 @@ def _divide(x, s):
   return jnp.where(ok | ~jnp.isfinite(x), y, zero)
 
 
-def _round_blocks(x, fmt, mode, key, overflow, scales):
+def _round_blocks(x, fmt, mode, key, overflow, scales, bits=None):
   """`(q, overflowed, per, scales)`: element grid values in blocks, where
   they overflowed, the per-block scales and the `Scales`."""
   names.check_choice("rounding mode", mode, MODES)
   names.check_choice("overflow mode", overflow, OVERFLOW_MODES)
   fmt = get_scaled_format(fmt)
   x = _float32(x)
-  bits = None
-  if mode == "stochastic":
+  if bits is not None:
+    bits = _to_blocks(jnp.asarray(bits, jnp.uint32), fmt)
+  elif mode == "stochastic":
     if key is None:
       raise ValueError(
         f"stochastic rounding to {fmt.name} draws random bits and needs a "
@@ -581,17 +587,28 @@ def fake_quantize(
 
 
 def fake_quantize_and_scales(
-  x, fmt, mode="nearest", key=None, *, overflow="saturate", scales=None
+  x,
+  fmt,
+  mode="nearest",
+  key=None,
+  *,
+  overflow="saturate",
+  scales=None,
+  bits=None,
 ) -> tuple[jax.Array, jax.Array, Scales]:
   """`(values, overflowed, scales)`: `fake_quantize`'s values, a mask of
   the elements (finite or infinite) that saturated (or overflowed under
-  "ieee"), and the scales used."""
+  "ieee"), and the scales used. `bits` (uint32, `x`'s shape) replaces the
+  key's random bits for stochastic rounding, as in
+  `lowprec.rounding.round_with_bits`."""
   fmt = get_scaled_format(fmt)
-  return _fake_quantize(x, fmt, mode, key, overflow, scales)
+  return _fake_quantize(x, fmt, mode, key, overflow, scales, bits)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 4))
-def _fake_quantize(x, fmt, mode, key, overflow, scales):
-  q, over, per, scales = _round_blocks(x, fmt, mode, key, overflow, scales)
+def _fake_quantize(x, fmt, mode, key, overflow, scales, bits=None):
+  q, over, per, scales = _round_blocks(
+    x, fmt, mode, key, overflow, scales, bits
+  )
   v = _from_blocks(_scale_back(q, per, fmt), x.shape, fmt)
   return v, _from_blocks(over, x.shape, fmt), scales

@@ -372,3 +372,139 @@ def test_get_format_points_a_scaled_name_to_the_scaled_api():
 
   with pytest.raises(ValueError, match="is a scaled format"):
     get_format("mxfp8_e4m3")
+
+
+# ---- where format names are used --------------------------------------------
+
+
+def test_ops_rounding_takes_a_scaled_format():
+  from lowprec import ops
+
+  x = jnp.asarray(_data((8, 64), seed=9)[3:])
+  key = jax.random.key(4)
+  r = ops.Rounding("mxfp8_e4m3", "stochastic")
+  assert repr(r) == "Rounding('mxfp8_e4m3:stochastic')" and r.scaled
+  value, stored = r.round(x, key)
+  want = scaled.fake_quantize(x, "mxfp8_e4m3", "stochastic", key)
+  assert _same_bits(value, want)
+  assert _same_bits(stored.value(), want)
+  assert stored.quantized.elements.dtype == jnp.float8_e4m3fn
+  parsed = ops.Rounding.parse("float8_e4m3fn:tensor:stochastic")
+  assert parsed.format is SCALED["float8_e4m3fn:tensor"]
+  assert parsed.mode == "stochastic"
+  assert ops.Rounding.parse("nvfp4").format is SCALED["nvfp4"]
+
+
+def test_a_dense_op_saves_its_input_on_a_scaled_grid():
+  from lowprec import ops
+
+  x = jnp.asarray(_data((8, 64), seed=10)[3:])
+  w = jnp.asarray(np.random.default_rng(11).standard_normal((64, 32)))
+  op = ops.Dense(x="mxfp4_e2m1:nearest")
+
+  def loss(w):
+    return jnp.sum(op(x, w) ** 2)
+
+  g = jax.jit(jax.grad(loss))(w)
+  xq = scaled.fake_quantize(x, "mxfp4_e2m1")
+  want = jax.grad(lambda w: jnp.sum((xq @ w) ** 2))(w)
+  np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-5)
+
+
+def _sgd_writeback(fmt, rounding, lr):
+  import optax
+
+  import lowprec
+
+  key = jax.random.key(5)
+  return optax.chain(
+    optax.sgd(lr), lowprec.writeback(fmt, rounding, key=key)
+  ), lowprec
+
+
+def test_writeback_onto_a_scaled_grid_rescales_from_the_written_values():
+  import optax
+
+  w0 = np.random.default_rng(12).standard_normal((4, 64)).astype(np.float32)
+  g = np.random.default_rng(13).standard_normal((4, 64)).astype(np.float32)
+  opt, lowprec = _sgd_writeback("mxfp8_e4m3", "nearest", 0.5)
+  w = lowprec.to_grid({"w": jnp.asarray(w0)}, "mxfp8_e4m3")
+  state = opt.init(w)
+  updates, state = jax.jit(opt.update)({"w": jnp.asarray(g)}, state, w)
+  new = optax.apply_updates(w, updates)
+  u = np.float32(-0.5) * g
+  x = w["w"] + u
+  assert _same_bits(new["w"], scaled.fake_quantize(x, "mxfp8_e4m3"))
+  lowprec.check_on_grid(new, "mxfp8_e4m3")
+  t = lowprec.telemetry(state)
+  old_k = scaled.compute_scales(w["w"], "mxfp8_e4m3").block
+  new_k = scaled.compute_scales(x, "mxfp8_e4m3").block
+  code = lambda s: np.asarray(jax.lax.bitcast_convert_type(s, jnp.uint8))  # noqa: E731
+  changed = int(np.sum(code(old_k) != code(new_k)))
+  assert t["blocks"] == 8 and t["rescaled"] == changed
+  assert t["rescaled_fraction"] == changed / 8
+  moved = np.asarray(new["w"] != w["w"]) & (u != 0)
+  assert t["erased"] == int(np.sum((u != 0) & ~moved))
+
+
+def test_small_proposals_are_erased_on_a_scaled_grid_and_not_under_sr():
+  import optax
+
+  # 1.5 - 0.03 stays in 1.5's binade: same scale, gap 0.125, |u| < gap / 2.
+  w0 = np.full((2, 32), 1.5, np.float32)
+  g = np.ones((2, 32), np.float32)
+  for rounding in ("nearest", "stochastic"):
+    opt, lowprec = _sgd_writeback("mxfp8_e4m3", rounding, 0.03)
+    w = lowprec.to_grid({"w": jnp.asarray(w0)}, "mxfp8_e4m3")
+    state = opt.init(w)
+    updates, state = opt.update({"w": jnp.asarray(g)}, state, w)
+    t = lowprec.telemetry(state)
+    assert t["proposals"] == 64 and t["rescaled"] == 0
+    if rounding == "nearest":
+      assert t["erased"] == 64
+    else:  # down with probability 0.03 / 0.125 each: none moving, 2e-8
+      assert 0 < t["moved"] < 64
+    lowprec.check_on_grid(optax.apply_updates(w, updates), "mxfp8_e4m3")
+
+
+def test_under_the_ocp_rule_a_block_just_below_a_power_of_two_saturates():
+  # 1 - 0.001: floor(log2 amax) drops, the scale halves to 2^-9 and
+  # 0.999 / 2^-9 = 511.5 saturates at 448: the block lands on 0.875. The
+  # no-clip rule keeps the scale and erases the proposal.
+  import optax
+
+  w0, g = np.ones((1, 32), np.float32), np.ones((1, 32), np.float32)
+  for rule, want in [("ocp", 0.875), ("noclip", 1.0)]:
+    fmt = scaled.get_scaled_format("mxfp8_e4m3", rule=rule)
+    opt, lowprec = _sgd_writeback(fmt, "nearest", 1e-3)
+    w = {"w": jnp.asarray(w0)}
+    updates, state = opt.update({"w": jnp.asarray(g)}, opt.init(w), w)
+    np.testing.assert_array_equal(optax.apply_updates(w, updates)["w"], want)
+    assert lowprec.telemetry(state)["rescaled"] == (rule == "ocp")
+
+
+@pytest.mark.parametrize(
+  "call, match",
+  [
+    (
+      lambda: _sgd_writeback("nvfp4", "nearest", 0.1)[0].init(
+        {"w": jnp.ones((2, 16))}
+      ),
+      "not powers of two",
+    ),
+    (
+      lambda: __import__("lowprec").store_state(
+        __import__("optax").adam(1e-3), {"mu": "mxfp8_e4m3"}
+      ),
+      "is a scaled format",
+    ),
+    (
+      lambda: __import__("lowprec").ops.Rounding("nvfp4", scaled=False),
+      "always uses its own scales",
+    ),
+  ],
+  ids=["writeback_nvfp4", "state", "unscaled_rounding"],
+)
+def test_scaled_names_where_they_do_not_apply(call, match):
+  with pytest.raises(ValueError, match=match):
+    call()
