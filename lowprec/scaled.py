@@ -256,15 +256,15 @@ class Quantized(NamedTuple):
 # ---- blocks ---------------------------------------------------------------
 
 
-def _axis(x, fmt: ScaledFormat) -> int:
-  if x.ndim == 0:
+def _axis(shape, fmt: ScaledFormat) -> int:
+  if not shape:
     raise ValueError(f"{fmt.name} needs an array with an axis, got a scalar")
-  if not -x.ndim <= fmt.axis < x.ndim:
+  if not -len(shape) <= fmt.axis < len(shape):
     raise ValueError(
       f"{fmt.name}: block axis {fmt.axis} is out of range for shape "
-      f"{x.shape}; pass axis= to get_scaled_format"
+      f"{tuple(shape)}; pass axis= to get_scaled_format"
     )
-  return fmt.axis % x.ndim
+  return fmt.axis % len(shape)
 
 
 def _to_blocks(x, fmt: ScaledFormat):
@@ -272,7 +272,7 @@ def _to_blocks(x, fmt: ScaledFormat):
   for a per-tensor format)."""
   if fmt.block is None:
     return x.reshape(1, -1)
-  axis = _axis(x, fmt)
+  axis = _axis(x.shape, fmt)
   n, b = x.shape[axis], fmt.block
   if n % b:
     fix = -(-n // b) * b
@@ -290,7 +290,7 @@ def _to_blocks(x, fmt: ScaledFormat):
 def _from_blocks(y, shape, fmt: ScaledFormat):
   if fmt.block is None:
     return y.reshape(shape)
-  axis = _axis(jnp.zeros(shape, jnp.bool_), fmt)
+  axis = _axis(shape, fmt)
   moved = list(shape)
   moved.append(moved.pop(axis))
   return jnp.moveaxis(y.reshape(moved), -1, axis)
@@ -475,9 +475,11 @@ def _round_blocks(x, fmt, mode, key, overflow, scales, bits=None):
   names.check_choice("overflow mode", overflow, OVERFLOW_MODES)
   fmt = get_scaled_format(fmt)
   x = _float32(x)
-  if bits is not None:
+  if mode == "nearest":
+    bits = None
+  elif bits is not None:
     bits = _to_blocks(jnp.asarray(bits, jnp.uint32), fmt)
-  elif mode == "stochastic":
+  else:
     if key is None:
       raise ValueError(
         f"stochastic rounding to {fmt.name} draws random bits and needs a "
