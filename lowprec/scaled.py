@@ -346,7 +346,8 @@ def pow2_exponent(
     amax: float32 array of nonnegative values.
     top: the element format's largest value.
     rule: "ocp" or "noclip".
-    lo, hi: the exponent range of the scale type (E8M0 by default).
+    lo: the smallest exponent of the scale type (E8M0's by default).
+    hi: the largest exponent of the scale type.
   """
   names.check_choice("scale rule", rule, SCALE_RULES)
   a = abs_bits(jnp.asarray(amax, jnp.float32))

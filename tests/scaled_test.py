@@ -409,6 +409,10 @@ def test_a_dense_op_saves_its_input_on_a_scaled_grid():
   xq = scaled.fake_quantize(x, "mxfp4_e2m1")
   want = jax.grad(lambda w: jnp.sum((xq @ w) ** 2))(w)
   np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-5)
+  # Incoming gradients on a scaled grid too (blocks of 32 along `out`).
+  op = ops.Dense(x="mxfp4_e2m1:nearest", grad="mxfp8_e5m2:stochastic")
+  g = jax.jit(jax.grad(lambda w: jnp.sum(op(x, w, key=jax.random.key(0)))))
+  assert bool(jnp.all(jnp.isfinite(g(w))))
 
 
 def _sgd_writeback(fmt, rounding, lr):
@@ -443,6 +447,8 @@ def test_writeback_onto_a_scaled_grid_rescales_from_the_written_values():
   changed = int(np.sum(code(old_k) != code(new_k)))
   assert t["blocks"] == 8 and t["rescaled"] == changed
   assert t["rescaled_fraction"] == changed / 8
+  arrays = jax.jit(lowprec.telemetry_arrays)(state)
+  assert int(arrays["rescaled/w"]) == changed
   moved = np.asarray(new["w"] != w["w"]) & (u != 0)
   assert t["erased"] == int(np.sum((u != 0) & ~moved))
 
@@ -453,7 +459,7 @@ def test_small_proposals_are_erased_on_a_scaled_grid_and_not_under_sr():
   # 1.5 - 0.03 stays in 1.5's binade: same scale, gap 0.125, |u| < gap / 2.
   w0 = np.full((2, 32), 1.5, np.float32)
   g = np.ones((2, 32), np.float32)
-  for rounding in ("nearest", "stochastic"):
+  for rounding in ("nearest", "stochastic", "deadzone"):
     opt, lowprec = _sgd_writeback("mxfp8_e4m3", rounding, 0.03)
     w = lowprec.to_grid({"w": jnp.asarray(w0)}, "mxfp8_e4m3")
     state = opt.init(w)
@@ -463,7 +469,7 @@ def test_small_proposals_are_erased_on_a_scaled_grid_and_not_under_sr():
     if rounding == "nearest":
       assert t["erased"] == 64
     else:  # down with probability 0.03 / 0.125 each: none moving, 2e-8
-      assert 0 < t["moved"] < 64
+      assert 0 < t["moved"] < 64  # deadzone: SR wherever nearest erases
     lowprec.check_on_grid(optax.apply_updates(w, updates), "mxfp8_e4m3")
 
 
