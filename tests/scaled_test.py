@@ -280,6 +280,23 @@ def test_blocks_along_another_axis():
   assert scaled.quantize(x.T, f16).scales.block.shape == (8, 4)
 
 
+def test_delayed_scaling_takes_the_amax_of_a_history():
+  # Per tensor: the scale from the history's largest amax; a history equal
+  # to the current amax is current scaling.
+  x = jnp.asarray(_data((8, 64), seed=14)[3:])
+  f = "float8_e4m3fn:tensor"
+  now = scaled.block_amax(x, f)
+  history = jnp.stack([now * 0.5, now, now * 4.0])
+  s = scaled.scales_from_amax(jnp.max(history), f)
+  assert float(s.block) == float(now * 4.0 / jnp.float32(448.0))
+  delayed = scaled.fake_quantize(x, f, scales=s)
+  assert float(jnp.max(jnp.abs(delayed))) <= float(now)
+  same = scaled.scales_from_amax(jnp.max(history[:2]), f)
+  assert _same_bits(
+    scaled.fake_quantize(x, f, scales=same), scaled.fake_quantize(x, f)
+  )
+
+
 # ---- stochastic rounding --------------------------------------------------
 
 
