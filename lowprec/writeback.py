@@ -98,6 +98,9 @@ class WritebackState(NamedTuple):
     skip such steps), and the same counts per parameter path. Totals are
     exact integers and fractions float64, computed on the host; a state
     with leading (ensemble) axes gives nested lists.
+    Parameters on a scaled (MX) grid add `blocks`, `rescaled` (blocks whose
+    scale changed this step) and `rescaled_fraction`, in total and per
+    path.
     """
     out = {"steps": _host(self.count)}
     if self.proposals is None:
@@ -117,12 +120,13 @@ class WritebackState(NamedTuple):
       for k in _REPORTED:
         out[f"{k}/{n}"] = _host(p[k])
       out[f"erased_fraction/{n}"] = _host_fraction(p["erased"], p["proposals"])
-    host = jax.device_get(self._replace(key=None))
-    wide = lambda a: np.asarray(a, np.int64)  # noqa: E731
-    counts = _scale_counts(host, np, wide, _host_fraction)
-    out.update(
-      {k: v if "fraction" in k else _host(v) for k, v in counts.items()}
-    )
+    if self.blocks:
+      host = jax.device_get(self._replace(key=None))
+      wide = lambda a: np.asarray(a, np.int64)  # noqa: E731
+      counts = _scale_counts(host, np, wide, _host_fraction)
+      out.update(
+        {k: v if "fraction" in k else _host(v) for k, v in counts.items()}
+      )
     return out
 
 
@@ -204,7 +208,11 @@ def writeback(
       shaped like (a prefix of) the params, or rules `[(regex, fmt), ...]`
       over "/"-joined parameter paths (`re.fullmatch`, first match wins, no
       match is an error). None leaves a parameter untouched (its update
-      passes through). See `lowprec.storage`.
+      passes through). See `lowprec.storage`. An MX scaled format
+      (`"mxfp8_e4m3"`, a `lowprec.ScaledFormat`) writes onto the grid of
+      block scales computed from `w + u` each step, and adds `blocks`,
+      `rescaled` and `rescaled_fraction` to the telemetry
+      (docs/scaled.md).
     rounding: "nearest", "stochastic" or "deadzone".
     key: a JAX PRNG key; required by "stochastic" and "deadzone", ignored by
       "nearest". It is kept in the state and split at every update; give
