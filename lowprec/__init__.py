@@ -4,15 +4,16 @@ Formats and rounding (`get_format`, `round_nearest`, `round_stochastic`),
 write-back without master weights (`writeback`, `in_float32`, `to_grid`,
 `apply_updates`, `telemetry`, `telemetry_arrays`, `reseed`), compensated
 write-back (`kahan_writeback`, `two_component_writeback`,
-`remainder_writeback`), optimizer state in low precision (`store_state`)
-and memory (`bytes_per_param`), freeze
+`remainder_writeback`), optimizer state in low precision (`store_state`),
+memory (`bytes_per_param`), block- and tensor-scaled formats (`scaled`:
+MX, NVFP4, per-tensor fp8; `get_scaled_format`), freeze
 prediction (`freeze`), backward-state policies (`Policy`, `ops`, `audit`)
 and Flax modules (`nn`; `nnx.Optimizer` for Flax NNX).
 """
 
 __version__ = "0.2.0"
 
-from lowprec import audit, freeze, nn, nnx, ops, policy  # noqa: E402
+from lowprec import audit, freeze, nn, nnx, ops, policy, scaled  # noqa: E402
 from lowprec.compensated import (
   CompensatedState,
   kahan_writeback,
@@ -24,6 +25,7 @@ from lowprec.formats import Format, get_format, ieee_format, int_format
 from lowprec.memory import BytesPerParam, bytes_per_param
 from lowprec.policy import Policy
 from lowprec.rounding import round_nearest, round_stochastic
+from lowprec.scaled import ScaledFormat, get_scaled_format
 from lowprec.state_storage import (
   StateCounts,
   StateFormat,
@@ -39,6 +41,7 @@ __all__ = [
   "CompensatedState",
   "Format",
   "Policy",
+  "ScaledFormat",
   "StateCounts",
   "StateFormat",
   "StoredState",
@@ -49,6 +52,7 @@ __all__ = [
   "check_on_grid",
   "freeze",
   "get_format",
+  "get_scaled_format",
   "ieee_format",
   "in_float32",
   "int_format",
@@ -61,6 +65,7 @@ __all__ = [
   "reseed",
   "round_nearest",
   "round_stochastic",
+  "scaled",
   "store_state",
   "telemetry",
   "telemetry_arrays",

@@ -349,6 +349,16 @@ def get_format(fmt: str | Format, *, scale: float | None = None) -> Format:
     return NAMED[name]
   if m := _GENERIC.match(name):
     return ieee_format(int(m.group(1)), int(m.group(2)))
+  from lowprec import scaled  # noqa: PLC0415 (scaled imports this module)
+
+  if name in scaled.SCALED:
+    raise ValueError(
+      f"{name!r} is a scaled format (elements under per-block or per-tensor "
+      "scales), not a grid: use it where scaled formats are taken "
+      "(lowprec.scaled.quantize / fake_quantize, lowprec.ops.Rounding, "
+      "lowprec.writeback), or name its element format here, e.g. "
+      f"{scaled.SCALED[name].element.name!r}"
+    )
   raise ValueError(
     f"unknown format {name!r}.{names.suggest(name, NAMED)} Valid formats: "
     + ", ".join(format_names())

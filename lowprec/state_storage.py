@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from lowprec import names
+from lowprec import names, scaled
 from lowprec import rng as rng_lib
 from lowprec.formats import Format, get_format
 from lowprec.rounding import OVERFLOW_MODES, ROUNDINGS, round_and_flag
@@ -615,13 +615,6 @@ def _scale(s, fmt: Format, how):
     pad = [(0, 0)] * (s.ndim - 1) + [(0, blocks * how - n)]
     a = jnp.pad(a, pad).reshape(*s.shape[:-1], blocks, how)
     amax = jnp.max(a, axis=-1, initial=0.0)
-  top = np.float32(fmt.max_finite)
-  m, e = jnp.frexp(amax / top)
-  k = jnp.where(m == 0.5, e - 1, e)  # ceil(log2(amax / top))
-  p = jnp.ldexp(jnp.ones_like(amax), jnp.clip(k, -126, 127))
-  # The quotient was rounded: step to the exact smallest power of two,
-  # within float32's normal range.
-  lo, hi = np.float32(2.0**-126), np.float32(2.0**127)
-  p = jnp.where((amax > top * p) & (p < hi), p * 2, p)
-  p = jnp.where((amax <= top * p * 0.5) & (p > lo), p * 0.5, p)
-  return jnp.where(amax > 0, p, jnp.ones_like(p)).astype(jnp.float32)
+  # The no-clip rule of lowprec.scaled, within float32's normal range.
+  k = scaled.pow2_exponent(amax, fmt.max_finite, "noclip", lo=-126, hi=127)
+  return jax.lax.bitcast_convert_type((k + 127) << 23, jnp.float32)

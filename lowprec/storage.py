@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lowprec import scaled
 from lowprec.formats import Format, get_format
 from lowprec.rounding import round_nearest
 
@@ -76,7 +77,9 @@ _BOX_FIELDS = ("value", "raw_value")
 
 
 def _is_format_leaf(x) -> bool:
-  return x is None or isinstance(x, str | Format | np.dtype | type)
+  return x is None or isinstance(
+    x, str | Format | scaled.ScaledFormat | np.dtype | type
+  )
 
 
 def _is_rules(spec) -> bool:
@@ -92,8 +95,10 @@ def _is_rules(spec) -> bool:
   )
 
 
-def _as_format(f) -> Format | None:
-  return None if f is None else get_format(f)
+def _as_format(f) -> Format | scaled.ScaledFormat | None:
+  if f is None:
+    return None
+  return scaled.get_scaled_format(f) if scaled.is_scaled(f) else get_format(f)
 
 
 def format_lookup(spec) -> FormatLookup:
@@ -206,6 +211,13 @@ def check_storage(name: str, dtype, fmt: Format) -> None:
   dtype = np.dtype(dtype)
   if dtype == np.float32 or dtype == fmt.native_dtype:
     return
+  if isinstance(fmt, scaled.ScaledFormat):
+    check_float(name, dtype)
+    raise ValueError(
+      f"parameter {name!r} is stored as {dtype.name}; a parameter on the "
+      f"scaled {fmt} grid is stored as float32 holding its values "
+      "(elements times scales): lowprec.to_grid(params, fmt)"
+    )
   check_float(name, dtype)
   native = f" or {fmt.native_dtype.name}" if fmt.native_dtype else ""
   raise ValueError(
@@ -280,9 +292,15 @@ def to_grid(params, fmt, *, storage: str = "float32"):
 @functools.partial(jax.jit, static_argnums=(1, 2))
 def _round_all(xs, fmts, dtypes):
   return [
-    round_nearest(jnp.asarray(x), f).astype(d)
+    _nearest(jnp.asarray(x), f).astype(d)
     for x, f, d in zip(xs, fmts, dtypes, strict=True)
   ]
+
+
+def _nearest(x, f):
+  if isinstance(f, scaled.ScaledFormat):  # new scales from x itself
+    return scaled.fake_quantize(x, f)
+  return round_nearest(x, f)
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -294,7 +312,13 @@ def _off_grid(xs, fmts):
     x = jnp.asarray(x).reshape(-1)
     nan = jnp.isnan(x)
     inf = jnp.isinf(x) & (not f.has_inf)
-    off = ~f.is_on_grid(x) & ~nan & ~inf
+    if isinstance(f, scaled.ScaledFormat):
+      # On the grid of its own scales: nearest rounding gives it back.
+      full = jnp.asarray(xs[len(out)])
+      on = (scaled.fake_quantize(full, f) == full).reshape(-1)
+    else:
+      on = f.is_on_grid(x)
+    off = ~on & ~nan & ~inf
     first = jnp.argmax(off) if x.size else jnp.zeros([], jnp.int32)
     count = [jnp.sum(m, dtype=jnp.int32) for m in (nan, inf, off)]
     out.append((*count, first))

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from lowprec import names
+from lowprec import names, scaled
 from lowprec import rng as rng_lib
 from lowprec.formats import Format
 from lowprec.rounding import OVERFLOW_MODES, ROUNDINGS, round_and_flag
@@ -63,6 +63,9 @@ class WritebackState(NamedTuple):
   saturated: dict[str, jax.Array] | None  # int32 [] per path: past max.
   unreachable: dict[str, jax.Array] | None  # int32 [] per path: detoured.
   nonfinite: dict[str, jax.Array] | None  # int32 [] per path: u or w bad.
+  # Parameters on a scaled grid only (None without any): int32 [] per path.
+  blocks: dict[str, jax.Array] | None = None  # scale blocks of the tensor.
+  rescaled: dict[str, jax.Array] | None = None  # blocks whose scale moved.
 
   def arrays(self) -> dict[str, jax.Array]:
     """The counts as arrays, traceable: `{name: int32 or float32 array}`.
@@ -81,6 +84,7 @@ class WritebackState(NamedTuple):
     for n, p in per.items():
       out.update({f"{k}/{n}": p[k] for k in _REPORTED})
       out[f"erased_fraction/{n}"] = _fraction(p["erased"], p["proposals"])
+    out.update(_scale_counts(self, jnp, lambda a: a, _fraction))
     return out
 
   def report(self) -> dict[str, int | float]:
@@ -94,6 +98,9 @@ class WritebackState(NamedTuple):
     skip such steps), and the same counts per parameter path. Totals are
     exact integers and fractions float64, computed on the host; a state
     with leading (ensemble) axes gives nested lists.
+    Parameters on a scaled (MX) grid add `blocks`, `rescaled` (blocks whose
+    scale changed this step) and `rescaled_fraction`, in total and per
+    path.
     """
     out = {"steps": _host(self.count)}
     if self.proposals is None:
@@ -113,7 +120,30 @@ class WritebackState(NamedTuple):
       for k in _REPORTED:
         out[f"{k}/{n}"] = _host(p[k])
       out[f"erased_fraction/{n}"] = _host_fraction(p["erased"], p["proposals"])
+    if self.blocks:
+      host = jax.device_get(self._replace(key=None))
+      wide = lambda a: np.asarray(a, np.int64)  # noqa: E731
+      counts = _scale_counts(host, np, wide, _host_fraction)
+      out.update(
+        {k: v if "fraction" in k else _host(v) for k, v in counts.items()}
+      )
     return out
+
+
+def _scale_counts(state: WritebackState, xp, cast, fraction) -> dict:
+  """`blocks`, `rescaled` and `rescaled_fraction` in total and per path,
+  for the parameters on scaled grids; empty without any."""
+  if not state.blocks:
+    return {}
+  blocks = {n: cast(v) for n, v in state.blocks.items()}
+  moved = {n: cast(state.rescaled[n]) for n in blocks}
+  out = {"blocks": sum(blocks.values()), "rescaled": sum(moved.values())}
+  out["rescaled_fraction"] = fraction(out["rescaled"], out["blocks"])
+  for n in blocks:
+    out[f"blocks/{n}"] = blocks[n]
+    out[f"rescaled/{n}"] = moved[n]
+    out[f"rescaled_fraction/{n}"] = fraction(moved[n], blocks[n])
+  return out
 
 
 def _per_leaf(state: WritebackState) -> dict[str, dict]:
@@ -178,7 +208,11 @@ def writeback(
       shaped like (a prefix of) the params, or rules `[(regex, fmt), ...]`
       over "/"-joined parameter paths (`re.fullmatch`, first match wins, no
       match is an error). None leaves a parameter untouched (its update
-      passes through). See `lowprec.storage`.
+      passes through). See `lowprec.storage`. An MX scaled format
+      (`"mxfp8_e4m3"`, a `lowprec.ScaledFormat`) writes onto the grid of
+      block scales computed from `w + u` each step, and adds `blocks`,
+      `rescaled` and `rescaled_fraction` to the telemetry
+      (docs/scaled.md).
     rounding: "nearest", "stochastic" or "deadzone".
     key: a JAX PRNG key; required by "stochastic" and "deadzone", ignored by
       "nearest". It is kept in the state and split at every update; give
@@ -232,11 +266,13 @@ def writeback(
   rule = _LeafRule(rounding, overflow, nonfinite, telemetry)
 
   def init_fn(params):
-    names = [
-      path_name(path)
+    fmts = {
+      path_name(path): f
       for path, w in jax.tree_util.tree_flatten_with_path(params)[0]
-      if _format_of(lookup, path, w) is not None
-    ]
+      if (f := _format_of(lookup, path, w)) is not None
+    }
+    names = list(fmts)
+    on_scaled = [n for n, f in fmts.items() if _is_scaled(f)]
     if _concrete(params):
       # Concrete params may still meet init inside a trace (closed over
       # under jit or vmap): evaluate the check now rather than stage it.
@@ -246,10 +282,17 @@ def writeback(
     def zeros():
       return {n: jnp.zeros([], jnp.int32) for n in names} if telemetry else None
 
+    scale_counts = (
+      {n: jnp.zeros([], jnp.int32) for n in on_scaled}
+      if telemetry and on_scaled
+      else None
+    )
     return WritebackState(
       count=jnp.zeros([], jnp.int32),
       key=key if random else None,
       **{c: zeros() for c in _COUNTS},
+      blocks=scale_counts,
+      rescaled=scale_counts,
     )
 
   def update_fn(updates, state, params=None):
@@ -270,6 +313,7 @@ def writeback(
       new_key, step_key = jax.random.key_data(pair[0]), pair[1]
     deltas = []
     counts = {c: {} for c in _COUNTS}
+    blocks, rescaled = {}, {}
     for (path, u), w in zip(flat, weights, strict=True):
       f = None if u is None else _format_of(lookup, path, w)
       if f is None:
@@ -284,12 +328,18 @@ def writeback(
         bits = rng_lib.random_bits(leaf_key, jnp.shape(w))
       delta, leaf_counts = rule.write(w, u, f, bits)
       deltas.append(delta)
+      if leaf_counts is not None and _is_scaled(f):
+        *leaf_counts, blocks[name], rescaled[name] = leaf_counts
       for c, v in zip(_COUNTS, leaf_counts or (), strict=telemetry):
         counts[c][name] = v
     if not telemetry:
       counts = dict.fromkeys(_COUNTS)
     new_state = WritebackState(
-      count=optax.safe_increment(state.count), key=new_key, **counts
+      count=optax.safe_increment(state.count),
+      key=new_key,
+      **counts,
+      blocks=blocks or None,
+      rescaled=rescaled or None,
     )
     return jax.tree_util.tree_unflatten(treedef, deltas), new_state
 
@@ -331,6 +381,15 @@ def _format_of(lookup, path, w) -> Format | None:
   if fmt is None:
     return None
   check_storage(path_name(path), w.dtype, fmt)
+  if _is_scaled(fmt):
+    if fmt.scale_type != "e8m0":
+      raise ValueError(
+        f"parameter {path_name(path)!r}: write-back onto {fmt} is not "
+        "supported: its scales are not powers of two, so the float32 "
+        "delta w' - w does not land exactly on its grid. Use an MX format "
+        "(power-of-two E8M0 scales), e.g. 'mxfp8_e4m3'"
+      )
+    return fmt
   if not fmt.is_float and not float(np.log2(fmt.scale)).is_integer():
     # float32(k * s) - float32(j * s) is not float32-exact for such s, so
     # no float32 delta lands on most of the grid.
@@ -341,6 +400,10 @@ def _format_of(lookup, path, w) -> Format | None:
       f"use e.g. get_format({fmt.name!r}, scale={pow2})"
     )
   return fmt
+
+
+def _is_scaled(fmt) -> bool:
+  return isinstance(fmt, scaled.ScaledFormat)
 
 
 def _concrete(tree) -> bool:
@@ -364,13 +427,22 @@ class _LeafRule:
   telemetry: bool
 
   def write(self, w, u, fmt: Format, bits):
-    """Delta and, with telemetry, the `_COUNTS` of one tensor."""
+    """Delta and, with telemetry, the `_COUNTS` of one tensor (then, for a
+    scaled format, its block count and the blocks whose scale changed)."""
     w = jnp.asarray(w).astype(jnp.float32)
     u = jnp.asarray(u).astype(jnp.float32)
-    q, over = self._round(w, u, fmt, bits)
+    on_scaled = _is_scaled(fmt)
+    if on_scaled:
+      q, over, new_scales = self._round_scaled(w, u, fmt, bits)
+    else:
+      q, over = self._round(w, u, fmt, bits)
     finite = jnp.isfinite(u) & ~jnp.isnan(w)
     proposed = (u != 0) & finite
     written = proposed if self.nonfinite == "keep" else (u != 0) | ~finite
+    if on_scaled:
+      # New scales move the grid under every coordinate of a block: those
+      # with u == 0 are rounded onto it too.
+      written = finite if self.nonfinite == "keep" else jnp.ones_like(finite)
     # Keeping w itself (not an equal value) preserves the sign of zero.
     q = jnp.where(written & (q != w), q, w)
     delta, lands = _land(w, q, fmt)
@@ -378,7 +450,30 @@ class _LeafRule:
       return delta, None
     # The delta is -0 exactly where the weight stays, nonzero where it moves.
     moved = proposed & (delta != 0)
-    return delta, _count(proposed, moved, over & proposed, ~lands, ~finite)
+    counts = _count(proposed, moved, over & proposed, ~lands, ~finite)
+    if not on_scaled:
+      return delta, counts
+    old = scaled.compute_scales(w, fmt).block
+    code = lambda s: jax.lax.bitcast_convert_type(s, jnp.uint8)  # noqa: E731
+    changed = jnp.sum(code(old) != code(new_scales.block), dtype=jnp.int32)
+    return delta, (*counts, jnp.int32(old.size), changed)
+
+  def _round_scaled(self, w, u, fmt, bits):
+    """`w + u` onto the scaled grid of scales computed from `w + u`."""
+    x = w + u
+    mode = "nearest" if self.rounding == "nearest" else "stochastic"
+    sr_bits = None if mode == "nearest" else bits
+    q, over, sc = scaled.fake_quantize_and_scales(
+      x, fmt, mode, overflow=self.overflow, bits=sr_bits
+    )
+    if self.rounding == "deadzone":
+      q_rn, over_rn, _ = scaled.fake_quantize_and_scales(
+        x, fmt, overflow=self.overflow
+      )
+      erased = q_rn == w
+      q = jnp.where(erased, q, q_rn)
+      over = jnp.where(erased, over, over_rn)
+    return q, over, sc
 
   def _round(self, w, u, fmt: Format, bits):
     x = w + u
@@ -414,7 +509,7 @@ def _toward_zero(q, fmt: Format):
   """The grid value next to q toward zero, where q is normal above the
   smallest normal; elsewhere (and for intK) q itself, which never lands
   where q did not."""
-  if not fmt.is_float:
+  if _is_scaled(fmt) or not fmt.is_float:
     return q
   b = jax.lax.bitcast_convert_type(q, jnp.uint32)
   # Grid values of a normal binade are float32 patterns whose low 23 - m

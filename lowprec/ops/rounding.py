@@ -17,6 +17,7 @@ import numpy as np
 
 from lowprec import names
 from lowprec import rounding as rounding_lib
+from lowprec import scaled as scaled_lib
 from lowprec.formats import Format, get_format
 
 MODES = ("nearest", "stochastic")
@@ -35,17 +36,28 @@ class Rounding:
   largest value; `s = 1` when `amax` is zero, not finite, or so small that `s`
   would overflow float32.
 
+  A scaled format (`lowprec.scaled`: `"mxfp8_e4m3"`, `"nvfp4"`,
+  `"float8_e4m3fn:tensor"`, or a `ScaledFormat`) rounds with its own
+  block or tensor scales instead: the value is
+  `lowprec.scaled.fake_quantize(x, format, mode, key)`, blocks along the
+  last axis (whose length must be a multiple of the block size), and the
+  backward keeps the elements and scales (`ScaledStored`).
+
   Attributes:
-    format: a format name or `Format`; `"float32"` means no rounding at all.
+    format: a format name, `Format` or scaled format; `"float32"` means no
+      rounding at all.
     mode: `"nearest"` (ties to even) or `"stochastic"` (unbiased).
     scaled: per-tensor scaling; default on for float formats of 8 bits or
-      fewer, off otherwise.
+      fewer, off otherwise; always on (the format's own) for scaled
+      formats.
 
   Example:
     >>> Rounding("float8_e4m3fn", "stochastic")
     Rounding('float8_e4m3fn:stochastic')
     >>> Rounding.parse("float8_e5m2:stochastic").scaled
     True
+    >>> Rounding.parse("float8_e4m3fn:tensor:stochastic")
+    Rounding('float8_e4m3fn:tensor:stochastic')
   """
 
   format: Format | str = "float32"
@@ -53,9 +65,20 @@ class Rounding:
   scaled: bool | None = None
 
   def __post_init__(self):
+    names.check_choice("rounding mode", self.mode, MODES)
+    if scaled_lib.is_scaled(self.format):
+      fmt = scaled_lib.get_scaled_format(self.format)
+      object.__setattr__(self, "format", fmt)
+      if self.scaled is False:
+        raise ValueError(
+          f"{fmt.name} is a scaled format and always uses its own scales; "
+          f"for no scaling name its element format, "
+          f"Rounding({fmt.element.name!r}, scaled=False)"
+        )
+      object.__setattr__(self, "scaled", True)
+      return
     fmt = get_format(self.format)
     object.__setattr__(self, "format", fmt)
-    names.check_choice("rounding mode", self.mode, MODES)
     if self.scaled is None:
       object.__setattr__(self, "scaled", fmt.is_float and fmt.bits <= 8)
 
@@ -67,8 +90,12 @@ class Rounding:
     if isinstance(spec, Rounding):
       return spec
     if isinstance(spec, str):
-      fmt, _, mode = spec.partition(":")
-      return cls(fmt, mode or "nearest")
+      fmt, _, mode = spec.rpartition(":")
+      if mode in MODES:
+        return cls(fmt, mode)
+      if not fmt or scaled_lib.is_scaled(spec):
+        return cls(spec)
+      return cls(fmt, mode)  # an unknown mode: the error lists them
     raise TypeError(f"expected a Rounding or 'format:mode', got {spec!r}")
 
   @property
@@ -79,15 +106,21 @@ class Rounding:
   def stochastic(self) -> bool:
     return not self.is_identity and self.mode == "stochastic"
 
+  @property
+  def is_scaled_format(self) -> bool:
+    return isinstance(self.format, scaled_lib.ScaledFormat)
+
   def __repr__(self) -> str:
     if self.is_identity:
       return "Rounding('float32')"
+    if self.is_scaled_format:
+      return f"Rounding('{self.format.name}:{self.mode}')"
     extra = "" if self.scaled == (self.format.bits <= 8) else ", unscaled"
     return f"Rounding('{self.format.name}:{self.mode}'{extra})"
 
   def scale(self, x) -> jax.Array | None:
     """The per-tensor scale of `x` (float32 scalar), or None if unscaled."""
-    if not self.scaled:
+    if not self.scaled or self.is_scaled_format:
       return None
     amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
     tiny = np.float32(self.format.max_finite / np.finfo(np.float32).max)
@@ -109,6 +142,8 @@ class Rounding:
       dtype costs more than the rounding on CPU).
     """
     mode = mode or self.mode
+    if self.is_scaled_format:
+      return self._round_scaled(x, key, mode)
     s = self.scale(x)
     xs = x.astype(jnp.float32) if s is None else x.astype(jnp.float32) * s
     if mode == "stochastic":
@@ -140,6 +175,15 @@ class Rounding:
       q = rounding_lib.round_nearest(q, self.format)  # exactly on the grid
     return value.astype(x.dtype), Stored(q, s)
 
+  def _round_scaled(self, x, key, mode: str):
+    if mode == "stochastic" and key is None:
+      raise ValueError(
+        f"stochastic rounding to {self.format.name} needs a PRNG key"
+      )
+    q = scaled_lib.quantize(x, self.format, mode, key)
+    stored = ScaledStored(q, self.format)
+    return stored.value().astype(x.dtype), stored
+
   def quantize(self, x, key=None, *, mode: str | None = None) -> Stored:
     """The narrow stored form of `round(x, key, mode=mode)`."""
     return self.round(x, key, mode=mode)[1]
@@ -154,3 +198,23 @@ class Stored(NamedTuple):
   def value(self) -> jax.Array:
     v = self.data.astype(jnp.float32)
     return v if self.scale is None else v / self.scale
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class ScaledStored:
+  """A tensor rounded onto a scaled format, as kept for the backward: the
+  narrow elements and their scales (`lowprec.scaled.Quantized`)."""
+
+  quantized: scaled_lib.Quantized
+  format: scaled_lib.ScaledFormat
+
+  def value(self) -> jax.Array:
+    return scaled_lib.dequantize(self.quantized, self.format)
+
+  def tree_flatten(self):
+    return (self.quantized,), self.format
+
+  @classmethod
+  def tree_unflatten(cls, fmt, children):
+    return cls(children[0], fmt)
