@@ -24,11 +24,11 @@ and carried mass, and the share of the nearest-rounding gap
   python -m scripts.make_tables remedies
 
 CPU scale (default): 7 arms x 1 seed of 400 steps of the 2-layer d=64 GPT
-on the built-in corpus; runtime, an estimate from `freeze_small_gpt`
-(3 arms in about 4 minutes on 2 CPU cores): about 10 minutes. Full scale
+on the built-in corpus; 5.2 minutes on 2 CPU cores. Full scale
 (`:scale=full`): its 6-layer d=384 decoder on token files in data.path.
-Expected (CPU scale): to be measured; the compensated arms should recover
-most of the nearest-rounding gap and remainder should track mixed_bf16.
+Measured (CPU scale, seed 0): final val loss fp32 2.368, nearest 2.471;
+recovery of the nearest gap: Kahan with a bf16 buffer 1.003, with an e5m2
+buffer 0.948, two-component 1.003, remainder 0.977, mixed precision 0.999.
 """
 
 from configs import common
