@@ -25,6 +25,25 @@ the predicted crossing; sr_bf16 never crosses and ends with a lower loss.
 from configs import common
 
 
+def use_setting(c) -> None:
+  """This study's training setting (AdamW, 400 steps; its full-scale
+  decoder), shared by the studies that run on the same small GPT."""
+  c.opt.lr = 6.5e-4
+  c.opt.min_lr_ratio = 0.0
+  c.opt.warmup_steps = 20
+  c.train.steps = 400
+  c.train.eval_every_steps = 50
+  c.ckpt.every_steps = 100
+  c.log.progress_every_steps = 50
+  if c.study.scale == "full":
+    c.model.update(dict(n_layer=6, d_model=384, n_head=6, seq_len=256))
+    c.data.update(dict(name="tokens", batch_size=64))
+    c.model.vocab_size = 50304
+    c.train.steps = 5000
+    c.train.eval_every_steps = 250
+    c.ckpt.every_steps = 500
+
+
 def get_config(arg=None):
   c = common.get_config(arg)
   c.study.name = "freeze_small_gpt"
@@ -41,20 +60,7 @@ def get_config(arg=None):
       "study": {"reference_arm": "fp32_reference"},
     },
   }
-  c.opt.lr = 6.5e-4
-  c.opt.min_lr_ratio = 0.0
-  c.opt.warmup_steps = 20
-  c.train.steps = 400
-  c.train.eval_every_steps = 50
-  c.ckpt.every_steps = 100
-  c.log.progress_every_steps = 50
-  if c.study.scale == "full":
-    c.model.update(dict(n_layer=6, d_model=384, n_head=6, seq_len=256))
-    c.data.update(dict(name="tokens", batch_size=64))
-    c.model.vocab_size = 50304
-    c.train.steps = 5000
-    c.train.eval_every_steps = 250
-    c.ckpt.every_steps = 500
+  use_setting(c)
   if c.study.scale == "smoke":
     c.train.steps = 6
     c.train.eval_every_steps = 3

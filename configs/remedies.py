@@ -31,7 +31,7 @@ recovery of the nearest gap: Kahan with a bf16 buffer 1.003, with an e5m2
 buffer 0.948, two-component 1.003, remainder 0.977, mixed precision 0.999.
 """
 
-from configs import common
+from configs import common, freeze_small_gpt
 
 ARMS = {
   "fp32": {},
@@ -61,20 +61,7 @@ def get_config(arg=None):
   c.study.figure = "remedies_figure"
   c.study.seeds = (0,)
   c.study.arms = ARMS
-  c.opt.lr = 6.5e-4
-  c.opt.min_lr_ratio = 0.0
-  c.opt.warmup_steps = 20
-  c.train.steps = 400
-  c.train.eval_every_steps = 50
-  c.ckpt.every_steps = 100
-  c.log.progress_every_steps = 50
-  if c.study.scale == "full":
-    c.model.update(dict(n_layer=6, d_model=384, n_head=6, seq_len=256))
-    c.data.update(dict(name="tokens", batch_size=64))
-    c.model.vocab_size = 50304
-    c.train.steps = 5000
-    c.train.eval_every_steps = 250
-    c.ckpt.every_steps = 500
+  freeze_small_gpt.use_setting(c)
   if c.study.scale == "smoke":
     common.shrink_to_smoke(c, 2)
     c.data.eval_batches = 1
