@@ -58,12 +58,7 @@ def get_config(arg=None):
   c.log.progress_every_steps = 100
   if c.study.scale == "full":
     fmt = "bfloat16"
-    presets.use(c, "gpt2_124m_padded")
-    c.data.update(dict(name="tokens", batch_size=256, eval_batches=20))
-    c.opt.update(dict(lr=6e-4, warmup_steps=500))
-    c.train.steps = 10000
-    c.train.eval_every_steps = 500
-    c.ckpt.every_steps = 1000
+    presets.gpt2_124m_run(c)
   if c.study.scale == "smoke":
     common.shrink_to_smoke(c, 4)
     c.study.seeds = (0,)

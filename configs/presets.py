@@ -25,3 +25,15 @@ PRESETS = {
 def use(c, name: str) -> None:
   """Sets `c.model`'s shape (layers, heads, width, vocabulary, length)."""
   c.model.update(PRESETS[name])
+
+
+def gpt2_124m_run(c) -> None:
+  """GPT-2 124M on token files, 10000 steps of AdamW at 6e-4 (500 warmup),
+  evaluated every 500 steps and checkpointed every 1000: the full-scale
+  run of the studies that train that model from scratch."""
+  use(c, "gpt2_124m_padded")
+  c.data.update(dict(name="tokens", batch_size=256, eval_batches=20))
+  c.opt.update(dict(lr=6e-4, warmup_steps=500))
+  c.train.steps = 10000
+  c.train.eval_every_steps = 500
+  c.ckpt.every_steps = 1000
