@@ -20,14 +20,19 @@ numerics change. These cases are compared with fixed values in
              every input's gradient.
 
 Floating-point results can differ between jax/jaxlib versions and between
-CPUs (XLA:CPU emits other code with AVX-512 than with AVX2), so the file
-records where its values were made (`environment`) and the tests skip
-elsewhere. To change the values on purpose:
+CPUs (XLA:CPU and its kernels run other code with AVX-512 than with AVX2),
+so the file holds one set of values per environment it was made on
+(`environments`, each with its `made_on`), and the tests compare the set
+made here, or skip where there is none. To change the values on purpose,
+or to pin them on a new kind of machine:
 
   python -m scripts.refresh_goldens --why "what changed and why"
 
-which recomputes every case, rewrites the file and adds, to each entry
-whose value changed, the reason and the old and new value.
+which recomputes every case here, rewrites this environment's set (the
+others are kept as they are) and adds, to each entry whose value changed,
+the reason and the old and new value. A change of the numerics moves the
+values of every environment: refresh on each kind of machine, or drop the
+sets that can no longer be made (`--only-here`).
 """
 
 from __future__ import annotations
@@ -81,19 +86,25 @@ def environment() -> dict[str, str]:
   }
 
 
-def mismatch(made_on: dict, here: dict) -> str | None:
-  """Why values made on `made_on` may not hold `here` (None: they hold)."""
-  diff = [
+def _difference(made_on: dict, here: dict) -> list[str]:
+  return [
     f"{k} {made_on.get(k)} there, {here.get(k)} here"
     for k in sorted(set(made_on) | set(here))
     if made_on.get(k) != here.get(k)
   ]
-  if not diff:
+
+
+def mismatch(made_on, here: dict) -> str | None:
+  """Why values made on `made_on` (one environment, or a list of them)
+  may not hold `here` (None: one of them is this environment)."""
+  envs = [made_on] if isinstance(made_on, dict) else list(made_on)
+  if any(not _difference(e, here) for e in envs):
     return None
+  diff = " | ".join("; ".join(_difference(e, here)) for e in envs)
   return (
-    "the goldens were made elsewhere (" + "; ".join(diff) + "): "
+    f"the goldens were made elsewhere ({diff or 'none made'}): "
     "floating-point results may differ, so they are not compared. "
-    f"To pin this environment instead: {REFRESH}"
+    f"To pin this environment too: {REFRESH}"
   )
 
 
@@ -254,17 +265,38 @@ CASES: dict[str, Callable[[], dict]] = {
 
 
 def load(path: str = GOLDENS) -> dict:
+  """The goldens file as `{"about", "environments": [{"made_on",
+  "entries"}, ...]}` (a file of one environment, `{"made_on", "entries"}`,
+  is read as a list of one)."""
   with open(path) as f:
-    return json.load(f)
+    data = json.load(f)
+  if "environments" not in data:
+    data = {
+      "about": data.get("about", ""),
+      "environments": [
+        {"made_on": data["made_on"], "entries": data["entries"]}
+      ],
+    }
+  return data
 
 
-def refresh(why: str, path: str = GOLDENS, cases=None) -> list[str]:
-  """Recomputes every case and rewrites the goldens file at `path`.
+def pinned(data: dict, here: dict) -> dict | None:
+  """The entries `data` holds for environment `here`, or None."""
+  for env in data["environments"]:
+    if env["made_on"] == here:
+      return env["entries"]
+  return None
+
+
+def refresh(
+  why: str, path: str = GOLDENS, cases=None, only_here: bool = False
+) -> list[str]:
+  """Recomputes every case here and rewrites this environment's values.
 
   Each entry keeps its value and its history when the value is unchanged;
   a changed or new entry gets the new value and a history record
-  `{"why": why, "old": ..., "new": ...}` (`old` None when new). The file's
-  `made_on` becomes this environment.
+  `{"why": why, "old": ..., "new": ...}` (`old` None when new). The values
+  of other environments are kept, unless `only_here`.
 
   Returns:
     One line per change (`name: old -> new`), or none.
@@ -277,14 +309,15 @@ def refresh(why: str, path: str = GOLDENS, cases=None) -> list[str]:
       f"say why the goldens change: {REFRESH} (the reason is recorded)"
     )
   cases = CASES if cases is None else cases
-  old = load(path) if os.path.exists(path) else {"entries": {}}
+  old = load(path) if os.path.exists(path) else {"environments": []}
   here = environment()
+  before_here = pinned(old, here) or {}
   entries = {}
   changes = []
   for case in cases.values():
     for name, value in case().items():
       value = json.loads(json.dumps(value))  # as the file will hold it
-      before = old["entries"].get(name)
+      before = before_here.get(name)
       if before is not None and before["value"] == value:
         entries[name] = before
         continue
@@ -293,12 +326,16 @@ def refresh(why: str, path: str = GOLDENS, cases=None) -> list[str]:
       record = {"why": why.strip(), "made_on": here, "old": prev, "new": value}
       entries[name] = {"value": value, "history": [*history, record]}
       changes.append(f"{name}: {brief(prev)} -> {brief(value)}")
-  for name in sorted(set(old["entries"]) - set(entries)):
+  for name in sorted(set(before_here) - set(entries)):
     changes.append(f"{name}: removed")
+  others = [] if only_here else [
+    e for e in old["environments"] if e["made_on"] != here
+  ]  # fmt: skip
+  mine = {"made_on": here, "entries": dict(sorted(entries.items()))}
   data = {
-    "about": "Pinned results; see experiments/goldens.py. Refresh: " + REFRESH,
-    "made_on": here,
-    "entries": dict(sorted(entries.items())),
+    "about": "Pinned results, one set per environment; see "
+    "experiments/goldens.py. Refresh: " + REFRESH,
+    "environments": [*others, mine],
   }
   directory = os.path.dirname(os.path.abspath(path))
   fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")

@@ -3,9 +3,10 @@
   python -m scripts.refresh_goldens --why "what changed and why"
 
 Every case of experiments/goldens.py is recomputed (the smoke study runs
-through the entry point: a few minutes on 2 CPU cores). Each entry whose
-value changed records the reason and its old and new value; the file
-records the jax/jaxlib version and CPU vector ISA it was made on. Without
+through the entry point: a few minutes on 2 CPU cores) and stored as the
+values of this environment (jax/jaxlib version and CPU vector ISA); the
+values pinned on other machines stay, unless `--only-here`. Each entry
+whose value changed records the reason and its old and new value. Without
 `--why` nothing runs.
 """
 
@@ -27,12 +28,20 @@ def main(argv=None) -> int:
     "--why", required=True, help="the reason, recorded with each change"
   )
   parser.add_argument("--path", default=None, help="default tests/goldens.json")
+  parser.add_argument(
+    "--only-here",
+    action="store_true",
+    help="drop the values pinned in other environments (after a change "
+    "that moves them all, where they cannot be made again here)",
+  )
   args = parser.parse_args(argv)
   if not args.why.strip():
     parser.error("--why must say why the goldens change")
   from experiments import goldens
 
-  changes = goldens.refresh(args.why, args.path or goldens.GOLDENS)
+  changes = goldens.refresh(
+    args.why, args.path or goldens.GOLDENS, only_here=args.only_here
+  )
   print("\n".join(changes) if changes else "no value changed")
   return 0
 

@@ -1,10 +1,11 @@
 """Each case of experiments/goldens.py against tests/goldens.json.
 
-The values are exact (losses as float64 from float32, digests of bytes) and
-were made on one jax/jaxlib version and one CPU vector ISA, both recorded
-in the file (`made_on`). Elsewhere floating-point results may differ, so
-the comparisons skip, with a message naming the difference, rather than
-fail. A deliberate change: `python -m scripts.refresh_goldens --why "..."`.
+The values are exact (losses as float64 from float32, digests of bytes),
+one set per jax/jaxlib version and CPU vector ISA they were made on (each
+set's `made_on`). In an environment with no set of its own floating-point
+results may differ, so the comparisons skip, with a message naming the
+difference, rather than fail. A deliberate change, or a new machine:
+`python -m scripts.refresh_goldens --why "..."`.
 """
 
 import json
@@ -15,19 +16,21 @@ import pytest
 
 from experiments import goldens
 
-MISMATCH = goldens.mismatch(goldens.load()["made_on"], goldens.environment())
+DATA = goldens.load()
+HERE = goldens.environment()
+MISMATCH = goldens.mismatch([e["made_on"] for e in DATA["environments"]], HERE)
 
 
 @pytest.mark.parametrize("case", sorted(goldens.CASES))
 def test_case_equals_its_golden_values(case):
-  """Skips (does not fail) on another jax/jaxlib version or vector ISA
-  than the file's `made_on`: XLA:CPU's floating-point results may differ
+  """Skips (does not fail) on a jax/jaxlib version or vector ISA that no
+  set of the file was made on: XLA:CPU's floating-point results may differ
   there (e.g. AVX-512 code against AVX2 code)."""
   if MISMATCH:
     pytest.skip(MISMATCH)
   pinned = {
     k: v["value"]
-    for k, v in goldens.load()["entries"].items()
+    for k, v in goldens.pinned(DATA, HERE).items()
     if k.startswith(case + "/")
   }
   got = json.loads(json.dumps(goldens.CASES[case]()))
@@ -43,22 +46,32 @@ def test_case_equals_its_golden_values(case):
 
 
 def test_goldens_file_names_where_it_was_made_and_every_case():
-  data = goldens.load()
-  assert set(data["made_on"]) == {"jax", "jaxlib", "cpu_vector_isa"}
-  cases = {k.split("/")[0] for k in data["entries"]}
-  assert cases == set(goldens.CASES)
-  for name, entry in data["entries"].items():
-    assert entry["history"] and entry["history"][-1]["new"] == entry["value"]
-    assert all(h["why"].strip() for h in entry["history"]), name
+  envs = goldens.load()["environments"]
+  assert envs
+  made_on = [e["made_on"] for e in envs]
+  assert len({json.dumps(m, sort_keys=True) for m in made_on}) == len(envs)
+  for env in envs:
+    assert set(env["made_on"]) == {"jax", "jaxlib", "cpu_vector_isa"}
+    cases = {k.split("/")[0] for k in env["entries"]}
+    assert cases == set(goldens.CASES), env["made_on"]
+    for name, entry in env["entries"].items():
+      history = entry["history"]
+      assert history and history[-1]["new"] == entry["value"], name
+      assert all(h["why"].strip() for h in history), name
 
 
 def test_mismatch_names_the_difference():
   here = goldens.environment()
   assert goldens.mismatch(dict(here), here) is None
-  other = {**here, "cpu_vector_isa": "avx512f", "jaxlib": "0.0.1"}
+  isa = "sse4_2" if here["cpu_vector_isa"] != "sse4_2" else "avx2"
+  other = {**here, "cpu_vector_isa": isa, "jaxlib": "0.0.1"}
   msg = goldens.mismatch(other, here)
-  assert "cpu_vector_isa avx512f there" in msg and "jaxlib 0.0.1" in msg
+  assert f"cpu_vector_isa {isa} there" in msg and "jaxlib 0.0.1" in msg
   assert "refresh_goldens --why" in msg
+  # Several environments: none of them here names each; one here holds.
+  msg = goldens.mismatch([other, {**here, "jax": "0.0.2"}], here)
+  assert "jaxlib 0.0.1" in msg and "jax 0.0.2" in msg
+  assert goldens.mismatch([other, dict(here)], here) is None
 
 
 def test_cpu_vector_isa_reads_the_cpu_flags():
@@ -85,8 +98,9 @@ def test_refresh_records_why_and_what_changed(tmp_path):
     'a/y: "digest0" -> "digest1"'
   ]
   data = goldens.load(path)
-  assert data["made_on"] == goldens.environment()
-  x, y = data["entries"]["a/x"], data["entries"]["a/y"]
+  assert [e["made_on"] for e in data["environments"]] == [HERE]
+  entries = goldens.pinned(data, HERE)
+  x, y = entries["a/x"], entries["a/y"]
   assert x["value"] == [1.0, 2.0] and len(x["history"]) == 1  # untouched
   assert y["value"] == "digest1"
   assert [(h["why"], h["old"], h["new"]) for h in y["history"]] == [
@@ -95,7 +109,23 @@ def test_refresh_records_why_and_what_changed(tmp_path):
   ]
   del values["a/x"]
   assert goldens.refresh("x dropped", path, cases) == ["a/x: removed"]
-  assert set(goldens.load(path)["entries"]) == {"a/y"}
+  assert set(goldens.pinned(goldens.load(path), HERE)) == {"a/y"}
+
+
+def test_refresh_keeps_the_values_of_other_environments(tmp_path):
+  path = tmp_path / "goldens.json"
+  elsewhere = {**HERE, "cpu_vector_isa": "elsewhere"}
+  theirs = {"a/x": {"value": 1.5, "history": [{"why": "w", "new": 1.5}]}}
+  old_format = {"about": "", "made_on": elsewhere, "entries": theirs}
+  path.write_text(json.dumps(old_format))
+  cases = {"a": lambda: {"a/x": 2.5}}
+  assert goldens.refresh("here too", str(path), cases) == ["a/x: null -> 2.5"]
+  data = goldens.load(str(path))
+  assert goldens.pinned(data, elsewhere) == theirs
+  assert goldens.pinned(data, HERE)["a/x"]["value"] == 2.5
+  goldens.refresh("only here", str(path), cases, only_here=True)
+  data = goldens.load(str(path))
+  assert [e["made_on"] for e in data["environments"]] == [HERE]
 
 
 @pytest.mark.parametrize(

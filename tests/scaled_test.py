@@ -425,7 +425,9 @@ def test_a_dense_op_saves_its_input_on_a_scaled_grid():
   g = jax.jit(jax.grad(loss))(w)
   xq = scaled.fake_quantize(x, "mxfp4_e2m1")
   want = jax.grad(lambda w: jnp.sum((xq @ w) ** 2))(w)
-  np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-5)
+  # Both are float32 sums of 64 products (|g| up to 1e6) in orders that
+  # the compiler picks; a wrong rounding of x moves g by far more.
+  np.testing.assert_allclose(g, want, rtol=1e-4, atol=1e-5)
   # Incoming gradients on a scaled grid too (blocks of 32 along `out`).
   op = ops.Dense(x="mxfp4_e2m1:nearest", grad="mxfp8_e5m2:stochastic")
   g = jax.jit(jax.grad(lambda w: jnp.sum(op(x, w, key=jax.random.key(0)))))
