@@ -134,6 +134,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # optimizer): "regex=spec" rules over its state paths, in order, e.g.
   # ("mu=bfloat16:stochastic", "nu=float8_e5m2:stochastic:block128")
   c.lowprec.state = ()
+  # Predicted stored-state erasures in a float32-state run
+  # (lowprec.freeze.state_trace): "name: regex=spec; regex=spec" entries.
+  c.lowprec.state_targets = ()
   c.lowprec.policy = ""  # backward-state policy string ("" = reference)
   c.lowprec.fwd_format = "float32"  # rounding of saved forward tensors
   c.lowprec.fwd_rounding = "nearest"

@@ -150,28 +150,56 @@ def has_telemetry(lp) -> bool:
     or lp.trace_targets
     or lp.get("decay_erasure", False)
     or lp.get("state", ())
+    or lp.get("state_targets", ())
   )
 
 
-def state_rules(lp) -> list[tuple[str, lowprec.StateFormat]]:
+def state_rules(lp, entries=None, key="lowprec.state"):
   """`lowprec.state` ("regex=spec" strings) as `store_state` rules.
 
   Raises:
     ValueError: an entry without "=", or a bad format, rounding or scale.
   """
   rules = []
-  for entry in lp.get("state", ()):
+  for entry in lp.get("state", ()) if entries is None else entries:
     regex, sep, spec = entry.rpartition("=")
     if not sep or not regex:
       raise ValueError(
-        f"lowprec.state entry {entry!r} is not 'regex=spec'; e.g. "
+        f"{key} entry {entry!r} is not 'regex=spec'; e.g. "
         "'mu=bfloat16:stochastic' or 'nu=float8_e5m2:nearest:block128'"
       )
     try:
-      rules.append((regex, parse_state_format(spec)))
+      rules.append((regex.strip(), parse_state_format(spec.strip())))
     except ValueError as e:
-      raise ValueError(f"lowprec.state entry {entry!r}: {e}") from None
+      raise ValueError(f"{key} entry {entry!r}: {e}") from None
   return rules
+
+
+def state_targets(lp) -> dict[str, list]:
+  """`lowprec.state_targets` ("name: regex=spec; regex=spec") as the
+  targets of `lowprec.freeze.state_trace`.
+
+  Raises:
+    ValueError: an entry without a name or rules, a repeated name, or a
+      rule as `state_rules` refuses it.
+  """
+  out = {}
+  for entry in lp.get("state_targets", ()):
+    name, sep, rules = entry.partition(":")
+    name = name.strip()
+    if not sep or not name.isidentifier() or not rules.strip():
+      raise ValueError(
+        f"lowprec.state_targets entry {entry!r} is not "
+        "'name: regex=spec; regex=spec'; e.g. "
+        "'sr_bf16: mu=bfloat16:stochastic; nu=bfloat16:stochastic'"
+      )
+    if name in out:
+      raise ValueError(
+        f"lowprec.state_targets names {name!r} twice: give each its own name"
+      )
+    parts = [r for r in rules.split(";") if r.strip()]
+    out[name] = state_rules(lp, parts, f"lowprec.state_targets {name!r}")
+  return out
 
 
 def writeback_target(lp, params=None):
@@ -319,6 +347,8 @@ def build(config, key: jax.Array, params=None) -> optax.GradientTransformation:
     # those of runs without stored state.
     state_key = jax.random.fold_in(key, 3)
     optimizer = lowprec.store_state(optimizer, state_rules(lp), key=state_key)
+  if lp.get("state_targets", ()):
+    optimizer = lowprec.freeze.state_trace(optimizer, state_targets(lp))
   parts.append(optimizer)
   target = writeback_target(lp, params)
   if lp.get("decay_erasure", False):

@@ -167,6 +167,12 @@ def validate(c) -> None:
   if lp.writeback:
     formats.append(("lowprec.writeback", lp.writeback))
   optim.state_rules(lp)  # raises for a bad lowprec.state entry
+  optim.state_targets(lp)  # and lowprec.state_targets
+  if lp.state and lp.state_targets:
+    raise ValueError(
+      "lowprec.state_targets predicts stored-state erasures from a run "
+      "whose state is float32: set it in an arm without lowprec.state"
+    )
   if optim.compensation(lp) != "none":
     if not lp.writeback:
       raise ValueError(

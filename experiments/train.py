@@ -366,6 +366,7 @@ class _Loop:
     self.last = {}  # the last record written (the restored step's line)
     self.t0 = None  # when the loop started (after the restore)
     self.compiled_at = None  # (time, step) of the end of the first step
+    self.steady_from = None  # the same, kept: the rate of the whole run
 
   # ---- restore ------------------------------------------------------------
 
@@ -465,6 +466,7 @@ class _Loop:
     if self.compiled_at is None:
       # Rates and ETAs count from the end of the first (compiled) step.
       self.compiled_at = (time.time(), self.done)
+      self.steady_from = self.compiled_at
       self.say(
         f"{self.tag} compiled ({self.compiled_at[0] - self.t0:.1f}s to the "
         "first step)",
@@ -523,6 +525,9 @@ class _Loop:
       "final_loss": self.last.get("loss"),
       "final_val_loss": self.last.get("val_loss"),
       "wall_s": time.time() - self.t0,
+      # Steps after the first (compiled) one per second of wall time, with
+      # evaluations and checkpoints: for comparing arms run alike.
+      "steps_per_s": _steady_rate(self.steady_from, self.done),
       "resumed_from": self.start,
       "param_count": int(sum(np.size(x) for x in jax.tree.leaves(params))),
       "param_digest": params_digest(params),
@@ -531,6 +536,12 @@ class _Loop:
     write_json = distributed.primary_only(results.write_json)
     write_json(os.path.join(self.workdir, "summary.json"), summary)
     return summary
+
+
+def _steady_rate(since, done: int) -> float | None:
+  if since is None or done <= since[1]:
+    return None
+  return (done - since[1]) / max(time.time() - since[0], 1e-9)
 
 
 def _check_complete(summary: dict, tag: str, workdir: str) -> None:

@@ -33,7 +33,7 @@ BASE = [
   "--config.train.steps=8",
   "--config.ckpt.every_steps=2",
 ]
-TIMING = {"wall_s", "resumed_from"}  # summary fields that may differ
+TIMING = {"wall_s", "steps_per_s", "resumed_from"}  # may differ by run
 
 
 def _env(devices=1, fault=None):

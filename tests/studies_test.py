@@ -184,7 +184,7 @@ def test_init_from_arm_needs_a_step():
 # ----------------------------------------------------- hand-made results
 
 
-def _run_dir(root, study_name, arm, seed, config, metrics):
+def _run_dir(root, study_name, arm, seed, config, metrics, summary=None):
   d = os.path.join(root, study_name, arm, f"seed{seed}")
   os.makedirs(d)
   base = {
@@ -201,6 +201,9 @@ def _run_dir(root, study_name, arm, seed, config, metrics):
   with open(os.path.join(d, "metrics.jsonl"), "w") as f:
     for rec in metrics:
       f.write(json.dumps(rec) + "\n")
+  if summary is not None:
+    with open(os.path.join(d, "summary.json"), "w") as f:
+      json.dump(summary, f)
 
 
 def _reference(
@@ -315,36 +318,75 @@ def test_transfer_table_summarizes_each_task(tmp_path):
 
 
 def test_state_table_against_float32_state_and_erased_share(tmp_path):
+  """Measured and predicted erased shares per moment, summed over state
+  paths per step, averaged over the second half (steps 3 and 4 of 4)."""
   root = str(tmp_path)
+  paths = ("0/mu/a", "0/mu/b", "0/nu/a")
   for seed, (l32, lrn) in {0: (2.0, 2.5), 1: (2.2, 2.3)}.items():
+    ref = [{"step": 0, "val_loss": 5.0}]
+    for t in range(1, 5):
+      # Predicted: mu 1/4 erased at every step, nu 1/2.
+      r = {"step": t}
+      for p in paths:
+        r[f"pred_state/rn/changed/{p}"] = 4
+        r[f"pred_state/rn/erased/{p}"] = 1.0 if "/mu/" in p else 2.0
+      ref.append(r)
+    ref[-1]["val_loss"] = l32
     _run_dir(
       root,
       "st",
       "fp32",
       seed,
-      {"lowprec": {"state": []}},
-      [{"step": 0, "val_loss": 5.0}, {"step": 4, "val_loss": l32}],
+      {"lowprec": {"state": [], "state_targets": ["rn: mu=bfloat16"]}},
+      ref,
+      summary={"steps_per_s": 10.0},
     )
     recs = [{"step": 0, "val_loss": 5.0}]
-    for t, e in enumerate([0.0, 0.2, 0.6, 1.0], start=1):
-      recs.append({"step": t, "state/erased_fraction": e, "state/flushed": t})
+    for t, e in enumerate([0, 1, 2, 3], start=1):
+      r = {"step": t, "state/flushed": t}
+      # mu: a with e of 4 erased, b with 0 of 4: e / 8; nu: 4 of 4.
+      r.update({f"state/changed/{p}": 4 for p in paths})
+      r.update({"state/erased/0/mu/a": e, "state/erased/0/mu/b": 0})
+      r["state/erased/0/nu/a"] = 4
+      recs.append(r)
     recs[-1]["val_loss"] = lrn
     _run_dir(
-      root, "st", "rn", seed, {"lowprec": {"state": ["mu=bfloat16"]}}, recs
+      root,
+      "st",
+      "rn",
+      seed,
+      {
+        "lowprec": {
+          "state": ["mu=bfloat16", "nu=float8_e5m2:nearest:block128"]
+        },
+        "study": {"reference_arm": "fp32", "cell": "rn"},
+      },
+      recs,
+      summary={"steps_per_s": 8.0},
     )
   rows, lines = tables.ANALYSES["state"](tables.load_runs(root, "st"))
   by = {(r["arm"], r["seed"]): r for r in rows}
   assert by[("rn", 0)]["val_minus_fp32"] == pytest.approx(0.5)
   assert by[("rn", 1)]["val_minus_fp32"] == pytest.approx(0.1)
-  assert by[("rn", 0)]["state_erased_2nd_half"] == pytest.approx(0.8)
+  assert by[("rn", 0)]["mu_erased_2nd_half"] == pytest.approx((2 + 3) / 16)
+  assert by[("rn", 0)]["nu_erased_2nd_half"] == pytest.approx(1.0)
+  assert by[("rn", 0)]["mu_predicted_2nd_half"] == pytest.approx(0.25)
+  assert by[("rn", 0)]["nu_predicted_2nd_half"] == pytest.approx(0.5)
   assert by[("rn", 0)]["state_flushed_last"] == 4
-  assert by[("rn", 0)]["state"] == "mu=bfloat16"
+  assert (
+    by[("rn", 0)]["state"] == "mu=bfloat16, nu=float8_e5m2:nearest:block128"
+  )
+  # float32 weights 4, mu bf16 2, nu one byte and a float32 scale per 128.
+  assert by[("rn", 0)]["bytes_per_param"] == pytest.approx(4 + 2 + 1 + 4 / 128)
+  assert by[("fp32", 0)]["bytes_per_param"] == pytest.approx(12.0)
+  assert by[("rn", 0)]["steps_per_s"] == 8.0
   assert by[("fp32", 0)]["state"] == "float32"
-  assert "state_erased_2nd_half" not in by[("fp32", 0)]
+  assert "mu_erased_2nd_half" not in by[("fp32", 0)]
   text = "\n".join(lines)
-  assert "- rn: final val loss minus float32 state +0.3000 nats" in text
-  assert "(range +0.1000 to +0.5000, 2 seeds)" in text
-  assert "second half 0.800" in text
+  assert "- rn: final val loss minus float32 state +0.3000 " in text
+  assert "(range +0.1000 to +0.5000) nats, 2 seeds" in text
+  assert "mu updates erased (2nd half) 0.312, predicted 0.250" in text
+  assert "nu updates erased (2nd half) 1.000, predicted 0.500" in text
 
 
 def test_recovery_table_per_seed_means_and_ratio(tmp_path):
@@ -791,16 +833,18 @@ def test_slow_smoke_study_makes_its_table(name, tmp_path):
 @pytest.mark.slow
 def test_state_precision_smoke_stores_narrow_state_and_tabulates(tmp_path):
   _, md = _smoke("state_precision", tmp_path)
-  assert "- sr_bf16: final val loss minus float32 state" in md
+  assert "- bf16w_sr_fp8: final val loss minus float32 state" in md
   rows = list(
     csv.DictReader(
       open(tmp_path / "state_precision" / "tables" / "state_precision.csv")
     )
   )
-  assert {r["arm"] for r in rows} == {"fp32", "sr_bf16"}
+  assert {r["arm"] for r in rows} == {"bf16w_fp32", "bf16w_sr_fp8"}
   for r in rows:
-    if r["arm"] != "fp32":
-      assert 0.0 <= float(r["state_erased_2nd_half"]) <= 1.0
+    if r["arm"] != "bf16w_fp32":
+      for m in ("mu", "nu"):
+        assert 0.0 <= float(r[f"{m}_erased_2nd_half"]) <= 1.0
+        assert 0.0 <= float(r[f"{m}_predicted_2nd_half"]) <= 1.0
 
 
 @pytest.mark.slow

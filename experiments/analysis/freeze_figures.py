@@ -20,6 +20,7 @@ import numpy as np  # noqa: E402
 from experiments.analysis import audit_tables as at  # noqa: E402
 from experiments.analysis import freeze_panels  # noqa: E402
 from experiments.analysis import freeze_tables as fa  # noqa: E402
+from experiments.analysis import state_tables as st  # noqa: E402
 from experiments.analysis import writeback_tables as wt  # noqa: E402
 from experiments.analysis.runs import load_runs  # noqa: E402
 
@@ -387,22 +388,33 @@ def user_reports_panels(study, results="results", out=None) -> str:
 
 # figure name (a study's `study.figure`) -> (study, results, out) -> PNG path
 def state_figure(study, results="results", out=None) -> str:
-  """Validation loss of every arm; beside it, the measured share of state
-  updates erased by storage (`state/erased_fraction`) per step."""
+  """Validation loss of every arm; beside it, the share of the second
+  moment's updates erased by storage per step, measured (solid, one line
+  per seed) and predicted by the float32-state run (dashed)."""
   runs = load_runs(results, study)
-  fig, (ax, ex) = plt.subplots(1, 2, figsize=(10, 4))
+  fig, (ax, ex) = plt.subplots(1, 2, figsize=(11, 4))
   _val_panel(ax, runs, study)
-  arms = list(dict.fromkeys(r.arm for r in runs))
-  for i, arm in enumerate(arms):
+  by_key = {(r.arm, r.seed): r for r in runs}
+  arms = [a for a in dict.fromkeys(r.arm for r in runs)]
+  stored = [a for a in arms if any(
+    r.arm == a and r.config["lowprec"].get("state") for r in runs
+  )]  # fmt: skip
+  for i, arm in enumerate(stored):
     for j, run in enumerate(r for r in runs if r.arm == arm):
-      s, e = run.curve("state/erased_fraction")
-      if s.size:
-        ex.plot(s, e, color=f"C{i}", lw=1, label=arm if j == 0 else None)
+      nu = st.moment_curves(run, "state").get("nu")
+      if nu is not None:
+        ex.plot(*nu, color=f"C{i}", lw=1, label=arm if j == 0 else None)
+      st_cfg = run.config["study"]
+      ref = by_key.get((st_cfg.get("reference_arm"), run.seed))
+      if ref is not None and st_cfg.get("cell"):
+        pred = st.moment_curves(ref, f"pred_state/{st_cfg['cell']}")
+        if "nu" in pred:
+          ex.plot(*pred["nu"], color=f"C{i}", lw=1, ls="--")
   ex.set_xlabel("step")
-  ex.set_ylabel("state updates erased")
+  ex.set_ylabel("nu updates erased (solid: measured, dashed: predicted)")
   ex.set_ylim(-0.02, 1.02)
   if ex.lines:
-    ex.legend(fontsize=8)
+    ex.legend(fontsize=7)
   return _save(fig, study, results, out)
 
 

@@ -1,61 +1,144 @@
 """Optimizer state stored in low precision: result runs -> (rows, lines).
 
 `state_table` (study `state_precision`): per arm and seed, the final
-validation loss against the same seed's arm with float32 state, and the
-measured state erasures (`lowprec.store_state`'s telemetry, logged every
-step as `state/...`).
+validation loss against the float32-state arm of its weight setting (same
+seed), the measured state erasures (`lowprec.store_state`'s telemetry,
+logged every step as `state/...`) of each moment, and the erasures that
+the float32-state run predicted for that store (`pred_state/<store>/...`,
+from `lowprec.freeze.state_trace`).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from lowprec.formats import get_format
+from lowprec.state_storage import parse_state_format
+
+MOMENTS = ("mu", "nu")
+ADAM_MOMENTS = 2  # float32 moments per parameter without a store
+
 
 def _rules(run) -> str:
   return ", ".join(run.config["lowprec"].get("state") or ()) or "float32"
 
 
+def _moment_of(path: str) -> str | None:
+  parts = path.split("/")
+  return next((m for m in MOMENTS if m in parts), None)
+
+
+def moment_curves(run, prefix: str) -> dict[str, tuple]:
+  """Per moment, (steps, erased / changed) summed over its state paths,
+  from a run's `<prefix>/erased/<path>` and `<prefix>/changed/<path>`
+  metrics (prefix `state` measured, `pred_state/<store>` predicted)."""
+  out = {}
+  for moment in MOMENTS:
+    steps, num, den = [], [], []
+    for r in run.metrics:
+      e = c = 0.0
+      for k, v in r.items():
+        if (
+          k.startswith(prefix + "/erased/")
+          and _moment_of(k[len(prefix) + 8 :]) == moment
+        ):
+          e += v
+          c += r.get(k.replace("/erased/", "/changed/", 1), 0)
+      if c > 0:
+        steps.append(r["step"])
+        num.append(e)
+        den.append(c)
+    if steps:
+      out[moment] = (np.asarray(steps), np.asarray(num) / np.asarray(den))
+  return out
+
+
+def _late_mean(curve) -> float | None:
+  steps, frac = curve
+  late = frac[steps > steps.max() / 2]
+  late = late[np.isfinite(late)]
+  return float(late.mean()) if late.size else None
+
+
+def recipe_bytes(config) -> float:
+  """Bytes per parameter of the weights and AdamW's two moments as the
+  recipe stores them: each format's width (the runner may hold a grid in
+  float32), plus a float32 scale per block or tensor. Norm gains and
+  biases kept in float32 are not counted apart (under 2% here)."""
+  lp = config["lowprec"]
+  w = get_format(lp["writeback"]).bits / 8 if lp.get("writeback") else 4.0
+  state = {}
+  for entry in lp.get("state") or ():
+    regex, _, spec = entry.rpartition("=")
+    sf = parse_state_format(spec)
+    scale = sf.scale
+    extra = 4 / scale if isinstance(scale, int) else 0.0
+    state[regex] = get_format(sf.fmt).bits / 8 + extra
+  moments = sum(state.get(m, 4.0) for m in MOMENTS)
+  return w + moments + 4.0 * (ADAM_MOMENTS - len(MOMENTS))
+
+
 def state_table(runs):
   """Rows per arm x seed: `state` (the rules), `final_val_loss`,
-  `val_minus_fp32` (minus the float32-state arm of the same seed),
-  `state_erased_2nd_half` (mean of `state/erased_fraction` over the second
-  half of the steps) and `state_flushed_last` (nonzero values stored as 0
-  at the last step). Lines: per arm, the mean and range over seeds of the
-  difference to float32 state."""
-  ref = {
-    r.seed: r.last("val_loss")
-    for r in runs
-    if not r.config["lowprec"].get("state")
-  }
+  `val_minus_fp32` (minus the float32-state arm of the same weight setting
+  and seed), per moment `<m>_erased_2nd_half` measured and
+  `<m>_predicted_2nd_half` (means of the per-step erased share over the
+  second half of the steps), `state_flushed_last` (nonzero values stored
+  as 0 at the last step), `bytes_per_param` and `steps_per_s`. Lines: per
+  arm, the mean and range over seeds."""
+  by_key = {(r.arm, r.seed): r for r in runs}
   rows = []
   for run in runs:
+    study = run.config["study"]
+    ref = by_key.get((study.get("reference_arm") or run.arm, run.seed))
     row = {"arm": run.arm, "seed": run.seed, "state": _rules(run)}
     row["final_val_loss"] = run.last("val_loss")
-    if ref.get(run.seed) is not None and row["final_val_loss"] is not None:
-      row["val_minus_fp32"] = row["final_val_loss"] - ref[run.seed]
-    steps, frac = run.curve("state/erased_fraction")
-    if steps.size:
-      late = frac[steps > steps.max() / 2]
-      late = late[np.isfinite(late)]
-      if late.size:
-        row["state_erased_2nd_half"] = float(late.mean())
+    if ref is not None and None not in (
+      row["final_val_loss"],
+      ref.last("val_loss"),
+    ):
+      row["val_minus_fp32"] = row["final_val_loss"] - ref.last("val_loss")
+    measured = moment_curves(run, "state")
+    for m, curve in measured.items():
+      row[f"{m}_erased_2nd_half"] = _late_mean(curve)
+    if ref is not None and study.get("cell") and measured:
+      pred = moment_curves(ref, f"pred_state/{study['cell']}")
+      for m, curve in pred.items():
+        row[f"{m}_predicted_2nd_half"] = _late_mean(curve)
+    if measured:
       row["state_flushed_last"] = run.last("state/flushed")
+    row["bytes_per_param"] = recipe_bytes(run.config)
+    row["steps_per_s"] = run.summary.get("steps_per_s")
     rows.append(row)
   return rows, _lines(rows)
+
+
+def _fmt_range(xs, spec) -> str:
+  return f"{np.mean(xs):{spec}} (range {min(xs):{spec}} to {max(xs):{spec}})"
 
 
 def _lines(rows) -> list[str]:
   out = []
   for arm in dict.fromkeys(r["arm"] for r in rows):
-    d = [r.get("val_minus_fp32") for r in rows if r["arm"] == arm]
-    d = [x for x in d if x is not None]
-    erased = [r.get("state_erased_2nd_half") for r in rows if r["arm"] == arm]
-    erased = [x for x in erased if x is not None]
-    if not d or not erased:
+    mine = [r for r in rows if r["arm"] == arm]
+    d = [r["val_minus_fp32"] for r in mine if "val_minus_fp32" in r]
+    if not d or not any(f"{m}_erased_2nd_half" in r for r in mine for m in
+                        MOMENTS):  # fmt: skip
       continue
-    out.append(
-      f"- {arm}: final val loss minus float32 state {np.mean(d):+.4f} nats "
-      f"(range {min(d):+.4f} to {max(d):+.4f}, {len(d)} seeds); state "
-      f"updates erased in the second half {np.mean(erased):.3f}"
-    )
+    parts = [
+      f"- {arm}: final val loss minus float32 state {_fmt_range(d, '+.4f')} "
+      f"nats, {len(d)} seeds"
+    ]
+    for m in MOMENTS:
+      got = [r[f"{m}_erased_2nd_half"] for r in mine
+             if r.get(f"{m}_erased_2nd_half") is not None]  # fmt: skip
+      want = [r[f"{m}_predicted_2nd_half"] for r in mine
+              if r.get(f"{m}_predicted_2nd_half") is not None]  # fmt: skip
+      if got:
+        text = f"{m} updates erased (2nd half) {np.mean(got):.3f}"
+        if want:
+          text += f", predicted {np.mean(want):.3f}"
+        parts.append(text)
+    parts.append(f"{mine[0]['bytes_per_param']:.2f} bytes/param")
+    out.append("; ".join(parts))
   return out

@@ -13,8 +13,9 @@
   erased proposals that are weight decay only, per tensor.
 * `stuck`: the share of coordinates of a checkpoint still at their initial
   value, per group of tensors (norm gains, embeddings, ...).
-* `state_erasure`, `state_at_init`: from float32 optimizer states, the
-  share of state updates that `lowprec.store_state` would erase, and the
+* `state_erasure`, `state_trace`, `state_at_init`: from float32 optimizer
+  states, the share of state updates that `lowprec.store_state` would
+  erase (one step; every step of a run, as an optax wrapper), and the
   coordinates whose stored state would never leave its initial value.
 
 Definitions (erased, erased fraction, frozen, crossing step, categories)
@@ -44,7 +45,12 @@ from lowprec.freeze.curves import (
   summarize,
 )
 from lowprec.freeze.decay import DecayErasureState, decay_erasure
-from lowprec.freeze.state import state_at_init, state_erasure
+from lowprec.freeze.state import (
+  StateTraceState,
+  state_at_init,
+  state_erasure,
+  state_trace,
+)
 from lowprec.freeze.stuck import StuckShare, stuck
 from lowprec.freeze.trace import (
   ROUNDINGS,
@@ -82,6 +88,8 @@ __all__ = [
   "rmse",
   "state_at_init",
   "state_erasure",
+  "state_trace",
+  "StateTraceState",
   "stuck",
   "summarize",
 ]

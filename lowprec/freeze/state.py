@@ -13,15 +13,20 @@ reference update `d = s' - s`, and round again:
 
 Scaled targets round `x / scale(x)` with the same rule as the storage.
 `state_erasure` takes the float32 states before and after one step;
-`state_at_init` a whole sequence of them, and predicts which coordinates
-stay at their initial stored value (a second moment that never leaves 0,
-say).
+`state_trace` wraps an optimizer and evaluates it at every update of a
+float32 run, for several targets; `state_at_init` takes a whole sequence
+of states, and predicts which coordinates stay at their initial stored
+value (a second moment that never leaves 0, say).
 """
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
+import numpy as np
+import optax
 
 from lowprec import state_storage as ss
 from lowprec.rounding import round_and_flag
@@ -159,3 +164,137 @@ def state_at_init(states, rules) -> dict[str, jax.Array]:
   start = {n: jnp.ones(jnp.shape(q), bool) for n, q in q0.items()}
   steps = jnp.shape(next(iter(seq.values())))[0] if seq else 1
   return jax.lax.scan(step, start, jnp.arange(1, steps))[0]
+
+
+class StateTraceState(NamedTuple):
+  """State of `state_trace`: the inner state (float32) and the predicted
+  erasures of its last update, per target and state path."""
+
+  inner: Any  # the inner transform's state, as it would be without a trace
+  count: jax.Array  # int32 []: updates so far
+  changed: dict[str, dict[str, jax.Array]]  # int32 []: finite s' != s
+  erased: dict[str, dict[str, jax.Array]]  # float32 []: expected erasures
+
+  def arrays(self) -> dict[str, jax.Array]:
+    """`report()`'s keys as arrays (under jit, scan and vmap)."""
+    return self._collect(self, jnp, _fraction)
+
+  def report(self) -> dict[str, int | float]:
+    """The predictions as plain numbers, prefixed `pred_state/<target>/`.
+
+    Per target: `changed` (finite float32 updates that changed a state
+    value), `erased` (the expected number of them a store would erase:
+    a count under nearest rounding), `erased_fraction` (erased / changed,
+    NaN without changes), and each per state path (`.../erased/<path>`).
+    Named like `lowprec.store_state`'s measured `state/...` keys.
+    """
+    host = jax.device_get(self._replace(inner=None))
+    return {
+      k: _host(v) for k, v in self._collect(host, np, _fraction_np).items()
+    }
+
+  @staticmethod
+  def _collect(st, xp, fraction) -> dict[str, Any]:
+    out = {}
+    for t, changed in st.changed.items():
+      erased = st.erased[t]
+      pre = f"pred_state/{t}"
+      total_c = sum((xp.asarray(v) for v in changed.values()), xp.asarray(0))
+      total_e = sum(
+        (xp.asarray(v, xp.float32) for v in erased.values()),
+        xp.asarray(0.0, xp.float32),
+      )
+      out[f"{pre}/changed"] = total_c
+      out[f"{pre}/erased"] = total_e
+      out[f"{pre}/erased_fraction"] = fraction(total_e, total_c)
+      for n in changed:
+        out[f"{pre}/changed/{n}"] = xp.asarray(changed[n])
+        out[f"{pre}/erased/{n}"] = xp.asarray(erased[n])
+        out[f"{pre}/erased_fraction/{n}"] = fraction(erased[n], changed[n])
+    return out
+
+
+def _fraction(num, den):
+  den = jnp.asarray(den)
+  return jnp.where(den > 0, num / jnp.maximum(den, 1), jnp.nan)
+
+
+def _fraction_np(num, den):
+  return float(num) / int(den) if int(den) else float("nan")
+
+
+def _host(a):
+  a = np.asarray(a)
+  return float(a) if np.issubdtype(a.dtype, np.floating) else int(a)
+
+
+def state_trace(
+  inner: optax.GradientTransformation, targets
+) -> optax.GradientTransformationExtraArgs:
+  """Wraps `inner` in a float32 run and predicts its stored-state erasures.
+
+  The float32 reference of `lowprec.store_state`: `inner` runs unchanged
+  (its state stays float32, its updates pass through), and every update
+  evaluates `state_erasure(s, s', rules)` for each target, the erasures
+  that storing the state with those rules would cause at this point of the
+  float32 trajectory. One run predicts several stores:
+
+    tx = lowprec.freeze.state_trace(optax.adamw(1e-3), {
+        "rn_bf16": {"mu": "bfloat16", "nu": "bfloat16"},
+        "sr_bf16": {"mu": "bfloat16:stochastic", "nu": "bfloat16:stochastic"},
+    })
+    ...
+    lowprec.telemetry(state)["pred_state/rn_bf16/erased_fraction/0/nu/w"]
+
+  Compare with the measured `state/erased_fraction/<path>` of the run that
+  stores the state (`lowprec.store_state(inner, rules)`): the same paths
+  and definitions. The prediction holds while the stored run's trajectory
+  stays near the float32 one.
+
+  Args:
+    inner: the optimizer whose state would be stored.
+    targets: `{name: rules}`, rules as `lowprec.store_state` takes them.
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs` whose state is a
+    `StateTraceState` (the inner state in its field `inner`).
+
+  Raises:
+    ValueError: no targets, or (at `init`) a target's rules as
+      `store_state` would refuse them.
+  """
+  if not targets:
+    raise ValueError(
+      "state_trace needs targets: {name: rules}, e.g. "
+      "{'rn_bf16': {'mu': 'bfloat16', 'nu': 'bfloat16'}}"
+    )
+  targets = dict(targets)
+  inner = optax.with_extra_args_support(inner)
+
+  def zeros(state):
+    out_c, out_e = {}, {}
+    for t, rules in targets.items():
+      try:
+        plan = _plan(rules, state)
+      except ValueError as e:
+        raise ValueError(f"state_trace target {t!r}: {e}") from None
+      out_c[t] = {n: jnp.zeros([], jnp.int32) for n in plan}
+      out_e[t] = {n: jnp.zeros([], jnp.float32) for n in plan}
+    return out_c, out_e
+
+  def init_fn(params):
+    state = inner.init(params)
+    changed, erased = zeros(state)
+    return StateTraceState(state, jnp.zeros([], jnp.int32), changed, erased)
+
+  def update_fn(updates, state, params=None, **extra):
+    updates, new = inner.update(updates, state.inner, params, **extra)
+    changed, erased = {}, {}
+    for t, rules in targets.items():
+      pred = state_erasure(state.inner, new, rules)
+      changed[t] = {n: v["changed"] for n, v in pred.items()}
+      erased[t] = {n: v["erased"] for n, v in pred.items()}
+    count = optax.safe_increment(state.count)
+    return updates, StateTraceState(new, count, changed, erased)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
