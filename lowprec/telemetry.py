@@ -31,6 +31,7 @@ from flax import nnx
 from lowprec import rng as rng_lib
 from lowprec.compensated import CompensatedState
 from lowprec.freeze.decay import DecayErasureState
+from lowprec.freeze.remedies import CompensatedTraceState
 from lowprec.freeze.trace import ReferenceTraceState
 from lowprec.state_storage import StateCounts
 from lowprec.writeback import WritebackState
@@ -88,6 +89,10 @@ _NAMED_BY_LAYOUT = {
   DecayErasureState: (
     {"count", "erased", "decay_only"},
     "lowprec.freeze.decay_erasure",
+  ),
+  CompensatedTraceState: (
+    {"count", "counts", "masses", "buffer", "flags"},
+    "lowprec.freeze.compensated_trace",
   ),
 }
 
