@@ -416,3 +416,12 @@ def test_update_errors():
   state = tx.init({"w": jnp.ones(3)})
   with pytest.raises(ValueError, match="needs params"):
     tx.update({"w": jnp.ones(3)}, state)
+
+
+def test_a_plain_view_is_refused_with_the_fix():
+  tx = optax.chain(optax.sgd(0.1), freeze.compensated_trace(REMEDIES))
+  p = {"w": jnp.ones(3)}
+  _, state = tx.update(p, tx.init(p), p)
+  view = {"1": {k: v for k, v in state[1]._asdict().items() if k != "layout"}}
+  with pytest.raises(ValueError, match="compensated_trace at '1'"):
+    lowprec.telemetry(view)
