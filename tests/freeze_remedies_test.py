@@ -395,11 +395,13 @@ def test_default_names_and_spec_forms():
     ),
     ({"a": ("bfloat16", "two_component", "bfloat16")}, "only 'kahan'"),
     ({"a": "bfloat16"}, "not a Remedy or a tuple"),
+    ({"a": ("bfloat16", "kahan", None)}, "needs a buffer format"),
     ({"a/b": ("bfloat16", "kahan")}, "no '/'"),
     ([([(".*", "bfloat16")], "kahan")], "needs a name"),
   ],
   ids=[
-    "empty", "kind", "wide", "int", "buffer", "bare", "slash", "rules"
+    "empty", "kind", "wide", "int", "buffer", "bare", "none", "slash",
+    "rules",
   ],
 )  # fmt: skip
 def test_errors_name_the_fix(spec, match):

@@ -71,6 +71,11 @@ class Remedy:
     if isinstance(self.fmt, (str, Format)):
       object.__setattr__(self, "fmt", get_format(self.fmt))
     if self.kind == "kahan":
+      if self.buffer is None:
+        raise ValueError(
+          "a 'kahan' remedy needs a buffer format, e.g. ('bfloat16', "
+          "'kahan', 'bfloat16') or ('bfloat16', 'kahan', 'float8_e5m2')"
+        )
       object.__setattr__(self, "buffer", _buffer_format(self.buffer))
     else:
       object.__setattr__(self, "buffer", None)
