@@ -511,25 +511,22 @@ def _predict_leaf(w, u, c, flag, fmt: Format, buf: Format, two_sum: bool):
   lost = written & (r != 0) & (new_c == 0)
   # Nearest write-back without a buffer, at the same grid value.
   nearest_moves = proposed & (round_and_flag(q + u, fmt)[0] != q)
-  flag = flag & ~jnp.where(nearest_moves, _FROZEN, 0).astype(jnp.uint8)
-  flag = flag | jnp.where(moved, _MOVED, 0).astype(jnp.uint8)
-  flag = flag | jnp.where(proposed, _PROPOSED, 0).astype(jnp.uint8)
-  flag = flag | jnp.where(written & (new_c != 0), _HELD, 0).astype(jnp.uint8)
-  # Materialised before counting: XLA:CPU runs a reduction on one thread,
-  # so the roundings must not be fused into it.
-  flag = jax.lax.optimization_barrier(flag)
+  flag = flag & ~_bit(nearest_moves, _FROZEN)
+  flag = flag | _bit(moved, _MOVED) | _bit(proposed, _PROPOSED)
+  flag = flag | _bit(written & (new_c != 0), _HELD)
   seen = (flag & _PROPOSED) != 0
   frozen = seen & ((flag & _FROZEN) != 0)
   went = (flag & _MOVED) != 0
-  late = frozen & went
-  drained = seen & ~went & ((flag & _HELD) == 0)
-  n = _count(proposed, erased, moved, lost, frozen, late, drained)
-  m = (
-    _mass(new_c),
-    _mass(jnp.where(written, r - new_c, 0.0)),
-    _mass(drift),
-  )
-  return new_c, flag, n, m
+  bits = (proposed, erased, moved, lost, frozen, frozen & went)
+  bits += (seen & ~went & ((flag & _HELD) == 0),)  # drained
+  masses = (new_c, jnp.where(written, r - new_c, 0.0), drift)
+  # As the compensated write-back counts: one variadic reduction of the
+  # masks, then a float32 sum per mass.
+  return new_c, flag, _count(*bits), [_mass(m) for m in masses]
+
+
+def _bit(mask, value: int) -> jax.Array:
+  return jnp.where(mask, jnp.uint8(value), jnp.uint8(0))
 
 
 def _mass(x):
