@@ -179,10 +179,10 @@ jax.tree_util.register_static(RemedyLayout)
 class CompensatedTraceState(NamedTuple):
   """State of `compensated_trace`: predicted buffers, flags and counts.
 
-  Counts and masses are this step's, per target and leaf (the `_RUN`
-  counts are coordinates over the run so far); buffers and flags are
-  per target and leaf, shaped like the leaf, None where the target leaves
-  the leaf out.
+  Counts and masses are this step's, per target and leaf, except
+  `nearest_frozen`, `late` and `drained`, which count coordinates over the
+  run so far; buffers and flags are per target and leaf, shaped like the
+  leaf, None where the target leaves the leaf out.
   """
 
   count: jax.Array  # [] int32: updates seen so far.
@@ -341,6 +341,8 @@ def compensated_trace(remedies) -> optax.GradientTransformation:
 
   Memory: per target, one buffer per parameter (in the buffer's native
   dtype) and a uint8 flag per parameter. Updates pass through unchanged.
+  Each target costs about what `kahan_writeback` with telemetry costs,
+  twice at most (1M parameters on a CPU).
 
   Args:
     remedies: a `Remedy`, a tuple `(weight format, kind[, buffer])`, a
