@@ -28,7 +28,9 @@ ones, as means over steps, with the RMSE between the curves.
   python -m scripts.make_tables remedies
 
 CPU scale (default): 7 arms x 1 seed of 400 steps of the 2-layer d=64 GPT
-on the built-in corpus; 5.2 minutes on 2 CPU cores. Full scale
+on the built-in corpus; 5.2 minutes on 2 CPU cores, measured before
+the float32 arm predicted the other arms (its three compensated traces
+add about half a minute of compilation). Full scale
 (`:scale=full`): its 6-layer d=384 decoder on token files in data.path.
 Measured (CPU scale, seed 0): final val loss fp32 2.368, nearest 2.471;
 recovery of the nearest gap: Kahan with a bf16 buffer 1.003, with an e5m2
