@@ -129,6 +129,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.lowprec.trace_targets = ()  # formats predicted by a reference trace
   c.lowprec.trace_sample = 0  # coordinates whose (w, u) are logged
   c.lowprec.trace_at_init = False  # also predict coordinates left at init
+  # Compensated write-backs predicted by the float32 run (compensated_trace),
+  # "weights:kind[:buffer]", e.g. ("bfloat16:kahan:float8_e5m2",)
+  c.lowprec.trace_remedies = ()
   c.lowprec.decay_erasure = False  # count erased proposals of decay alone
   # Optimizer state stored in low precision (lowprec.store_state around the
   # optimizer): "regex=spec" rules over its state paths, in order, e.g.

@@ -11,6 +11,7 @@ import numpy as np
 import optax
 
 import lowprec
+from lowprec import names
 from lowprec.state_storage import parse_state_format
 from lowprec.storage import path_name
 
@@ -86,6 +87,63 @@ def trace_target(spec: str, keep_float32: str = ""):
   return lowprec.freeze.Target(rules, rounding or "nearest")
 
 
+def trace_remedy(spec: str, keep_float32: str = ""):
+  """`"bfloat16:kahan:float8_e5m2"` or `"bfloat16:two_component"` as
+  `(name, lowprec.freeze.Remedy)`, named as `compensated_trace` names it
+  (`lowprec.freeze.remedy_name`).
+
+  The spec is `weights:kind[:buffer]`: the weights' grid, the kind of
+  compensation (`lowprec.freeze.KINDS`) and, for "kahan", the buffer's
+  format ("bfloat16" where it is left out). Paths matching `keep_float32`
+  are left out, as the write-back leaves them out.
+
+  Raises:
+    ValueError: a spec that is not of that form, or an unknown kind or
+      format; the message gives the form and an example.
+  """
+  parts = spec.split(":")
+  example = (
+    "e.g. 'bfloat16:kahan:bfloat16', 'bfloat16:kahan:float8_e5m2' or "
+    "'bfloat16:two_component'"
+  )
+  if not 2 <= len(parts) <= 3 or not all(parts):
+    raise ValueError(
+      f"lowprec.trace_remedies entry {spec!r} is not "
+      f"'weights:kind[:buffer]'; {example}"
+    )
+  fmt, kind = parts[:2]
+  names.check_choice("lowprec.trace_remedies kind", kind, lowprec.freeze.KINDS)
+  if kind != "kahan" and len(parts) == 3:
+    raise ValueError(
+      f"lowprec.trace_remedies entry {spec!r}: only 'kahan' takes a buffer "
+      f"format (a {kind} error lives on the weights' grid); write "
+      f"'{fmt}:{kind}'"
+    )
+  buffer = parts[2] if len(parts) == 3 else "bfloat16"
+  name = lowprec.freeze.remedy_name(
+    fmt, kind, buffer if kind == "kahan" else None
+  )
+  grid = [(keep_float32, None), (".*", fmt)] if keep_float32 else fmt
+  try:
+    return name, lowprec.freeze.Remedy(grid, kind, buffer)
+  except ValueError as e:
+    raise ValueError(f"lowprec.trace_remedies entry {spec!r}: {e}") from None
+
+
+def trace_remedies(lp) -> dict:
+  """`lowprec.trace_remedies` as `compensated_trace`'s argument, over the
+  parameters the write-back rounds."""
+  out = {}
+  for spec in lp.get("trace_remedies", ()):
+    name, remedy = trace_remedy(spec, lp.keep_float32)
+    if name in out:
+      raise ValueError(
+        f"lowprec.trace_remedies names {name!r} twice; list each remedy once"
+      )
+    out[name] = remedy
+  return out
+
+
 INT_SCOPES = ("tensor", "model")  # lowprec.int_scale_scope
 
 
@@ -144,10 +202,12 @@ def needs_params(lp) -> bool:
 
 def has_telemetry(lp) -> bool:
   """Whether `build`'s chain holds a state that `lowprec.telemetry` reads
-  (a write-back, a reference trace, a decay counter or stored state)."""
+  (a write-back, a reference or compensated trace, a decay counter or
+  stored state)."""
   return bool(
     lp.writeback
     or lp.trace_targets
+    or lp.get("trace_remedies", ())
     or lp.get("decay_erasure", False)
     or lp.get("state", ())
     or lp.get("state_targets", ())
@@ -323,13 +383,15 @@ def compensation(lp) -> str:
 
 
 def build(config, key: jax.Array, params=None) -> optax.GradientTransformation:
-  """clip -> AdamW/SGD -> write-back (low precision) or trace (float32).
+  """clip -> AdamW/SGD -> write-back (low precision) or traces (float32).
 
   With `lowprec.state` the optimizer's state is stored in low precision
   (`lowprec.store_state` around AdamW/SGD; state paths such as `0/mu/...`).
   The write-back is `lowprec.writeback`, or a compensated one picked by
   `lowprec.compensation` ("kahan" with `lowprec.buffer`, "two_component",
-  "remainder"; see `WRITEBACKS`).
+  "remainder"; see `WRITEBACKS`). A float32 run predicts nearest
+  write-back with `lowprec.trace_targets` (`reference_trace`) and the
+  compensated ones with `lowprec.trace_remedies` (`compensated_trace`).
 
   `params` (the initial parameters) are needed only for per-tensor `intK`
   scales (`needs_params`). The config's names (`opt.name`, `opt.schedule`,
@@ -367,6 +429,8 @@ def build(config, key: jax.Array, params=None) -> optax.GradientTransformation:
         at_init=lp.get("trace_at_init", False),
       )
     )
+  if lp.get("trace_remedies", ()):
+    parts.append(lowprec.freeze.compensated_trace(trace_remedies(lp)))
   return optax.chain(*parts)
 
 

@@ -166,6 +166,7 @@ def validate(c) -> None:
       names.check_choice("lowprec.trace_targets rounding", rounding, ROUNDINGS)
   if lp.writeback:
     formats.append(("lowprec.writeback", lp.writeback))
+  _check_trace_remedies(lp)
   optim.state_rules(lp)  # raises for a bad lowprec.state entry
   optim.state_targets(lp)  # and lowprec.state_targets
   if lp.state and lp.state_targets:
@@ -214,6 +215,17 @@ def validate(c) -> None:
       "it to 0"
     )
   config_checks.check(c)
+
+
+def _check_trace_remedies(lp) -> None:
+  optim.trace_remedies(lp)  # raises for a bad entry, naming the form
+  if lp.get("trace_remedies", ()) and lp.writeback:
+    raise ValueError(
+      "lowprec.trace_remedies predicts compensated write-back from a "
+      f"float32 run, but this run writes back onto {lp.writeback!r}: set "
+      "it on the float32 reference arm (lowprec.writeback=''), or "
+      "lowprec.trace_remedies=() here"
+    )
 
 
 def resolve_all(config, cli_keys=()) -> list:

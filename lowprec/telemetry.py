@@ -14,9 +14,10 @@ without a target (nested dicts and lists of arrays, with `{"value": x}`
 where NNX boxed a leaf). A `lowprec.writeback` state, the state of a
 compensated write-back (`lowprec.kahan_writeback` and its siblings) and the
 counts of a `lowprec.store_state` are recognized there by their fields and
-rebuilt. The reference trace and the decay counter keep their target and
-tensor names in the state's static structure, which such views drop:
-there they are refused with the fix, never skipped.
+rebuilt. The reference trace, the compensated trace and the decay
+counter keep their target and tensor names in the state's static
+structure, which such views drop: there they are refused with the fix,
+never skipped.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from flax import nnx
 from lowprec import rng as rng_lib
 from lowprec.compensated import CompensatedState
 from lowprec.freeze.decay import DecayErasureState
+from lowprec.freeze.remedies import CompensatedTraceState
 from lowprec.freeze.trace import ReferenceTraceState
 from lowprec.state_storage import StateCounts
 from lowprec.writeback import WritebackState
@@ -88,6 +90,10 @@ _NAMED_BY_LAYOUT = {
   DecayErasureState: (
     {"count", "erased", "decay_only"},
     "lowprec.freeze.decay_erasure",
+  ),
+  CompensatedTraceState: (
+    {"count", "counts", "masses", "buffer", "flags"},
+    "lowprec.freeze.compensated_trace",
   ),
 }
 
@@ -176,8 +182,8 @@ def _nothing_found(opt_state, caller: str) -> str:
     f"lowprec.{caller} found no telemetry in the "
     f"{kind.__module__}.{kind.__qualname__} it was given: no state of "
     "lowprec.writeback (or its compensated siblings), lowprec.store_state, "
-    "lowprec.freeze.reference_trace or lowprec.freeze.decay_erasure is "
-    "in it. Pass the optimizer state "
+    "lowprec.freeze.reference_trace, lowprec.freeze.compensated_trace or "
+    "lowprec.freeze.decay_erasure is in it. Pass the optimizer state "
     "that holds one: the state tx.init returned (and tx.update returns), "
     "opt.opt_state or nnx.state(opt) of an NNX optimizer, their "
     "to_pure_dict(), or a checkpoint of them restored with or without a "

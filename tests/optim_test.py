@@ -138,3 +138,72 @@ def test_compensation_names_and_combinations_are_checked():
   with pytest.raises(ValueError, match="rounding='nearest'"):
     optim.build(c, jax.random.key(0))
   assert optim.compensation(_config()) == "none"
+
+
+# ---- compensated-write-back prediction in a float32 arm --------------------
+
+
+def _fp32_config(**lp):
+  c = _config(**lp)
+  c.lowprec.writeback = ""
+  return c
+
+
+def test_a_float32_config_predicts_the_compensated_write_backs():
+  import lowprec
+  from experiments import study
+
+  remedies = (
+    "bfloat16:kahan:bfloat16",
+    "bfloat16:kahan:float8_e5m2",
+    "bfloat16:two_component",
+  )
+  c = _fp32_config(trace_targets=("bfloat16",), trace_remedies=remedies)
+  study.validate(c)
+  assert optim.has_telemetry(c.lowprec)
+  params = lowprec.to_grid(_tree(3), "bfloat16")
+  tx = optim.build(c, jax.random.key(0))
+  updates, state = tx.update(_tree(4), tx.init(params), params)
+  tel = lowprec.telemetry(state)
+  for name in (
+    "bfloat16_kahan_bfloat16",
+    "bfloat16_kahan_float8_e5m2",
+    "bfloat16_two_component",
+  ):
+    assert tel[f"pred/{name}/proposals"] == 37 * 5 + 3 + 1
+  assert "pred/bfloat16/erased_fraction" in tel
+  # keep_float32 leaves the matching parameters out, as the write-back does.
+  c.lowprec.keep_float32 = "c"
+  tx = optim.build(c, jax.random.key(0))
+  _, state = tx.update(_tree(4), tx.init(params), params)
+  tel = lowprec.telemetry(state)
+  assert tel["pred/bfloat16_two_component/proposals"] == 37 * 5 + 3
+
+
+@pytest.mark.parametrize(
+  "remedies, match",
+  [
+    (("bfloat16",), "not 'weights:kind\\[:buffer\\]'; e.g."),
+    (("bfloat16:kahn",), "Did you mean 'kahan'"),
+    (("bfloat16:kahan:bf16",), "unknown format"),
+    (("bfloat6:kahan",), "unknown format"),
+    (("bfloat16:two_component:bfloat16",), "write 'bfloat16:two_component'"),
+    (("bfloat16:kahan:float64",), "wider than float32"),
+    (("bfloat16:kahan", "bfloat16:kahan:bfloat16"), "twice"),
+  ],
+  ids=["form", "kind", "buffer", "weights", "buffer-two", "wide", "twice"],
+)
+def test_bad_trace_remedies_are_rejected_before_training(remedies, match):
+  from experiments import study
+
+  with pytest.raises(ValueError, match=match) as e:
+    study.validate(_fp32_config(trace_remedies=remedies))
+  assert "lowprec.trace_remedies" in str(e.value)
+
+
+def test_trace_remedies_in_a_low_precision_arm_is_refused():
+  from experiments import study
+
+  c = _config(trace_remedies=("bfloat16:kahan",))
+  with pytest.raises(ValueError, match="float32 reference arm"):
+    study.validate(c)

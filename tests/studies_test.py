@@ -432,6 +432,64 @@ def test_recovery_table_per_seed_means_and_ratio(tmp_path):
   )
 
 
+def test_remedies_table_sets_predicted_against_measured_fractions(tmp_path):
+  root = str(tmp_path)
+  e5m2 = "bfloat16_kahan_float8_e5m2"
+  pred = {  # the float32 run's prediction, steps 1..3
+    "bfloat16/erased_fraction": [0.5, 0.6, 0.7],
+    f"{e5m2}/erased_fraction": [0.2, 0.3, 0.4],
+    f"{e5m2}/lost_fraction": [0.1, 0.1, float("nan")],
+  }
+  recs = [{"step": 0, "val_loss": 5.0}]
+  for t in range(3):
+    recs.append({"step": t + 1, "val_loss": 2.0})
+    recs[-1].update({f"pred/{k}": v[t] for k, v in pred.items()})
+  _run_dir(root, "p", "fp32", 0, {"lowprec": {}}, recs)
+  arms = {  # arm: (lowprec overrides, erased, lost, proposals per step)
+    "rn_bf16": ({"writeback": "bfloat16"}, [0.5, 0.6, 0.8], None, None),
+    "kahan_e5m2": (
+      {"writeback": "bfloat16", "compensation": "kahan",
+       "buffer": "float8_e5m2"},
+      [0.2, 0.2, 0.4], [1, 2, 0], [10, 10, 0],
+    ),
+    "remainder": (
+      {"writeback": "bfloat16", "compensation": "remainder"},
+      [0.1, 0.1, 0.1], [0, 0, 0], [10, 10, 10],
+    ),
+  }  # fmt: skip
+  for arm, (lp, erased, lost, props) in arms.items():
+    recs = [{"step": 0, "val_loss": 5.0}]
+    for t in range(3):
+      rec = {"step": t + 1, "val_loss": 3.0, "erased_fraction": erased[t]}
+      if lost is not None:
+        rec.update(lost=lost[t], proposals=props[t])
+      recs.append(rec)
+    _run_dir(root, "p", arm, 0, {"lowprec": lp}, recs)
+  rows, lines = tables.ANALYSES["remedies"](tables.load_runs(root, "p"))
+  by = {r["arm"]: r for r in rows}
+  k = by["kahan (float8_e5m2 buffer)"]
+  assert k["pred_erased_mean"] == pytest.approx(0.3)
+  assert k["erased_mean"] == pytest.approx(0.8 / 3)
+  assert k["erased_rmse"] == pytest.approx(np.sqrt(0.01 / 3))
+  # Step 3 has no proposals (and a NaN prediction): left out.
+  assert k["pred_lost_mean"] == pytest.approx(0.1)
+  assert k["lost_mean"] == pytest.approx(0.15)
+  assert k["lost_rmse"] == pytest.approx(np.sqrt((0 + 0.01) / 2))
+  n = by["nearest"]
+  assert n["pred_erased_mean"] == pytest.approx(0.6)
+  assert n["erased_rmse"] == pytest.approx(np.sqrt(0.01 / 3))
+  assert n.get("pred_lost_mean") is None
+  assert "pred_erased_mean" not in by["remainder"]
+  assert "pred_erased_mean" not in by["fp32"]
+  text = "\n".join(lines)
+  assert (
+    "- kahan (float8_e5m2 buffer), float32 prediction vs measured (mean "
+    "over steps): erased 0.3000 vs 0.2667 (curve RMSE 0.0577); lost "
+    "0.1000 vs 0.1500 (curve RMSE 0.0707)" in text
+  )
+  assert "- nearest, float32 prediction vs measured" in text
+
+
 def _replay_run(root, arm, start, rounding, v0, v1, **lowprec):
   _run_dir(
     root,
@@ -953,3 +1011,7 @@ def test_reproduce_runs_the_audit_smoke_through_the_entry_point(tmp_path):
 def test_remedies_smoke_runs_and_tabulates(tmp_path):
   _, md = _smoke("remedies", tmp_path)
   assert "| kahan (float8_e5m2 buffer) |" in md
+  assert (
+    "- kahan (float8_e5m2 buffer), float32 prediction vs measured (mean "
+    "over steps): erased " in md
+  )

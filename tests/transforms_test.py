@@ -41,6 +41,12 @@ def _transforms(fmt):
       ),
       False,
     ),
+    "compensated_trace": (
+      lowprec.freeze.compensated_trace(
+        {"kahan": (fmt, "kahan", "float8_e5m2"), "two": (fmt, "two_component")}
+      ),
+      False,
+    ),
     "kahan": (
       lowprec.kahan_writeback(fmt, "stochastic", key=KEY, buffer="bfloat16"),
       False,
@@ -102,6 +108,7 @@ def _signature(tree):
 # The compensated write-backs take one storage each in the default run;
 # the rest of their product is marked slow (run it with `pytest -m slow`).
 DEFAULT = {
+  "compensated_trace": "float32",
   "kahan": "float32",
   "two_component": "bfloat16",
   "remainder": "bfloat16",
@@ -145,11 +152,14 @@ def test_jit_once_and_a_stable_state(name, dtype):
   assert tel and all(
     np.all(np.isfinite(v)) for k, v in tel.items() if "fraction" not in k
   )
-  if name != "reference_trace":
+  if name == "reference_trace":
+    assert tel["pred/nn/proposals"] == 16 * 8 + 8
+  elif name == "compensated_trace":
+    assert tel["pred/kahan/proposals"] == 16 * 8 + 8
+    assert tel["pred/two/moved"] > 0
+  else:
     lowprec.check_on_grid(params, GRID.get(name, DTYPES[dtype][0]))
     assert tel["steps"] == 3 and tel["moved"] > 0
-  else:
-    assert tel["pred/nn/proposals"] == 16 * 8 + 8
 
 
 @pytest.mark.parametrize(
@@ -198,7 +208,7 @@ def test_eight_devices_keep_shardings_and_give_the_bits_of_one(name, dtype):
   tel8, tel1 = lowprec.telemetry(state8), lowprec.telemetry(one[1])
   assert tel8.keys() == tel1.keys()
   for k, v in tel1.items():
-    if any(w in k for w in ("move_prob", "carried", "lost_mass")):
+    if any(w in k for w in ("move_prob", "carried", "lost_mass", "drift")):
       # Float32 sums (of probabilities, of buffer values): their last
       # bits follow the reduction order, which sharding changes. Counts
       # are exact.

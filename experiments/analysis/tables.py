@@ -108,6 +108,12 @@ HEADINGS = {
   "error": "|predicted - nearest|",
   "per_seed": "per seed",
   "fails": "fails",
+  "pred_erased_mean": "erased, predicted",
+  "erased_mean": "erased, measured",
+  "erased_rmse": "erased, curve RMSE",
+  "pred_lost_mean": "lost, predicted",
+  "lost_mean": "lost, measured",
+  "lost_rmse": "lost, curve RMSE",
 }
 # attention_reuse_search: per arm, and per contrast `a_minus_b`.
 _SEARCH = (

@@ -5,8 +5,10 @@
   difference (`deadzone_vs_sr`).
 * `remedies_table`: final validation loss of the compensated write-backs
   (Kahan, two-component, remainder) and a mixed-precision baseline beside
-  float32 and nearest write-back, and the share of the nearest-rounding
-  loss gap each recovers (`remedies`).
+  float32 and nearest write-back, the share of the nearest-rounding
+  loss gap each recovers, and, where the float32 run predicted them
+  (`lowprec.trace_targets`, `lowprec.trace_remedies`), the predicted
+  against the measured erased and lost fractions (`remedies`).
 * `replay_table`: write-back replayed from a float32 reference's
   checkpoints, per quantizer and checkpoint: relative reduction of the
   validation loss, stochastic minus nearest (`int3_replay`).
@@ -19,6 +21,7 @@ import math
 import numpy as np
 
 from experiments.analysis.freeze_tables import val_at
+from lowprec.freeze import remedy_name
 
 KINDS = ("fp32", "nearest", "stochastic", "deadzone")
 SR_ARMS = (("stochastic", "full_sr"), ("deadzone", "deadzone_sr"))
@@ -115,7 +118,11 @@ def remedies_table(runs):
   """Per kind of run (`remedy_kind`): seeds, mean final validation loss,
   mean last erased fraction and carried mass, and the mean recovery of
   the nearest-rounding gap `(L_RN - L_x) / (L_RN - L_fp32)` over the seeds
-  that have all three runs."""
+  that have all three runs. Where the same seed's float32 run predicted
+  the arm (`predicted_name`), the means over steps of the predicted and
+  measured erased fractions (from the weight) and lost fractions (lost /
+  proposals), and the RMSE between the curves (`_prediction`), averaged
+  over seeds."""
   by_kind: dict[str, dict[int, object]] = {}
   for run in runs:
     by_kind.setdefault(remedy_kind(run.config), {})[run.seed] = run
@@ -137,6 +144,12 @@ def remedies_table(runs):
       and loss["nearest"][s] != loss["fp32"][s]
     ]  # fmt: skip
     row["recovery"] = _mean(gaps)
+    refs = by_kind.get("fp32", {})
+    pred = [_prediction(r, refs.get(s)) for s, r in seeds.items()]
+    pred = [p for p in pred if p]
+    if pred:
+      for key in PREDICTED:
+        row[key] = _mean(p.get(key) for p in pred)
     rows.append(row)
   lines = [
     f"- {r['arm']}: recovers {r['recovery']:.3f} of the nearest-rounding "
@@ -144,7 +157,97 @@ def remedies_table(runs):
     for r in rows
     if r["recovery"] is not None and r["arm"] not in ("fp32", "nearest")
   ]
-  return rows, lines
+  return rows, lines + _prediction_lines(rows)
+
+
+# The prediction's columns of `remedies_table` (means over steps).
+PREDICTED = (
+  "pred_erased_mean",
+  "erased_mean",
+  "erased_rmse",
+  "pred_lost_mean",
+  "lost_mean",
+  "lost_rmse",
+)
+
+
+def predicted_name(config: dict) -> str | None:
+  """The name a float32 run predicts a low-precision arm under: the
+  reference trace's target (nearest write-back, `bfloat16`) or the
+  compensated trace's (`bfloat16_kahan_float8_e5m2`); None for float32,
+  mixed precision, other roundings and the remainder."""
+  lp = config["lowprec"]
+  comp = lp.get("compensation", "none")
+  if not lp["writeback"] or lp["rounding"] != "nearest":
+    return None
+  if comp == "none":
+    return lp["writeback"]
+  if comp not in ("kahan", "two_component"):
+    return None
+  buffer = lp.get("buffer", "bfloat16") if comp == "kahan" else None
+  return remedy_name(lp["writeback"], comp, buffer)
+
+
+def _aligned(a, b):
+  """The values of two (steps, values) curves at their common steps."""
+  _, ia, ib = np.intersect1d(a[0], b[0], return_indices=True)
+  return a[1][ia], b[1][ib]
+
+
+def _lost_curve(run):
+  steps, lost = run.curve("lost")
+  props = run.curve("proposals")
+  lost, n = _aligned((steps, lost), props)
+  steps = np.intersect1d(steps, props[0])
+  with np.errstate(invalid="ignore", divide="ignore"):
+    return steps, np.where(n > 0, lost / np.maximum(n, 1), np.nan)
+
+
+def _compare(predicted, measured) -> tuple:
+  """(mean predicted, mean measured, RMSE) over the steps both have."""
+  p, m = _aligned(predicted, measured)
+  ok = np.isfinite(p) & np.isfinite(m)
+  if not ok.any():
+    return None, None, None
+  p, m = p[ok], m[ok]
+  return float(p.mean()), float(m.mean()), float(np.sqrt(np.mean((p - m) ** 2)))
+
+
+def _prediction(run, ref) -> dict | None:
+  """Predicted (by `ref`, the float32 run of the same seed) and measured
+  erased and lost fractions of `run`, where `ref` predicted it."""
+  name = predicted_name(run.config)
+  if ref is None or name is None:
+    return None
+  pe = ref.curve(f"pred/{name}/erased_fraction")
+  if not len(pe[0]):
+    return None
+  erased = _compare(pe, run.curve("erased_fraction"))
+  out = dict(zip(PREDICTED[:3], erased, strict=True))
+  pl = ref.curve(f"pred/{name}/lost_fraction")
+  if len(pl[0]):
+    lost = _compare(pl, _lost_curve(run))
+    out.update(zip(PREDICTED[3:], lost, strict=True))
+  return out
+
+
+def _prediction_lines(rows) -> list[str]:
+  lines = []
+  for r in rows:
+    if r.get("pred_erased_mean") is None:
+      continue
+    line = (
+      f"- {r['arm']}, float32 prediction vs measured (mean over steps): "
+      f"erased {r['pred_erased_mean']:.4f} vs {r['erased_mean']:.4f} "
+      f"(curve RMSE {r['erased_rmse']:.4f})"
+    )
+    if r.get("pred_lost_mean") is not None:
+      line += (
+        f"; lost {r['pred_lost_mean']:.4f} vs {r['lost_mean']:.4f} "
+        f"(curve RMSE {r['lost_rmse']:.4f})"
+      )
+    lines.append(line)
+  return lines
 
 
 def _mean(values):

@@ -13,6 +13,10 @@
   erased proposals that are weight decay only, per tensor.
 * `stuck`: the share of coordinates of a checkpoint still at their initial
   value, per group of tensors (norm gains, embeddings, ...).
+* `compensated_trace`: an optax transform, beside `reference_trace`, that
+  predicts what a compensated write-back (Kahan, two-component) would do:
+  erased, carried and lost proposals, and the coordinates it moves late
+  rather than never.
 * `state_erasure`, `state_trace`, `state_at_init`: from float32 optimizer
   states, the share of state updates that `lowprec.store_state` would
   erase (one step; every step of a run, as an optax wrapper), and the
@@ -45,6 +49,14 @@ from lowprec.freeze.curves import (
   summarize,
 )
 from lowprec.freeze.decay import DecayErasureState, decay_erasure
+from lowprec.freeze.remedies import (
+  KINDS,
+  CompensatedTraceState,
+  Remedy,
+  RemedyLayout,
+  compensated_trace,
+  remedy_name,
+)
 from lowprec.freeze.state import (
   StateTraceState,
   state_at_init,
@@ -63,11 +75,15 @@ from lowprec.freeze.trace import (
 
 __all__ = [
   "CATEGORIES",
+  "KINDS",
   "ROUNDINGS",
   "CellComparison",
+  "CompensatedTraceState",
   "CoordinateAudit",
   "DecayErasureState",
   "ReferenceTraceState",
+  "Remedy",
+  "RemedyLayout",
   "Specificity",
   "StuckShare",
   "Summary",
@@ -77,6 +93,7 @@ __all__ = [
   "common_time",
   "common_time_share",
   "compare",
+  "compensated_trace",
   "crossing",
   "decay_erasure",
   "directional_specificity",
@@ -85,6 +102,7 @@ __all__ = [
   "measured_events",
   "predicted_events",
   "reference_trace",
+  "remedy_name",
   "rmse",
   "state_at_init",
   "state_erasure",
