@@ -529,9 +529,10 @@ def test_remedies_table_recovers_the_nearest_gap_per_kind(tmp_path):
       last = {"step": 1, "val_loss": loss}
       if lp.get("writeback"):
         last.update(erased_fraction=0.5, carried=0.25 * seed)
+      rate = {"rn_bf16": 10.0, "kahan_e5m2": 8.0 - seed}.get(arm, 9.0)
       _run_dir(
         root, "m", arm, seed, {"lowprec": lp},
-        [{"step": 0, "val_loss": 5.0}, last],
+        [{"step": 0, "val_loss": 5.0}, last], summary={"steps_per_s": rate},
       )  # fmt: skip
   rows, lines = tables.ANALYSES["remedies"](tables.load_runs(root, "m"))
   by = {r["arm"]: r for r in rows}
@@ -545,6 +546,15 @@ def test_remedies_table_recovers_the_nearest_gap_per_kind(tmp_path):
   assert by["remainder"]["carried"] == pytest.approx(0.125)
   assert by["fp32"]["erased_fraction"] is None
   assert by["nearest"]["seeds"] == 2
+  # Weights bf16 (2), e5m2 buffer (1), remainder (2), AdamW moments (8).
+  assert by["kahan (float8_e5m2 buffer)"]["bytes_per_param"] == 11.0
+  assert by["remainder"]["bytes_per_param"] == 12.0
+  assert by["nearest"]["bytes_per_param"] == 10.0
+  assert by["fp32"]["bytes_per_param"] == by["mixed"]["bytes_per_param"] == 12
+  assert by["kahan (float8_e5m2 buffer)"]["step_time_vs_nearest"] == (
+    pytest.approx((10 / 8 + 10 / 7) / 2)
+  )
+  assert by["nearest"]["step_time_vs_nearest"] == 1.0
   assert "- remainder: recovers 0.900 of the nearest-rounding loss gap " in (
     "\n".join(lines)
   )

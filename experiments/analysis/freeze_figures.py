@@ -106,11 +106,27 @@ def _val_panel(ax, runs, title: str) -> None:
 
 
 def remedies_figure(study, results="results", out=None) -> str:
-  """Validation loss of every arm (float32, mixed precision, nearest and
-  the compensated write-backs), a line per seed."""
+  """Validation loss of every arm (float32, mixed precision, the plain and
+  the compensated write-backs), a line per seed; beside it, the share of
+  proposals erased from the weight per step of every write-back arm, the
+  mean over seeds."""
   runs = load_runs(results, study)
-  fig, ax = plt.subplots(figsize=(7, 4))
+  fig, (ax, ex) = plt.subplots(1, 2, figsize=(11, 4))
   _val_panel(ax, runs, study)
+  arms = list(dict.fromkeys(r.arm for r in runs))
+  for i, arm in enumerate(arms):
+    curves = [r.curve("erased_fraction") for r in runs if r.arm == arm]
+    curves = [c for c in curves if c[0].size]
+    if not curves:
+      continue
+    steps = curves[0][0]
+    same = [c[1] for c in curves if np.array_equal(c[0], steps)]
+    ex.plot(steps, np.mean(same, axis=0), color=f"C{i}", lw=1, label=arm)
+  ex.set_xlabel("step")
+  ex.set_ylabel("proposals erased from the weight")
+  ex.set_ylim(-0.02, 1.02)
+  if ex.lines:
+    ex.legend(fontsize=7)
   return _save(fig, study, results, out)
 
 

@@ -21,6 +21,7 @@ import math
 import numpy as np
 
 from experiments.analysis.freeze_tables import val_at
+from lowprec.formats import get_format
 from lowprec.freeze import remedy_name
 
 KINDS = ("fp32", "nearest", "stochastic", "deadzone")
@@ -114,9 +115,34 @@ def remedy_kind(config: dict) -> str:
   return lp["rounding"] if comp == "none" else comp
 
 
+def remedy_bytes(config: dict) -> float:
+  """Bytes per parameter that a run's recipe stores: the weights (their
+  format's width; a float32 master for float32 and mixed precision), the
+  buffer of a compensated write-back (Kahan's buffer format, the
+  two-component error term on the weights' grid, the remainder's 16
+  bits) and AdamW's two float32 moments. Counts formats, not the float32
+  arrays the runner may hold grid values in; parameters kept in float32
+  (`keep_float32`, under 2% here) are not counted apart."""
+  lp = config["lowprec"]
+  adam = 8.0
+  if not lp["writeback"]:
+    return 4.0 + adam
+  weights = get_format(lp["writeback"]).bits / 8
+  comp = lp.get("compensation", "none")
+  buffer = {
+    "none": 0.0,
+    "kahan": get_format(lp.get("buffer", "bfloat16")).bits / 8,
+    "two_component": weights,
+    "remainder": 2.0,
+  }[comp]
+  return weights + buffer + adam
+
+
 def remedies_table(runs):
   """Per kind of run (`remedy_kind`): seeds, mean final validation loss,
-  mean last erased fraction and carried mass, and the mean recovery of
+  `bytes_per_param` (`remedy_bytes`), `step_time_vs_nearest` (the nearest
+  run's steps/s over this run's, same seed, mean over seeds), mean last
+  erased fraction and carried mass, and the mean recovery of
   the nearest-rounding gap `(L_RN - L_x) / (L_RN - L_fp32)` over the seeds
   that have all three runs. Where the same seed's float32 run predicted
   the arm (`predicted_name`), the means over steps of the predicted and
@@ -144,6 +170,15 @@ def remedies_table(runs):
       and loss["nearest"][s] != loss["fp32"][s]
     ]  # fmt: skip
     row["recovery"] = _mean(gaps)
+    row["bytes_per_param"] = remedy_bytes(next(iter(seeds.values())).config)
+    nearest = by_kind.get("nearest", {})
+    row["step_time_vs_nearest"] = _mean(
+      nearest[s].summary.get("steps_per_s") / r.summary.get("steps_per_s")
+      for s, r in seeds.items()
+      if s in nearest
+      and nearest[s].summary.get("steps_per_s")
+      and r.summary.get("steps_per_s")
+    )
     refs = by_kind.get("fp32", {})
     pred = [_prediction(r, refs.get(s)) for s, r in seeds.items()]
     pred = [p for p in pred if p]
