@@ -66,15 +66,19 @@ OPTIMIZERS = {"adamw": _adamw, "sgd": _sgd}
 
 
 def writeback_format(lp):
-  """The write-back target of the config (a Format), or None for float32."""
+  """The write-back target of the config (a Format, or a ScaledFormat for
+  an MX name such as "mxfp8_e4m3"), or None for float32."""
   if not lp.writeback:
     return None
+  if lowprec.scaled.is_scaled(lp.writeback):
+    return lowprec.get_scaled_format(lp.writeback)
   scale = lp.int_scale if lp.writeback.startswith("int") else None
   return lowprec.get_format(lp.writeback, scale=scale)
 
 
 def trace_target(spec: str, keep_float32: str = ""):
-  """`"bfloat16"` or `"bfloat16:stochastic"` as a reference-trace target.
+  """`"bfloat16"` or `"bfloat16:stochastic"` as a reference-trace target
+  (MX scaled names too: `"mxfp8_e4m3:stochastic"`).
 
   Paths matching `keep_float32` are left out of the prediction, as the
   write-back leaves them out of the grid.

@@ -151,6 +151,22 @@ def resolve(
   return c
 
 
+# Keys that take a scaled (MX) format name as well as a grid's.
+_SCALED_FIELDS = ("lowprec.writeback", "lowprec.trace_targets")
+
+
+def _check_scaled(field: str, name: str) -> None:
+  """A scaled name where write-back and its prediction take it: MX only."""
+  fmt = lowprec.get_scaled_format(name)
+  if fmt.scale_type != "e8m0":
+    raise ValueError(
+      f"{field}: {name!r} has float32 scales (not powers of two), which "
+      "write-back and its prediction refuse (lowprec.writeback says why); "
+      "use an MX format, e.g. 'mxfp4_e2m1' for nvfp4's elements or "
+      "'mxfp8_e4m3'"
+    )
+
+
 def validate(c) -> None:
   """Clear errors (naming the fix) for values the code would reject later."""
   check_choices(c)
@@ -177,6 +193,9 @@ def validate(c) -> None:
     if optim.compensation(lp) == "kahan":
       formats.append(("lowprec.buffer", lp.buffer))
   for field, name in formats:
+    if field in _SCALED_FIELDS and lowprec.scaled.is_scaled(name):
+      _check_scaled(field, name)
+      continue
     try:
       scale = lp.int_scale if name.startswith("int") else None
       if scale == 0 and field == "lowprec.writeback":

@@ -888,7 +888,7 @@ def test_scaled_move_probability_matches_writeback_monte_carlo():
   """Seed 0, 4096 coordinates, 200 stochastic write-back draws: the
   measured moved share (standard error < 0.0006) matches the predicted
   move probability within 0.003, with proposals up to 15% of each weight
-  (a gap is 6-12%), which change the scale of a share of the blocks."""
+  (a gap is 6-12%), which change the scale of about 10% of the blocks."""
   fmt = "mxfp8_e4m3"
   kw, ku, kk = jax.random.split(jax.random.key(0), 3)
   w = 0.05 * jax.random.normal(kw, (128, 32))
@@ -908,7 +908,7 @@ def test_scaled_move_probability_matches_writeback_monte_carlo():
   moved, rescaled = run(jax.jit(wb.init)(q))
   measured = float(jnp.mean(moved)) / int((u != 0).sum())
   assert abs(measured - predicted) < 0.003, (measured, predicted)
-  print(predicted, measured, jnp.mean(rescaled)); assert float(jnp.mean(rescaled)) > 0
+  assert float(jnp.mean(rescaled)) > 5  # measured: 13 of 128 blocks a draw
 
 
 def _mx_mlp_cell(steps=100, lr=2e-2, std=0.1, seed=0):
