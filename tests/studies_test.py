@@ -108,6 +108,7 @@ def test_fp8_full_scale_is_gpt2_small():
   "name, arm",
   [
     ("freeze_gpt2_fp8", "rn_e4m3"),
+    ("freeze_mx", "rn_mxfp8_e4m3"),
     ("e4m3_audit", "rn_e4m3"),
     ("e4m3_audit", "rn_e4m3_b64"),
     ("int3_replay", "int3m_from_2"),
@@ -766,12 +767,13 @@ def test_grid_smoke_makes_its_table(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-  "name", ["freeze_gpt2_fp8", "freeze_transfer", "deadzone_vs_sr"]
+  "name", ["freeze_gpt2_fp8", "freeze_mx", "freeze_transfer", "deadzone_vs_sr"]
 )
 def test_slow_smoke_study_makes_its_table(name, tmp_path):
   _, md = _smoke(name, tmp_path)
   expect = {
     "freeze_gpt2_fp8": "validation loss fp32_reference",
+    "freeze_mx": "rn_mxfp8_e4m3 (mxfp8_e4m3): predicted crossing",
     "freeze_transfer": "- all tasks:",
     "deadzone_vs_sr": "mean recovery, full SR / dead-zone SR",
   }[name]
