@@ -247,8 +247,10 @@ def writeback(
     take an unfiltered Equinox module as `params`.
 
   Raises:
-    ValueError: unknown rounding, overflow or nonfinite mode or format; a
-      random rounding without `key`; at `init`, params off their grid (call
+    ValueError: unknown rounding, overflow, nonfinite or scales mode or
+      format; an NVFP4 or per-tensor scaled format (the message says why
+      and what to use instead); a random rounding without `key`; at
+      `init`, params off their grid (call
       `lowprec.to_grid` first), stored in a dtype that cannot hold the grid
       (an integer or boolean array given a format among them), or an `intK`
       scale that is not a power of two; at `update`, missing `params`, an
