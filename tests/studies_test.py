@@ -671,6 +671,33 @@ def test_fp8_table_frozen_coordinates_and_loss_change(tmp_path):
   assert any("never moved: 33.3%" in x for x in lines)
 
 
+def test_fp8_table_keeps_each_seed_of_a_scaled_format_apart(tmp_path):
+  # Two seeds of an MX arm crossing at different steps: each row has its
+  # own crossing and RMSE. Sampled coordinates on the MX grid (e4m3
+  # mantissas under any scale) count; one with a float32 mantissa does not.
+  root, n = str(tmp_path), 6
+  u = [[0, 1, 1]] * 3 + [[0, 0, 1]] * 3
+  w = [0.5 * 2.0**-20, 1.75 * 2.0**9, 0.1234]
+  for seed, cross in ((0, 2), (1, 4)):
+    _reference(root, "m", "mxfp8_e4m3", _curve(n, cross), seed=seed)
+    _lowprec(root, "m", "rn_mx", "mxfp8_e4m3", _curve(n, cross), seed=seed)
+    path = os.path.join(root, "m", "rn_mx", f"seed{seed}", "metrics.jsonl")
+    with open(path) as f:
+      recs = [json.loads(line) for line in f]
+    for rec in recs[1:]:
+      rec.update({"pred/sample/u": u[rec["step"] - 1], "pred/sample/w": w})
+    with open(path, "w") as f:
+      f.writelines(json.dumps(r) + "\n" for r in recs)
+  rows, _ = tables.ANALYSES["fp8"](tables.load_runs(root, "m"))
+  rn = {r["seed"]: r for r in rows if r["arm"] == "rn_mx"}
+  assert rn[0]["measured_crossing"] == "2 (post_init)"
+  assert rn[1]["measured_crossing"] == "4 (post_init)"
+  assert rn[0]["predicted_crossing"] == "2 (post_init)"
+  assert rn[1]["predicted_crossing"] == "4 (post_init)"
+  assert rn[0]["frozen_whole_run"] == rn[1]["frozen_whole_run"] == 0.5
+  assert rn[0]["frozen_second_half"] == 1.0
+
+
 # -------------------------------------------------------- smoke, end to end
 
 

@@ -272,7 +272,7 @@ def fp8_table(runs, theta: float = THETA, tol: float = TOL):
   not move in the second half of the run.
   """
   rows, _ = _freeze_rows(runs, theta, tol)
-  by_arm = {r["arm"]: r for r in rows}
+  by_run = {(r["arm"], r["seed"]): r for r in rows}
   out, lines = [], []
   total = max(r.config["train"]["steps"] for r in runs)
   half = _eval_step_near(runs[0], total // 2)
@@ -284,7 +284,7 @@ def fp8_table(runs, theta: float = THETA, tol: float = TOL):
       "format": lp["writeback"] or "float32",
       "rounding": lp["rounding"] if lp["writeback"] else "",
     }
-    base = by_arm.get(run.arm, {})
+    base = by_run.get((run.arm, run.seed), {})
     for k in ("predicted_crossing", "measured_crossing", "rmse"):
       if k in base:
         row[k] = base[k]
