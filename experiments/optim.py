@@ -76,6 +76,16 @@ def writeback_format(lp):
   return lowprec.get_format(lp.writeback, scale=scale)
 
 
+def split_target(spec: str) -> tuple[str, str]:
+  """`(format name, rounding)` of a trace target spec: `"bfloat16"`,
+  `"bfloat16:stochastic"`; the colon of a per-tensor scaled name
+  (`"float8_e4m3fn:tensor"`) is part of the name."""
+  name, sep, rounding = spec.rpartition(":")
+  if not sep or lowprec.scaled.is_scaled(spec):
+    return spec, "nearest"
+  return name, rounding
+
+
 def trace_target(spec: str, keep_float32: str = ""):
   """`"bfloat16"` or `"bfloat16:stochastic"` as a reference-trace target
   (MX scaled names too: `"mxfp8_e4m3:stochastic"`).
@@ -83,7 +93,7 @@ def trace_target(spec: str, keep_float32: str = ""):
   Paths matching `keep_float32` are left out of the prediction, as the
   write-back leaves them out of the grid.
   """
-  name, _, rounding = spec.partition(":")
+  name, rounding = split_target(spec)
   if not keep_float32:
     return lowprec.freeze.Target(name, rounding or "nearest")
   rules = [(keep_float32, None), (".*", name)]

@@ -176,10 +176,9 @@ def validate(c) -> None:
     ("lowprec.bwd_format", lp.bwd_format),
   ]
   for t in lp.trace_targets:
-    name, _, rounding = t.partition(":")
+    name, rounding = optim.split_target(t)
     formats.append(("lowprec.trace_targets", name))
-    if rounding:
-      names.check_choice("lowprec.trace_targets rounding", rounding, ROUNDINGS)
+    names.check_choice("lowprec.trace_targets rounding", rounding, ROUNDINGS)
   if lp.writeback:
     formats.append(("lowprec.writeback", lp.writeback))
   optim.state_rules(lp)  # raises for a bad lowprec.state entry
@@ -202,7 +201,11 @@ def validate(c) -> None:
         scale = 1.0  # per-tensor scales, chosen when the run starts
       lowprec.get_format(name, scale=scale)
     except ValueError as e:
-      raise ValueError(f"{field}: {e}") from None
+      hint = ""
+      if field in _SCALED_FIELDS:
+        hint = names.suggest(name, lowprec.scaled.SCALED)
+        hint = hint and f" (or a scaled format:{hint})"
+      raise ValueError(f"{field}: {e}{hint}") from None
   if bool(c.train.init_from_arm) != (c.train.init_from_step > 0):
     raise ValueError(
       "train.init_from_arm and train.init_from_step go together: name the "

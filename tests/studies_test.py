@@ -172,6 +172,24 @@ def test_unknown_int_scale_scope_is_refused_with_a_suggestion():
     study.resolve(c, arm, 0)
 
 
+@pytest.mark.parametrize(
+  "key, value, match",
+  [
+    ("writeback", "nvfp4", "lowprec.writeback: 'nvfp4' has float32 scales"),
+    ("trace_targets", ("float8_e4m3fn:tensor",), "use an MX format"),
+    ("writeback", "mxfp8_e4m", "Did you mean 'mxfp8_e4m3'"),
+  ],
+  ids=["nvfp4", "tensor", "typo"],
+)
+def test_scaled_formats_other_than_mx_are_refused_with_the_fix(
+  key, value, match
+):
+  c = _load("freeze_mx", "scale=smoke")
+  c.study.arms["rn_mxfp8_e4m3"].lowprec[key] = value
+  with pytest.raises(ValueError, match=match):
+    study.resolve(c, "rn_mxfp8_e4m3", 0)
+
+
 def test_init_from_arm_needs_a_step():
   c = _load("int3_replay", "scale=smoke")
   c.train.init_from_arm = "int3_from_2"
