@@ -873,7 +873,7 @@ def test_scaled_rule_matches_a_numpy_oracle_elementwise():
   w = w.astype(np.float32)
   u = w * rng.choice([0.0, 0.003, -0.02, 0.07, 0.4, 3.0], w.shape)
   u = u.astype(np.float32)
-  opt = freeze.reference_trace(["mxfp8_e4m3"])
+  opt = freeze.reference_trace(["mxfp8_e4m3"], at_init=True)
   state = jax.jit(lambda u, w: opt.update(u, opt.init(w), w)[1])(u, w)
   tel = lowprec.telemetry(state)
   q = _np_mxfp8_e4m3(w).astype(np.float32)
@@ -882,6 +882,9 @@ def test_scaled_rule_matches_a_numpy_oracle_elementwise():
   assert tel["pred/mxfp8_e4m3/proposals"] == int((u != 0).sum())
   assert tel["pred/mxfp8_e4m3/erased"] == int(erased.sum())
   assert 0 < erased.sum() < (u != 0).sum()
+  # After one step, still at the initial grid value: all but the moved.
+  moved = (u != 0) & ~erased
+  assert tel["pred/mxfp8_e4m3/at_init"] == w.size - int(moved.sum())
 
 
 def test_scaled_move_probability_matches_writeback_monte_carlo():
