@@ -263,7 +263,11 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
 
 
 def _plain(lp, target, key):
-  return lowprec.writeback(target, lp.rounding, key=key, overflow=lp.overflow)
+  # A config.json written before the key existed reads "recompute".
+  scales = lp.get("writeback_scales", "recompute")
+  return lowprec.writeback(
+    target, lp.rounding, key=key, overflow=lp.overflow, scales=scales
+  )
 
 
 def _kahan(lp, target, key):

@@ -29,6 +29,7 @@ from experiments import data as data_lib
 from lowprec import names
 from lowprec.ops import rounding as op_rounding
 from lowprec.rounding import OVERFLOW_MODES, ROUNDINGS
+from lowprec.writeback import SCALE_MODES
 
 # study.kind -> what runs one arm x seed: (config, overrides, options) ->
 # summary, written under results.run_dir(config) (a ledger.open_run entry)
@@ -62,6 +63,7 @@ def choices() -> dict:
     "lowprec.rounding": ROUNDINGS,
     "lowprec.compensation": optim.WRITEBACKS,
     "lowprec.overflow": OVERFLOW_MODES,
+    "lowprec.writeback_scales": SCALE_MODES,
     "lowprec.fwd_rounding": op_rounding.MODES,
     "lowprec.bwd_rounding": op_rounding.MODES,
     "lowprec.attn_fresh_out": lowprec.ops.FRESH_OUT,

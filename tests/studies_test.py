@@ -190,6 +190,25 @@ def test_scaled_formats_other_than_mx_are_refused_with_the_fix(
     study.resolve(c, "rn_mxfp8_e4m3", 0)
 
 
+@pytest.mark.parametrize("scales, want", [("recompute", 4.5), ("keep", 3.5)])
+def test_writeback_scales_reach_the_write_back(scales, want):
+  # A block at the top of its grid (3.5 = 448 * 2^-7), one Adam step of
+  # lr 1 up: recomputed scales take it to 4.5, kept ones saturate it.
+  c = _load("freeze_mx", "scale=smoke")
+  c.opt.update(dict(lr=1.0, warmup_steps=0, schedule="constant"))
+  c.opt.update(dict(weight_decay=0.0, clip_norm=0.0))
+  c.study.arms["rn_mxfp8_e4m3"].lowprec.writeback_scales = scales
+  c.study.arms["rn_mxfp8_e4m3"].lowprec.trace_sample = 8
+  r = study.resolve(c, "rn_mxfp8_e4m3", 0)
+  opt = optim.build(r, jax.random.key(0))
+  w = {"params": {"w": jnp.full((1, 32), 0.5).at[0, 0].set(3.5)}}
+  g = {"params": {"w": -jnp.ones((1, 32))}}
+  updates, state = opt.update(g, opt.init(w), w)
+  new = jax.tree.map(lambda a, b: a + b, w, updates)["params"]["w"]
+  assert float(new[0, 0]) == want
+  assert lowprec.telemetry(state)["saturated"] == (scales == "keep")
+
+
 def test_init_from_arm_needs_a_step():
   c = _load("int3_replay", "scale=smoke")
   c.train.init_from_arm = "int3_from_2"
