@@ -121,6 +121,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.lowprec.compensation = "none"
   c.lowprec.buffer = "bfloat16"  # the Kahan buffer's format
   c.lowprec.overflow = "saturate"
+  # Block scales of an MX write-back: "recompute" (from w + u) | "keep"
+  # (those of w; values past a block's top saturate)
+  c.lowprec.writeback_scales = "recompute"
   c.lowprec.int_scale = 0.0  # intK grid step; 0: from the starting params
   # With int_scale 0: the smallest power-of-two step covering max |w| of
   # each tensor ("tensor") or of every tensor on the grid ("model")

@@ -45,17 +45,15 @@ from configs import common, presets
 FORMATS = {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}
 
 
-def get_config(arg=None):
-  c = common.get_config(arg)
-  c.study.name = "freeze_gpt2_fp8"
-  c.study.analysis = "fp8"
-  c.study.figure = "fp8_panels"
-  c.study.plan_arm = "rn_e4m3"
-  targets = tuple(FORMATS.values())
-  targets += tuple(f"{f}:stochastic" for f in FORMATS.values())
+def make_arms(formats: dict[str, str]) -> dict:
+  """`fp32_reference` (its trace predicting every format, nearest and
+  stochastic) and `rn_<short>` / `sr_<short>` write-back arms, from
+  `{short name: format}`."""
+  targets = tuple(formats.values())
+  targets += tuple(f"{f}:stochastic" for f in formats.values())
   arms = {"fp32_reference": {"lowprec": {"trace_targets": targets}}}
   for rounding, prefix in (("nearest", "rn"), ("stochastic", "sr")):
-    for short, fmt in FORMATS.items():
+    for short, fmt in formats.items():
       arms[f"{prefix}_{short}"] = {
         "lowprec": {
           "writeback": fmt,
@@ -65,7 +63,13 @@ def get_config(arg=None):
         },
         "study": {"reference_arm": "fp32_reference", "cell": short},
       }
-  c.study.arms = arms
+  return arms
+
+
+def use_setting(c) -> None:
+  """This study's training setting (nanoGPT's recipe; GPT-2 124M at full
+  scale, the dense weights on the grid and norms and biases in float32),
+  shared by the studies that run on the same GPT."""
   c.lowprec.keep_float32 = r".*/(norm_)?(bias|scale)"
   c.model.init_std = 0.02
   c.opt.update(dict(lr=6e-4, b1=0.9, b2=0.95, weight_decay=0.1))
@@ -88,4 +92,14 @@ def get_config(arg=None):
   if c.study.scale == "smoke":
     common.shrink_to_smoke(c, 6)
     c.log.progress_every_steps = 3
+
+
+def get_config(arg=None):
+  c = common.get_config(arg)
+  c.study.name = "freeze_gpt2_fp8"
+  c.study.analysis = "fp8"
+  c.study.figure = "fp8_panels"
+  c.study.plan_arm = "rn_e4m3"
+  c.study.arms = make_arms(FORMATS)
+  use_setting(c)
   return c

@@ -67,20 +67,34 @@ OPTIMIZERS = {"adamw": _adamw, "sgd": _sgd}
 
 
 def writeback_format(lp):
-  """The write-back target of the config (a Format), or None for float32."""
+  """The write-back target of the config (a Format, or a ScaledFormat for
+  an MX name such as "mxfp8_e4m3"), or None for float32."""
   if not lp.writeback:
     return None
+  if lowprec.scaled.is_scaled(lp.writeback):
+    return lowprec.get_scaled_format(lp.writeback)
   scale = lp.int_scale if lp.writeback.startswith("int") else None
   return lowprec.get_format(lp.writeback, scale=scale)
 
 
+def split_target(spec: str) -> tuple[str, str]:
+  """`(format name, rounding)` of a trace target spec: `"bfloat16"`,
+  `"bfloat16:stochastic"`; the colon of a per-tensor scaled name
+  (`"float8_e4m3fn:tensor"`) is part of the name."""
+  name, sep, rounding = spec.rpartition(":")
+  if not sep or lowprec.scaled.is_scaled(spec):
+    return spec, "nearest"
+  return name, rounding
+
+
 def trace_target(spec: str, keep_float32: str = ""):
-  """`"bfloat16"` or `"bfloat16:stochastic"` as a reference-trace target.
+  """`"bfloat16"` or `"bfloat16:stochastic"` as a reference-trace target
+  (MX scaled names too: `"mxfp8_e4m3:stochastic"`).
 
   Paths matching `keep_float32` are left out of the prediction, as the
   write-back leaves them out of the grid.
   """
-  name, _, rounding = spec.partition(":")
+  name, rounding = split_target(spec)
   if not keep_float32:
     return lowprec.freeze.Target(name, rounding or "nearest")
   rules = [(keep_float32, None), (".*", name)]
@@ -337,7 +351,11 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
 
 
 def _plain(lp, target, key):
-  return lowprec.writeback(target, lp.rounding, key=key, overflow=lp.overflow)
+  # A config.json written before the key existed reads "recompute".
+  scales = lp.get("writeback_scales", "recompute")
+  return lowprec.writeback(
+    target, lp.rounding, key=key, overflow=lp.overflow, scales=scales
+  )
 
 
 def _kahan(lp, target, key):

@@ -29,6 +29,7 @@ from experiments import data as data_lib
 from lowprec import names
 from lowprec.ops import rounding as op_rounding
 from lowprec.rounding import OVERFLOW_MODES, ROUNDINGS
+from lowprec.writeback import SCALE_MODES
 
 # study.kind -> what runs one arm x seed: (config, overrides, options) ->
 # summary, written under results.run_dir(config) (a ledger.open_run entry)
@@ -62,6 +63,7 @@ def choices() -> dict:
     "lowprec.rounding": ROUNDINGS,
     "lowprec.compensation": optim.WRITEBACKS,
     "lowprec.overflow": OVERFLOW_MODES,
+    "lowprec.writeback_scales": SCALE_MODES,
     "lowprec.fwd_rounding": op_rounding.MODES,
     "lowprec.bwd_rounding": op_rounding.MODES,
     "lowprec.attn_fresh_out": lowprec.ops.FRESH_OUT,
@@ -151,6 +153,22 @@ def resolve(
   return c
 
 
+# Keys that take a scaled (MX) format name as well as a grid's.
+_SCALED_FIELDS = ("lowprec.writeback", "lowprec.trace_targets")
+
+
+def _check_scaled(field: str, name: str) -> None:
+  """A scaled name where write-back and its prediction take it: MX only."""
+  fmt = lowprec.get_scaled_format(name)
+  if fmt.scale_type != "e8m0":
+    raise ValueError(
+      f"{field}: {name!r} has float32 scales (not powers of two), which "
+      "write-back and its prediction refuse (lowprec.writeback says why); "
+      "use an MX format, e.g. 'mxfp4_e2m1' for nvfp4's elements or "
+      "'mxfp8_e4m3'"
+    )
+
+
 def validate(c) -> None:
   """Clear errors (naming the fix) for values the code would reject later."""
   check_choices(c)
@@ -160,10 +178,9 @@ def validate(c) -> None:
     ("lowprec.bwd_format", lp.bwd_format),
   ]
   for t in lp.trace_targets:
-    name, _, rounding = t.partition(":")
+    name, rounding = optim.split_target(t)
     formats.append(("lowprec.trace_targets", name))
-    if rounding:
-      names.check_choice("lowprec.trace_targets rounding", rounding, ROUNDINGS)
+    names.check_choice("lowprec.trace_targets rounding", rounding, ROUNDINGS)
   if lp.writeback:
     formats.append(("lowprec.writeback", lp.writeback))
   _check_trace_remedies(lp)
@@ -184,13 +201,20 @@ def validate(c) -> None:
     if optim.compensation(lp) == "kahan":
       formats.append(("lowprec.buffer", lp.buffer))
   for field, name in formats:
+    if field in _SCALED_FIELDS and lowprec.scaled.is_scaled(name):
+      _check_scaled(field, name)
+      continue
     try:
       scale = lp.int_scale if name.startswith("int") else None
       if scale == 0 and field == "lowprec.writeback":
         scale = 1.0  # per-tensor scales, chosen when the run starts
       lowprec.get_format(name, scale=scale)
     except ValueError as e:
-      raise ValueError(f"{field}: {e}") from None
+      hint = ""
+      if field in _SCALED_FIELDS:
+        hint = names.suggest(name, lowprec.scaled.SCALED)
+        hint = hint and f" (or a scaled format:{hint})"
+      raise ValueError(f"{field}: {e}{hint}") from None
   if bool(c.train.init_from_arm) != (c.train.init_from_step > 0):
     raise ValueError(
       "train.init_from_arm and train.init_from_step go together: name the "

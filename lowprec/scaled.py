@@ -615,3 +615,45 @@ def _fake_quantize(x, fmt, mode, key, overflow, scales, bits=None):
   )
   v = _from_blocks(_scale_back(q, per, fmt), x.shape, fmt)
   return v, _from_blocks(over, x.shape, fmt), scales
+
+
+def move_probability(w, x, fmt) -> jax.Array:
+  """P(stochastic write-back of `x` moves the grid value `w`), per element.
+
+  The grid is that of the block scales computed from `x` (a write-back
+  that recomputes its scales). Where `w` is on it, with `gap` the element
+  format's gap at `w / scale` in the direction of `x`:
+
+    P = min(1, |x - w| / (scale * gap))
+
+  (0 where `x == w`, 0 past the top, where stochastic rounding
+  saturates), computed in element units, exactly scaled; where the new
+  scale put `w` off the grid, every outcome moves it and `P = 1`. Only
+  power-of-two (MX) scales.
+
+  Args:
+    w: float32 values on the scaled grid of their own scales.
+    x: float32, `w`'s shape: the values to be written (`w + u`).
+    fmt: an MX scaled format (name or `ScaledFormat`).
+
+  Raises:
+    ValueError: a format whose scales are not powers of two.
+  """
+  fmt = get_scaled_format(fmt)
+  if fmt.scale_type != "e8m0":
+    raise ValueError(
+      f"move_probability needs power-of-two (MX) scales, not {fmt.name}'s"
+    )
+  return _move_probability(_float32(w), _float32(x), fmt)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _move_probability(w, x, fmt):
+  per = _per_block(compute_scales(x, fmt), fmt)
+  wb, xb = ldexp(_to_blocks(w, fmt), -per), ldexp(_to_blocks(x, fmt), -per)
+  e = fmt.element
+  on_grid = round_nearest(wb, e) == wb
+  gap = jnp.where(xb > wb, e.gap_up(wb), e.gap_down(wb))
+  p = jnp.minimum(jnp.abs(xb - wb) / gap, 1.0)
+  p = jnp.where(xb == wb, 0.0, jnp.where(on_grid, p, 1.0))
+  return _from_blocks(p.astype(jnp.float32), w.shape, fmt)

@@ -40,6 +40,7 @@ from lowprec.storage import (
 )
 
 NONFINITE_MODES = ("keep", "propagate")
+SCALE_MODES = ("recompute", "keep")  # block scales of a scaled write-back
 
 _COUNTS = ("proposals", "moved", "saturated", "unreachable", "nonfinite")
 _REPORTED = ("proposals", "erased", "moved", "saturated", "unreachable")
@@ -182,6 +183,7 @@ def writeback(
   overflow: str = "saturate",
   nonfinite: str = "keep",
   telemetry: bool = True,
+  scales: str = "recompute",
 ) -> optax.GradientTransformation:
   """Rounds `w + u` onto the weights' grid and emits the exact deltas.
 
@@ -210,9 +212,9 @@ def writeback(
       match is an error). None leaves a parameter untouched (its update
       passes through). See `lowprec.storage`. An MX scaled format
       (`"mxfp8_e4m3"`, a `lowprec.ScaledFormat`) writes onto the grid of
-      block scales computed from `w + u` each step, and adds `blocks`,
-      `rescaled` and `rescaled_fraction` to the telemetry
-      (docs/scaled.md).
+      block scales chosen by `scales`, and adds `blocks`, `rescaled` and
+      `rescaled_fraction` to the telemetry (docs/scaled.md). NVFP4 and
+      per-tensor scaled formats are refused (the error says why).
     rounding: "nearest", "stochastic" or "deadzone".
     key: a JAX PRNG key; required by "stochastic" and "deadzone", ignored by
       "nearest". It is kept in the state and split at every update; give
@@ -222,7 +224,19 @@ def writeback(
     nonfinite: "keep" (default) or "propagate", for non-finite proposals.
     telemetry: keep the counts in the state (one reduction per tensor and
       step; on XLA:CPU it recomputes the rounding: docs/writeback.md).
-
+    scales: for MX scaled formats only (ignored by the others): the block
+      scales of the grid that `w + u` is rounded onto. "recompute"
+      (default): from `w + u` itself, `w' = FQ(w + u)`, so a block's grid
+      moves when its maximum moves. "keep": those of the current `w`
+      (the previous step's, as `w` is on their grid), `w' = FQ(w + u;
+      scales(w))`; a value past the block's top `max_E * scale`
+      saturates there (counted in `saturated`), so a block's scale never
+      grows, and `rescaled` is 0 (the next step takes the scales of `w'`,
+      which may be smaller). One case needs more: under the `ocp` rule
+      an e4m3 block whose maximum falls to `240 * scale` (the top of the
+      binade below; doubled, 480 lies past 448) is off the grid of its
+      own, halved, scale and is put there, which saturates it to
+      `224 * scale`; so `w'` is always on its grid.
   Returns:
     An `optax.GradientTransformation` whose `update` needs `params`, stored
     as float32 holding grid values or as the format's native dtype.
@@ -233,8 +247,10 @@ def writeback(
     take an unfiltered Equinox module as `params`.
 
   Raises:
-    ValueError: unknown rounding, overflow or nonfinite mode or format; a
-      random rounding without `key`; at `init`, params off their grid (call
+    ValueError: unknown rounding, overflow, nonfinite or scales mode or
+      format; an NVFP4 or per-tensor scaled format (the message says why
+      and what to use instead); a random rounding without `key`; at
+      `init`, params off their grid (call
       `lowprec.to_grid` first), stored in a dtype that cannot hold the grid
       (an integer or boolean array given a format among them), or an `intK`
       scale that is not a power of two; at `update`, missing `params`, an
@@ -260,10 +276,11 @@ def writeback(
   _check_mode("rounding", rounding, ROUNDINGS)
   _check_mode("overflow mode", overflow, OVERFLOW_MODES)
   _check_mode("nonfinite mode", nonfinite, NONFINITE_MODES)
+  _check_mode("scales", scales, SCALE_MODES)
   lookup = format_lookup(fmt)
   random = rounding != "nearest"
   key, impl = _key_words(key, rounding) if random else (None, None)
-  rule = _LeafRule(rounding, overflow, nonfinite, telemetry)
+  rule = _LeafRule(rounding, overflow, nonfinite, telemetry, scales)
 
   def init_fn(params):
     fmts = {
@@ -385,9 +402,7 @@ def _format_of(lookup, path, w) -> Format | None:
     if fmt.scale_type != "e8m0":
       raise ValueError(
         f"parameter {path_name(path)!r}: write-back onto {fmt} is not "
-        "supported: its scales are not powers of two, so the float32 "
-        "delta w' - w does not land exactly on its grid. Use an MX format "
-        "(power-of-two E8M0 scales), e.g. 'mxfp8_e4m3'"
+        f"supported. {_WHY_NOT[fmt.rule]}"
       )
     return fmt
   if not fmt.is_float and not float(np.log2(fmt.scale)).is_integer():
@@ -400,6 +415,35 @@ def _format_of(lookup, path, w) -> Format | None:
       f"use e.g. get_format({fmt.name!r}, scale={pow2})"
     )
   return fmt
+
+
+# Why a scaled format with float32 (not power-of-two) scales takes no
+# write-back, and what to use instead, by scale rule.
+_WHY_NOT = {
+  "nvfp4": (
+    "Its scale s_b * s_t is a float32 product recomputed from the "
+    "tensor's amax, and the grid is not a fixed point of its own "
+    "rounding: rounding a tensor already on it recomputes s_t from the "
+    "rounded amax and moves most values by a float32 rounding, so no "
+    "parameter stays on the grid of its own scales (there is no "
+    "state-free grid to write back onto), a step that moves the tensor "
+    "amax moves every value (w' == w, 'erased', loses its meaning), and "
+    "the float32 delta between two products e * s need not land exactly. "
+    "Use 'mxfp4_e2m1' (the same E2M1 elements under power-of-two E8M0 "
+    "scales), or lowprec.get_scaled_format('mxfp4_e2m1', block=16) for "
+    "NVFP4's block size (docs/scaled.md)"
+  ),
+  "amax": (
+    "Its one float32 scale amax / max_E follows the tensor's largest "
+    "|w|, so a step that moves that value moves every value of the "
+    "tensor by a float32 rounding (w' == w, 'erased', loses its "
+    "meaning), and the float32 delta between two products e * s of a "
+    "scale that is not a power of two need not land exactly. Use the "
+    "element format itself (e.g. 'float8_e4m3fn', scale 1) or an MX "
+    "format with power-of-two block scales (e.g. 'mxfp8_e4m3') "
+    "(docs/scaled.md)"
+  ),
+}
 
 
 def _is_scaled(fmt) -> bool:
@@ -425,6 +469,7 @@ class _LeafRule:
   overflow: str
   nonfinite: str
   telemetry: bool
+  scales: str = "recompute"
 
   def write(self, w, u, fmt: Format, bits):
     """Delta and, with telemetry, the `_COUNTS` of one tensor (then, for a
@@ -453,26 +498,39 @@ class _LeafRule:
     counts = _count(proposed, moved, over & proposed, ~lands, ~finite)
     if not on_scaled:
       return delta, counts
+    if self.scales == "keep":  # rounded with w's scales, by construction
+      return delta, (*counts, jnp.int32(new_scales.block.size), jnp.int32(0))
     old = scaled.compute_scales(w, fmt).block
     code = lambda s: jax.lax.bitcast_convert_type(s, jnp.uint8)  # noqa: E731
     changed = jnp.sum(code(old) != code(new_scales.block), dtype=jnp.int32)
     return delta, (*counts, jnp.int32(old.size), changed)
 
   def _round_scaled(self, w, u, fmt, bits):
-    """`w + u` onto the scaled grid of scales computed from `w + u`."""
+    """`w + u` onto the scaled grid of scales computed from `w + u`
+    ("recompute") or from `w` ("keep")."""
     x = w + u
+    keep = self.scales == "keep"
+    kept = scaled.compute_scales(w, fmt) if keep else None
     mode = "nearest" if self.rounding == "nearest" else "stochastic"
     sr_bits = None if mode == "nearest" else bits
     q, over, sc = scaled.fake_quantize_and_scales(
-      x, fmt, mode, overflow=self.overflow, bits=sr_bits
+      x, fmt, mode, overflow=self.overflow, bits=sr_bits, scales=kept
     )
     if self.rounding == "deadzone":
       q_rn, over_rn, _ = scaled.fake_quantize_and_scales(
-        x, fmt, overflow=self.overflow
+        x, fmt, overflow=self.overflow, scales=kept
       )
       erased = q_rn == w
       q = jnp.where(erased, q, q_rn)
       over = jnp.where(erased, over, over_rn)
+    if keep and fmt.rule == "ocp":
+      # Only a block whose maximum fell to the top of the binade below
+      # its scale's is off the grid of its own (halved) scale; putting it
+      # there saturates that maximum. The identity on every other block.
+      q, over_own, _ = scaled.fake_quantize_and_scales(
+        q, fmt, overflow=self.overflow
+      )
+      over = over | over_own
     return q, over, sc
 
   def _round(self, w, u, fmt: Format, bits):

@@ -508,6 +508,140 @@ def test_under_the_ocp_rule_a_block_just_below_a_power_of_two_saturates():
     assert lowprec.telemetry(state)["rescaled"] == (rule == "ocp")
 
 
+def _reference_keep(w, x, fmt):
+  """float64 oracle of a "keep" write-back: `x` rounded (nearest,
+  saturating) with the exponents of `w`'s blocks; under `ocp`, then onto
+  the grid of its own scales. Returns the values (`w`'s own where equal,
+  so -0 stays) and the mask of elements whose rounding went past max_E."""
+  top = fmt.max_finite
+  # Past the top when rounding (ties to even) in the top binade's gap
+  # gives more than max_E.
+  gap = 2.0 ** (np.floor(np.log2(top)) - fmt.element.man_bits)
+
+  def past_top(y):
+    return np.round(np.abs(y) / gap) * gap > top
+
+  _, _, k = _reference_mx(w, fmt)
+  xb = x.astype(np.float64).reshape(x.shape[0], -1, fmt.block)
+  y = xb / np.exp2(k)[..., None]
+  over = past_top(y)
+  v = _element_cast(y, fmt.element.name).astype(np.float64)
+  v = (v * np.exp2(k)[..., None]).reshape(x.shape)
+  if fmt.rule == "ocp":
+    own, _, k2 = _reference_mx(v, fmt)
+    over |= past_top(v.reshape(xb.shape) / np.exp2(k2)[..., None])
+    v = own
+  return np.where(v == w, w, v), over.reshape(x.shape)
+
+
+def _keep_step(fmt, w, u, rounding="nearest"):
+  """One jitted SGD(lr=1) step with scales="keep": new w and telemetry."""
+  import optax
+
+  import lowprec
+
+  opt = optax.chain(
+    optax.sgd(1.0),
+    lowprec.writeback(fmt, rounding, key=jax.random.key(8), scales="keep"),
+  )
+  params = {"w": jnp.asarray(w)}
+  lowprec.check_on_grid(params, fmt)
+  state = opt.init(params)
+  updates, state = jax.jit(opt.update)({"w": -jnp.asarray(u)}, state, params)
+  new = optax.apply_updates(params, updates)
+  lowprec.check_on_grid(new, fmt)  # the next step's scales come from it
+  return np.asarray(new["w"]), lowprec.telemetry(state)
+
+
+def test_keep_rounds_with_the_scales_of_w_where_recompute_rescales():
+  # Block max 2 (scale 2^-7, top 448 * 2^-7 = 3.5) proposed to 4.5, which
+  # would double the scale. A subnormal element 2^-14 (4 gaps of 2^-16)
+  # with u = 0.6 gap: it moves under the kept scale and is erased under
+  # the doubled one (gap 2^-15, u = 0.3 gap).
+  w = np.full((1, 32), 0.5, np.float32)
+  w[0, 0], w[0, 1] = 2.0, 2.0**-14
+  u = np.zeros_like(w)
+  u[0, 0], u[0, 1], u[0, 2] = 2.5, np.float32(1.2 * 2.0**-17), 0.25
+  x = (w + u).astype(np.float32)
+  for rule in scaled.SCALE_RULES:
+    fmt = scaled.get_scaled_format("mxfp8_e4m3", rule=rule)
+    new, t = _keep_step(fmt, w, u)
+    want, over = _reference_keep(w, x, fmt)
+    assert _same_bits(new, want.astype(np.float32))
+    assert new[0, 0] == 3.5 and new[0, 1] == 2.0**-14 + 2.0**-16
+    assert t["saturated"] == 1 == int(over.sum())
+    assert t["rescaled"] == 0 and t["blocks"] == 1
+    assert t["proposals"] == 3 and t["erased"] == 0
+  recomputed = scaled.fake_quantize(x, "mxfp8_e4m3")
+  assert recomputed[0, 0] == 4.5 and recomputed[0, 1] == 2.0**-14
+
+
+@pytest.mark.parametrize("rule", scaled.SCALE_RULES)
+@pytest.mark.parametrize("name", ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp4_e2m1"])
+def test_keep_equals_the_float64_reference_with_its_counts(name, rule):
+  fmt = scaled.get_scaled_format(name, rule=rule)
+  rng = np.random.default_rng(14)
+  w = np.asarray(scaled.fake_quantize(_data((8, 64), seed=15)[3:], fmt))
+  # Proposals from a tenth of a gap to past the block max, some zero.
+  u = w * rng.choice([0.0, 0.01, -0.05, 0.3, 1.5], w.shape)
+  u = u.astype(np.float32)
+  new, t = _keep_step(fmt, w, u)
+  x = (w + u).astype(np.float32)
+  want, over = _reference_keep(w, x, fmt)
+  assert _same_bits(new, want.astype(np.float32))
+  proposed = u != 0
+  assert t["proposals"] == int(proposed.sum())
+  assert t["erased"] == int((proposed & (want == w)).sum())
+  assert t["moved"] == int((proposed & (want != w)).sum())
+  assert t["saturated"] == int((proposed & over).sum()) > 0
+  assert t["rescaled"] == 0 and t["unreachable"] == 0
+
+
+def test_keep_puts_an_ocp_e4m3_block_that_fell_a_binade_on_its_own_grid():
+  # 256 * 2^-8 = 1 falls to 0.9375 = 240 * 2^-8: on the kept grid, but its
+  # own OCP scale is 2^-9 and 480 > 448 saturates it to 0.875. No-clip:
+  # 1 has scale 2^-8 already (256 <= 448) and 0.9375 stays.
+  w = np.full((1, 32), 0.25, np.float32)
+  w[0, 0] = 1.0
+  u = np.zeros_like(w)
+  u[0, 0] = -0.0625
+  for rule, want in [("ocp", 0.875), ("noclip", 0.9375)]:
+    fmt = scaled.get_scaled_format("mxfp8_e4m3", rule=rule)
+    new, t = _keep_step(fmt, w, u)
+    assert new[0, 0] == want and t["saturated"] == (rule == "ocp")
+    assert np.array_equal(new[0, 1:], w[0, 1:])
+
+
+@pytest.mark.parametrize("rounding", ["stochastic", "deadzone"])
+def test_keep_under_random_roundings_stays_on_the_kept_grid(rounding):
+  w = np.asarray(
+    scaled.fake_quantize(_data((8, 64), seed=16)[3:], "mxfp8_e4m3")
+  )
+  u = (w * np.float32(0.02)).astype(np.float32)
+  new, t = _keep_step("mxfp8_e4m3", w, u, rounding)
+  k = np.asarray(scaled.compute_scales(w, "mxfp8_e4m3").block, np.float32)
+  kept = scaled.fake_quantize(
+    new,
+    "mxfp8_e4m3",
+    scales=scaled.Scales(jnp.asarray(k).astype(jnp.float8_e8m0fnu)),
+  )
+  assert _same_bits(kept, new) and t["rescaled"] == 0 and t["moved"] > 0
+
+
+def test_mx_grids_are_fixed_points_and_nvfp4_is_not():
+  # Why write-back takes MX and refuses NVFP4: a tensor on an MX grid is
+  # on the grid of its own scales; rounding one already on the NVFP4 grid
+  # recomputes s_t from the rounded amax and moves most of its values.
+  rng = np.random.default_rng(17)
+  moved = {}
+  for name in (*MX, "nvfp4"):
+    x = rng.standard_normal((50, 256)).astype(np.float32)
+    q = scaled.fake_quantize(x, name)
+    moved[name] = int(jnp.sum(scaled.fake_quantize(q, name) != q))
+  assert all(moved[n] == 0 for n in MX), moved
+  assert moved["nvfp4"] > 10_000, moved  # of 11,932 nonzero values
+
+
 @pytest.mark.parametrize(
   "call, match",
   [
@@ -515,7 +649,17 @@ def test_under_the_ocp_rule_a_block_just_below_a_power_of_two_saturates():
       lambda: _sgd_writeback("nvfp4", "nearest", 0.1)[0].init(
         {"w": jnp.ones((2, 16))}
       ),
-      "not powers of two",
+      "not a fixed point of its own rounding.*Use 'mxfp4_e2m1'",
+    ),
+    (
+      lambda: _sgd_writeback("float8_e4m3fn:tensor", "nearest", 0.1)[0].init(
+        {"w": jnp.ones((2, 16))}
+      ),
+      "moves every value of the tensor.*Use the element format itself",
+    ),
+    (
+      lambda: __import__("lowprec").writeback("mxfp8_e4m3", scales="kept"),
+      "Did you mean 'keep'",
     ),
     (
       lambda: __import__("lowprec").store_state(
@@ -528,7 +672,7 @@ def test_under_the_ocp_rule_a_block_just_below_a_power_of_two_saturates():
       "always uses its own scales",
     ),
   ],
-  ids=["writeback_nvfp4", "state", "unscaled_rounding"],
+  ids=["writeback_nvfp4", "writeback_tensor", "scales", "state", "rounding"],
 )
 def test_scaled_names_where_they_do_not_apply(call, match):
   with pytest.raises(ValueError, match=match):

@@ -108,6 +108,7 @@ def test_fp8_full_scale_is_gpt2_small():
   "name, arm",
   [
     ("freeze_gpt2_fp8", "rn_e4m3"),
+    ("freeze_mx", "rn_mxfp8_e4m3"),
     ("e4m3_audit", "rn_e4m3"),
     ("e4m3_audit", "rn_e4m3_b64"),
     ("int3_replay", "int3m_from_2"),
@@ -169,6 +170,43 @@ def test_unknown_int_scale_scope_is_refused_with_a_suggestion():
   c.study.arms[arm].lowprec.int_scale_scope = "modle"
   with pytest.raises(ValueError, match="Did you mean 'model'"):
     study.resolve(c, arm, 0)
+
+
+@pytest.mark.parametrize(
+  "key, value, match",
+  [
+    ("writeback", "nvfp4", "lowprec.writeback: 'nvfp4' has float32 scales"),
+    ("trace_targets", ("float8_e4m3fn:tensor",), "use an MX format"),
+    ("writeback", "mxfp8_e4m", "Did you mean 'mxfp8_e4m3'"),
+  ],
+  ids=["nvfp4", "tensor", "typo"],
+)
+def test_scaled_formats_other_than_mx_are_refused_with_the_fix(
+  key, value, match
+):
+  c = _load("freeze_mx", "scale=smoke")
+  c.study.arms["rn_mxfp8_e4m3"].lowprec[key] = value
+  with pytest.raises(ValueError, match=match):
+    study.resolve(c, "rn_mxfp8_e4m3", 0)
+
+
+@pytest.mark.parametrize("scales, want", [("recompute", 4.5), ("keep", 3.5)])
+def test_writeback_scales_reach_the_write_back(scales, want):
+  # A block at the top of its grid (3.5 = 448 * 2^-7), one Adam step of
+  # lr 1 up: recomputed scales take it to 4.5, kept ones saturate it.
+  c = _load("freeze_mx", "scale=smoke")
+  c.opt.update(dict(lr=1.0, warmup_steps=0, schedule="constant"))
+  c.opt.update(dict(weight_decay=0.0, clip_norm=0.0))
+  c.study.arms["rn_mxfp8_e4m3"].lowprec.writeback_scales = scales
+  c.study.arms["rn_mxfp8_e4m3"].lowprec.trace_sample = 8
+  r = study.resolve(c, "rn_mxfp8_e4m3", 0)
+  opt = optim.build(r, jax.random.key(0))
+  w = {"params": {"w": jnp.full((1, 32), 0.5).at[0, 0].set(3.5)}}
+  g = {"params": {"w": -jnp.ones((1, 32))}}
+  updates, state = opt.update(g, opt.init(w), w)
+  new = jax.tree.map(lambda a, b: a + b, w, updates)["params"]["w"]
+  assert float(new[0, 0]) == want
+  assert lowprec.telemetry(state)["saturated"] == (scales == "keep")
 
 
 def test_init_from_arm_needs_a_step():
@@ -780,6 +818,33 @@ def test_fp8_table_frozen_coordinates_and_loss_change(tmp_path):
   assert any("never moved: 33.3%" in x for x in lines)
 
 
+def test_fp8_table_keeps_each_seed_of_a_scaled_format_apart(tmp_path):
+  # Two seeds of an MX arm crossing at different steps: each row has its
+  # own crossing and RMSE. Sampled coordinates on the MX grid (e4m3
+  # mantissas under any scale) count; one with a float32 mantissa does not.
+  root, n = str(tmp_path), 6
+  u = [[0, 1, 1]] * 3 + [[0, 0, 1]] * 3
+  w = [0.5 * 2.0**-20, 1.75 * 2.0**9, 0.1234]
+  for seed, cross in ((0, 2), (1, 4)):
+    _reference(root, "m", "mxfp8_e4m3", _curve(n, cross), seed=seed)
+    _lowprec(root, "m", "rn_mx", "mxfp8_e4m3", _curve(n, cross), seed=seed)
+    path = os.path.join(root, "m", "rn_mx", f"seed{seed}", "metrics.jsonl")
+    with open(path) as f:
+      recs = [json.loads(line) for line in f]
+    for rec in recs[1:]:
+      rec.update({"pred/sample/u": u[rec["step"] - 1], "pred/sample/w": w})
+    with open(path, "w") as f:
+      f.writelines(json.dumps(r) + "\n" for r in recs)
+  rows, _ = tables.ANALYSES["fp8"](tables.load_runs(root, "m"))
+  rn = {r["seed"]: r for r in rows if r["arm"] == "rn_mx"}
+  assert rn[0]["measured_crossing"] == "2 (post_init)"
+  assert rn[1]["measured_crossing"] == "4 (post_init)"
+  assert rn[0]["predicted_crossing"] == "2 (post_init)"
+  assert rn[1]["predicted_crossing"] == "4 (post_init)"
+  assert rn[0]["frozen_whole_run"] == rn[1]["frozen_whole_run"] == 0.5
+  assert rn[0]["frozen_second_half"] == 1.0
+
+
 # -------------------------------------------------------- smoke, end to end
 
 
@@ -876,12 +941,13 @@ def test_grid_smoke_makes_its_table(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-  "name", ["freeze_gpt2_fp8", "freeze_transfer", "deadzone_vs_sr"]
+  "name", ["freeze_gpt2_fp8", "freeze_mx", "freeze_transfer", "deadzone_vs_sr"]
 )
 def test_slow_smoke_study_makes_its_table(name, tmp_path):
   _, md = _smoke(name, tmp_path)
   expect = {
     "freeze_gpt2_fp8": "validation loss fp32_reference",
+    "freeze_mx": "rn_mxfp8_e4m3 (mxfp8_e4m3): predicted crossing",
     "freeze_transfer": "- all tasks:",
     "deadzone_vs_sr": "mean recovery, full SR / dead-zone SR",
   }[name]

@@ -238,41 +238,53 @@ def _reductions(rows) -> str:
 def fp8_panels(study, results="results", out=None) -> str:
   """Per format: erased fraction predicted and measured under nearest,
   move probability predicted and measured under stochastic; below, the
-  validation loss of every arm."""
+  validation loss of every arm (one colour per arm, one line per seed)."""
   runs = load_runs(results, study)
   low = [r for r in runs if r.config["lowprec"]["writeback"]]
   formats = list(dict.fromkeys(r.config["lowprec"]["writeback"] for r in low))
+  arms = list(dict.fromkeys(r.arm for r in runs))
   fig, axes = plt.subplots(
     2, max(len(formats), 1), figsize=(4.6 * len(formats), 7), squeeze=False
   )
   for i, fmt in enumerate(formats):
     ax = axes[0][i]
+    seen = set()
+
+    def once(label, seen=seen):
+      return None if label in seen or seen.add(label) else label
+
     for run in (r for r in low if r.config["lowprec"]["writeback"] == fmt):
       ref = fa.reference_for(run, runs)
       if run.config["lowprec"]["rounding"] == "nearest":
         s, e = fa.measured(run)
-        ax.plot(s, e, color="C0", lw=1, label="erased, measured (RN)")
+        ax.plot(s, e, color="C0", lw=1, label=once("erased, measured (RN)"))
         ps, p = fa.predicted(ref, fmt)
-        ax.plot(ps, p, color="C1", ls="--", lw=1, label="erased, predicted")
+        ax.plot(
+          ps, p, color="C1", ls="--", lw=1, label=once("erased, predicted")
+        )
       else:
         s, mp = fa.move_prob(run)
-        ax.plot(s, mp, color="C2", lw=1, label="moved, measured (SR)")
+        ax.plot(s, mp, color="C2", lw=1, label=once("moved, measured (SR)"))
         ps, p = fa.predicted(ref, fmt, "stochastic")
-        ax.plot(ps, p, color="C3", ls="--", lw=1, label="moved, predicted")
+        ax.plot(
+          ps, p, color="C3", ls="--", lw=1, label=once("moved, predicted")
+        )
     ax.axhline(0.5, color="grey", lw=0.5)
     ax.set_ylim(-0.02, 1.02)
     ax.set_title(f"{fmt}: share of proposals per step", fontsize=9)
     ax.set_xlabel("step")
     ax.legend(fontsize=7)
     lx = axes[1][i]
-    curves = []
-    for j, run in enumerate(runs):
+    curves, labelled = [], set()
+    for run in runs:
       lp = run.config["lowprec"]
       if lp["writeback"] not in ("", fmt):
         continue
       s, v = _val(run)
       curves.append(v)
-      lx.plot(s, v, lw=1, color=f"C{j}", label=run.arm)
+      label = None if run.arm in labelled else run.arm
+      labelled.add(run.arm)
+      lx.plot(s, v, lw=1, color=f"C{arms.index(run.arm)}", label=label)
     _zoom(lx, curves)
     lx.set_xlabel("step")
     lx.set_ylabel("validation loss")

@@ -272,7 +272,7 @@ def fp8_table(runs, theta: float = THETA, tol: float = TOL):
   not move in the second half of the run.
   """
   rows, _ = _freeze_rows(runs, theta, tol)
-  by_arm = {r["arm"]: r for r in rows}
+  by_run = {(r["arm"], r["seed"]): r for r in rows}
   out, lines = [], []
   total = max(r.config["train"]["steps"] for r in runs)
   half = _eval_step_near(runs[0], total // 2)
@@ -284,7 +284,7 @@ def fp8_table(runs, theta: float = THETA, tol: float = TOL):
       "format": lp["writeback"] or "float32",
       "rounding": lp["rounding"] if lp["writeback"] else "",
     }
-    base = by_arm.get(run.arm, {})
+    base = by_run.get((run.arm, run.seed), {})
     for k in ("predicted_crossing", "measured_crossing", "rmse"):
       if k in base:
         row[k] = base[k]
@@ -335,7 +335,7 @@ def frozen_shares(run, half: int, fmt: str | None = None):
     return None, None
   if fmt is not None:
     w32 = np.asarray(w, np.float32)
-    on_grid = np.asarray(lowprec.round_nearest(w32, fmt)) == w32
+    on_grid = np.asarray(lowprec.round_nearest(w32, _grid_of(fmt))) == w32
     keep = on_grid.all(0)
     if not keep.any():
       return None, None
@@ -344,6 +344,15 @@ def frozen_shares(run, half: int, fmt: str | None = None):
   never = float(np.mean(~moved.any(0)))
   late = float(np.mean(~moved[steps > half].any(0)))
   return never, late
+
+
+def _grid_of(fmt: str):
+  """`fmt`, or for a scaled format the grid its values lie on whatever
+  their block scales: the element's mantissa under float32's exponents
+  (`e8m3` for e4m3 elements); a sampled coordinate has no block with it."""
+  if not lowprec.scaled.is_scaled(fmt):
+    return fmt
+  return f"e8m{lowprec.get_scaled_format(fmt).element.man_bits}"
 
 
 def _sample(run):

@@ -19,7 +19,7 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
-from lowprec import names, rounding, storage
+from lowprec import names, rounding, scaled, storage
 from lowprec.formats import Format, get_format
 from lowprec.rounding import ROUNDINGS
 
@@ -32,10 +32,11 @@ class Target:
 
   Attributes:
     fmt: a format specification as `lowprec.to_grid` and the write-back take
-      it: one format (name or `Format`), a pytree of formats shaped like (a
-      prefix of) the params, or ordered `(regex, format or None)` rules
-      matched with `re.fullmatch` against "/"-joined parameter paths. A
-      parameter whose format is None is left out (kept in float32).
+      it: one format (name, `Format` or MX `ScaledFormat`), a pytree of
+      formats shaped like (a prefix of) the params, or ordered `(regex,
+      format or None)` rules matched with `re.fullmatch` against
+      "/"-joined parameter paths. A parameter whose format is None is left
+      out (kept in float32).
     rounding: the write-back rounding to predict: "nearest" (the erased
       fraction), "stochastic" or "deadzone" (the per-step move probability;
       no persistent freeze).
@@ -46,19 +47,35 @@ class Target:
 
   def __post_init__(self):
     names.check_choice("rounding", self.rounding, ROUNDINGS)
-    if isinstance(self.fmt, (str, Format)):
+    if scaled.is_scaled(self.fmt):
+      object.__setattr__(self, "fmt", _checked(self.fmt))
+    elif isinstance(self.fmt, (str, Format)):
       object.__setattr__(self, "fmt", get_format(self.fmt))
     object.__setattr__(self, "_lookup", storage.format_lookup(self.fmt))
 
   @property
   def default_name(self) -> str | None:
-    if isinstance(self.fmt, Format):
+    if isinstance(self.fmt, (Format, scaled.ScaledFormat)):
       return self.fmt.name + _SUFFIX[self.rounding]
     return None
 
-  def leaf_format(self, path) -> Format | None:
+  def leaf_format(self, path) -> Format | scaled.ScaledFormat | None:
     """The format of the parameter at key path `path` (None: left out)."""
-    return self._lookup(path)
+    fmt = self._lookup(path)
+    return _checked(fmt) if scaled.is_scaled(fmt) else fmt
+
+
+def _checked(fmt) -> scaled.ScaledFormat:
+  """An MX format; the others, refused by the write-back, are refused."""
+  fmt = scaled.get_scaled_format(fmt)
+  if fmt.scale_type != "e8m0":
+    raise ValueError(
+      f"reference_trace predicts the write-back, which refuses {fmt}: its "
+      "scales are float32 products, not powers of two (lowprec.writeback "
+      "says why). Predict for an MX format instead, e.g. 'mxfp4_e2m1' for "
+      "nvfp4's elements or 'mxfp8_e4m3' for per-tensor float8_e4m3fn"
+    )
+  return fmt
 
 
 def _parse_targets(targets) -> tuple[tuple[str, Target], ...]:
@@ -269,6 +286,20 @@ def reference_trace(
   `min(1, |(Q_RN(w) + u) - Q_RN(w)| / gap)` with the gap in the direction of
   `u` (dead-zone: 1 where nearest rounding would move it).
 
+  An MX scaled target (`"mxfp8_e4m3"`, a `lowprec.ScaledFormat`; NVFP4
+  and per-tensor formats are refused, as the write-back refuses them)
+  predicts the write-back that recomputes block scales from `w + u`:
+  `Q_RN` is `scaled.fake_quantize`, whose scales come from its argument,
+
+    erased(w, u)  <=>  u != 0  and  FQ(q + u) == q,   q = FQ(w)
+
+  so `q` is the reference weight on the grid of its own block scales and
+  the rounding of `q + u` uses the scales of `q + u`: a proposal that
+  moves its block's maximum moves the gap of every coordinate of the
+  block. Its stochastic move probability is `scaled.move_probability`:
+  the same formula with the gap at `q` in units of the block scale of
+  `q + u`, and 1 where that scale put `q` off the grid.
+
   Counts are exact integers, the same however the params are sharded;
   `move_prob` is a float32 sum of probabilities, whose last bits (about
   1e-7 relative) follow the reduction order and so can differ between
@@ -360,6 +391,7 @@ def reference_trace(
 
   def init_fn(params):
     lay = make_layout(params)
+    _check_blocks(float_leaves(params), lay)
     n_t, n_l = len(lay.targets), len(lay.leaves)
     total = sum(lay.sizes)
     if sample > total:
@@ -435,6 +467,27 @@ def reference_trace(
   return optax.GradientTransformation(init_fn, update_fn)
 
 
+def _check_blocks(ws, lay: TraceLayout) -> None:
+  """Raises, naming the parameter, where a scaled target's blocks do not
+  divide a leaf."""
+  for row in lay.formats:
+    for name, w, fmt in zip(lay.leaves, ws, row, strict=True):
+      if isinstance(fmt, scaled.ScaledFormat):
+        spec = jax.ShapeDtypeStruct(jnp.shape(w), jnp.float32)
+        try:
+          jax.eval_shape(lambda x, f=fmt: scaled.block_amax(x, f), spec)
+        except ValueError as e:
+          raise ValueError(f"parameter {name!r}: {e}") from None
+
+
+def _nearest(x, fmt):
+  """Nearest rounding onto `fmt`'s grid; a scaled grid takes its scales
+  from `x`, as the write-back that recomputes them does."""
+  if isinstance(fmt, scaled.ScaledFormat):
+    return scaled.fake_quantize(x, fmt)
+  return rounding.round_nearest(x, fmt)
+
+
 def _tracked(lay: TraceLayout, j: int, i: int) -> bool:
   return lay.roundings[j] == "nearest" and lay.formats[j][i] is not None
 
@@ -447,7 +500,7 @@ def _init_tracking(ws, lay: TraceLayout) -> dict:
     for i, w in enumerate(ws):
       on = _tracked(lay, j, i)
       w32 = jnp.asarray(w, jnp.float32)
-      qs.append(rounding.round_nearest(w32, lay.formats[j][i]) if on else None)
+      qs.append(_nearest(w32, lay.formats[j][i]) if on else None)
       st.append(jnp.ones(w32.shape, bool) if on else None)
     init_q.append(tuple(qs))
     still.append(tuple(st))
@@ -476,7 +529,7 @@ def _track(state, us, lay: TraceLayout) -> dict:
         continue
       u = us[i]
       moves = (u != 0) & jnp.isfinite(u)
-      moves &= rounding.round_nearest(q0 + u, lay.formats[j][i]) != q0
+      moves &= _nearest(q0 + u, lay.formats[j][i]) != q0
       flag = flag & ~moves
       row_flags.append(flag)
       row.append(_count(flag))
@@ -503,15 +556,20 @@ def _leaf_counts(w, u, formats, kinds):
     if fmt is None:
       move.append(zero_f)
       continue
-    q = rounding.round_nearest(w, fmt)
+    # On a scaled grid, q takes the scales of w and the rounding of x
+    # those of x: the write-back's rule (scales recomputed from w + u).
+    q = _nearest(w, fmt)
     x = q + u
-    erased = proposed & (rounding.round_nearest(x, fmt) == q)
+    erased = proposed & (_nearest(x, fmt) == q)
     if kind == "nearest":
       bits.append(erased)
       move.append(zero_f)
       continue
-    gap = jnp.where(x > q, fmt.gap_up(q), fmt.gap_down(q))
-    p = jnp.minimum(jnp.abs(x - q) / gap, 1.0)
+    if isinstance(fmt, scaled.ScaledFormat):
+      p = scaled.move_probability(q, x, fmt)
+    else:
+      gap = jnp.where(x > q, fmt.gap_up(q), fmt.gap_down(q))
+      p = jnp.minimum(jnp.abs(x - q) / gap, 1.0)
     if kind == "deadzone":
       p = jnp.where(erased, p, 1.0)
     p = jax.lax.optimization_barrier(jnp.where(proposed, p, 0.0))
