@@ -1084,8 +1084,9 @@ def test_reproduce_runs_the_audit_smoke_through_the_entry_point(tmp_path):
 
 
 @pytest.mark.slow
-def test_remedies_smoke_runs_and_tabulates(tmp_path):
-  _, md = _smoke("remedies", tmp_path)
+@pytest.mark.parametrize("name", ["remedies", "remedies_fp8"])
+def test_remedies_smoke_runs_and_tabulates(name, tmp_path):
+  _, md = _smoke(name, tmp_path)
   assert "| kahan (float8_e5m2 buffer) |" in md
   assert (
     "- kahan (float8_e5m2 buffer), float32 prediction vs measured (mean "
