@@ -14,6 +14,7 @@ import pytest
 
 import lowprec
 from lowprec import freeze
+from tests.freeze_test import _mlp, _mlp_params  # the same MLP
 
 BF16 = ml_dtypes.bfloat16
 E5M2 = ml_dtypes.float8_e5m2
@@ -231,25 +232,6 @@ def test_proposals_below_e5m2_subnormals_drain_the_buffer():
 # ---- an MLP: predicted against measured ---------------------------------
 
 _STEPS = 60
-
-
-def _mlp_params(key, sizes, std):
-  keys = jax.random.split(key, len(sizes) - 1)
-  return {
-    f"dense_{i}": {
-      "kernel": std * jax.random.normal(k, (a, b)),
-      "bias": jnp.zeros(b),
-    }
-    for i, (k, a, b) in enumerate(zip(keys, sizes[:-1], sizes[1:], strict=True))
-  }
-
-
-def _mlp(params, x):
-  for i in range(len(params)):
-    x = x @ params[f"dense_{i}"]["kernel"] + params[f"dense_{i}"]["bias"]
-    if i < len(params) - 1:
-      x = jax.nn.gelu(x)
-  return x
 
 
 def _run(opt, params, data):

@@ -592,7 +592,7 @@ def test_errors_name_the_fix():
     freeze.reference_trace("bfloat16", sample=3)
   with pytest.raises(ValueError, match="duplicate"):
     freeze.reference_trace(["bfloat16", lowprec.get_format("bfloat16")])
-  with pytest.raises(ValueError, match="need a name"):
+  with pytest.raises(ValueError, match="needs a name"):
     freeze.reference_trace([[(".*", "bfloat16")]])
   with pytest.raises(ValueError, match="unknown rounding"):
     Target("bfloat16", "up")

@@ -13,7 +13,6 @@ remedy moves late rather than never, and where the buffer itself erases
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -24,6 +23,7 @@ import optax
 from lowprec import storage
 from lowprec.compensated import _buffer_dtype, _buffer_format, _two_sum
 from lowprec.formats import Format, get_format
+from lowprec.freeze.trace import named_specs
 from lowprec.rounding import round_and_flag
 from lowprec.writeback import _count, _is_scaled, _land
 
@@ -134,31 +134,14 @@ def _is_spec_tuple(spec) -> bool:
 
 
 def _parse(remedies) -> tuple[tuple[str, Remedy], ...]:
-  if isinstance(remedies, Mapping):
-    items = [(str(k), _as_remedy(v)) for k, v in remedies.items()]
-  else:
-    if isinstance(remedies, Remedy) or _is_spec_tuple(remedies):
-      remedies = [remedies]
-    items = []
-    for spec in remedies:
-      r = _as_remedy(spec)
-      if r.default_name is None:
-        raise ValueError(
-          "a remedy with per-parameter formats needs a name: pass a dict, "
-          "e.g. {'kahan_mlp': ([('.*mlp.*', 'bfloat16'), ('.*', None)], "
-          "'kahan', 'bfloat16')}"
-        )
-      items.append((r.default_name, r))
-  if not items:
-    raise ValueError("compensated_trace needs at least one remedy")
-  names = [n for n, _ in items]
-  dup = sorted({n for n in names if names.count(n) > 1})
-  if dup:
-    raise ValueError(f"duplicate remedy names {dup}; pass a dict to rename")
-  for n in names:
-    if not n or "/" in n:
-      raise ValueError(f"remedy name {n!r} must be nonempty and have no '/'")
-  return tuple(items)
+  return named_specs(
+    remedies,
+    single=lambda r: isinstance(r, Remedy) or _is_spec_tuple(r),
+    convert=_as_remedy,
+    what="remedy",
+    example="{'kahan_mlp': ([('.*mlp.*', 'bfloat16'), ('.*', None)], "
+    "'kahan', 'bfloat16')}",
+  )
 
 
 @dataclasses.dataclass(frozen=True)

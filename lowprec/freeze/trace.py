@@ -78,31 +78,47 @@ def _checked(fmt) -> scaled.ScaledFormat:
   return fmt
 
 
-def _parse_targets(targets) -> tuple[tuple[str, Target], ...]:
-  if isinstance(targets, Mapping):
-    items = [(str(k), _as_target(v)) for k, v in targets.items()]
+def named_specs(specs, *, single, convert, what: str, example: str) -> tuple:
+  """`((name, spec), ...)` from a dict `{name: spec}`, one spec (where
+  `single(specs)`) or a list of them named by their `default_name`.
+
+  Raises:
+    ValueError: none, a spec without a default name outside a dict (the
+      message shows `example`), duplicate names, or a name that is empty
+      or holds "/".
+  """
+  if isinstance(specs, Mapping):
+    items = [(str(k), convert(v)) for k, v in specs.items()]
   else:
-    if isinstance(targets, (str, Format, Target)):
-      targets = [targets]
     items = []
-    for spec in targets:
-      t = _as_target(spec)
+    for spec in [specs] if single(specs) else specs:
+      t = convert(spec)
       if t.default_name is None:
         raise ValueError(
-          "per-leaf formats need a name: pass targets as a dict, e.g. "
-          "{'fp8_mlp': [('.*mlp.*', 'float8_e4m3fn'), ('.*', None)]}"
+          f"a {what} with per-parameter formats needs a name: pass a dict, "
+          f"e.g. {example}"
         )
       items.append((t.default_name, t))
   if not items:
-    raise ValueError("reference_trace needs at least one target format")
+    raise ValueError(f"at least one {what} is needed")
   names = [n for n, _ in items]
   dup = sorted({n for n in names if names.count(n) > 1})
   if dup:
-    raise ValueError(f"duplicate target names {dup}; pass a dict to rename")
+    raise ValueError(f"duplicate {what} names {dup}; pass a dict to rename")
   for n in names:
     if not n or "/" in n:
-      raise ValueError(f"target name {n!r} must be nonempty and have no '/'")
+      raise ValueError(f"{what} name {n!r} must be nonempty and have no '/'")
   return tuple(items)
+
+
+def _parse_targets(targets) -> tuple[tuple[str, Target], ...]:
+  return named_specs(
+    targets,
+    single=lambda t: isinstance(t, (str, Format, Target)),
+    convert=_as_target,
+    what="target",
+    example="{'fp8_mlp': [('.*mlp.*', 'float8_e4m3fn'), ('.*', None)]}",
+  )
 
 
 def _as_target(spec) -> Target:
