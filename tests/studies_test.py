@@ -895,7 +895,8 @@ def test_attention_search_smoke_tabulates_each_setting(tmp_path):
       )
     )
   )
-  assert [r["setting"] for r in rows] == ["e4m3", "e2m1"]  # by dose
+  # By dose, then MX: the config's order (study.settings).
+  assert [r["setting"] for r in rows] == ["e4m3", "e2m1", "mx_e2m1"]
   for r in rows:
     for arm in ("reuse", "redraw", "outonly"):
       assert float(r[f"{arm}_val_loss"]) > 0
