@@ -40,7 +40,6 @@ def run(quick: bool = False) -> Result:
       jax.jit(lambda v, k: scaled.quantize(v, FMT, "stochastic", k)),
       (x, key),
     ),
-    "float32 copy (memory floor)": (jax.jit(lambda v: -v), (x,)),
   }
   times = interleave(calls, rounds=rounds, repeats=3 if quick else 5)
   result = Result(
