@@ -173,9 +173,14 @@ def validate(c) -> None:
   """Clear errors (naming the fix) for values the code would reject later."""
   check_choices(c)
   lp = c.lowprec
+  # Saved tensors and gradients also take scaled formats (ops.Rounding).
   formats = [
-    ("lowprec.fwd_format", lp.fwd_format),
-    ("lowprec.bwd_format", lp.bwd_format),
+    (field, name)
+    for field, name in (
+      ("lowprec.fwd_format", lp.fwd_format),
+      ("lowprec.bwd_format", lp.bwd_format),
+    )
+    if not lowprec.scaled.is_scaled(name)
   ]
   for t in lp.trace_targets:
     name, rounding = optim.split_target(t)

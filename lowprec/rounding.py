@@ -92,7 +92,9 @@ def _direct(fmt: Format, carrier, dtype) -> bool:
   )
 
 
-def _code_direct(x: jax.Array, fmt: Format, bits, overflow: str, dtype):
+def _code_direct(
+  x: jax.Array, fmt: Format, bits, overflow: str, dtype, exp_shift=None
+):
   """Rounds float32 `x` straight to the one-byte code of `dtype`.
 
   The same values as `round_and_flag` followed by `_native_code`, bit for
@@ -106,14 +108,32 @@ def _code_direct(x: jax.Array, fmt: Format, bits, overflow: str, dtype):
   `bits < frac` for the fixed-point fraction `frac` of the discarded part
   (its low `32 - s` bits are zero). Where 32 or more bits are discarded
   the code is 0 or, for stochastic rounding, 1 with `bits < frac`.
+
+  `exp_shift` (int32, broadcasting against `x`) rounds `x * 2**-exp_shift`
+  instead, exactly, by moving the target's exponent (subnormal `x`
+  normalised first): the scaled value is never formed, so it neither
+  overflows nor loses subnormal bits (see `round_scaled_code`).
+  Non-finite `x` is not shifted.
   """
   m = fmt.man_bits
   u32 = jnp.uint32
   b = jax.lax.bitcast_convert_type(x, u32)
   a = b & u32(0x7FFFFFFF)
   biased = (a >> u32(23)).astype(jnp.int32)
+  if exp_shift is not None:
+    exp_shift = jnp.where(biased < 255, exp_shift, 0)
+    # A float32 subnormal `a * 2**-149` is the normal float `a` shifted by
+    # 149 more (the shift may bring it into the target's normal range,
+    # where the code needs the implicit bit); `a < 2**23` converts exactly.
+    sub = biased == 0
+    an = a.astype(jnp.int32).astype(jnp.float32)
+    a = jnp.where(sub, jax.lax.bitcast_convert_type(an, u32), a)
+    exp_shift = exp_shift + jnp.where(sub, 149, 0)
+    biased = (a >> u32(23)).astype(jnp.int32)
   sig = (a & u32(0x7FFFFF)) | jnp.where(biased != 0, u32(1 << 23), u32(0))
   t = jnp.maximum(biased, 1) - (127 - fmt.bias)  # the target's biased exp.
+  if exp_shift is not None:
+    t = t - exp_shift
   s = (23 - m) + jnp.maximum(1 - t, 0)
   # Shifts by 32 or more give 0 (XLA's semantics); those lanes take `deep`.
   sk = s.astype(u32)
@@ -146,6 +166,26 @@ def _code_direct(x: jax.Array, fmt: Format, bits, overflow: str, dtype):
   nan = jnp.isnan(x) | over if to_nan else jnp.isnan(x)
   code = jnp.where(nan, u32(nan_code), code)
   return jax.lax.bitcast_convert_type(code.astype(jnp.uint8), dtype)
+
+
+def round_scaled_code(
+  x, exp_shift, fmt, bits=None, *, overflow: str = "saturate", dtype
+) -> jax.Array | None:
+  """`round_with_bits(ldexp(x, -exp_shift), fmt, bits, dtype=dtype)` in one
+  pass, for a one-byte float `dtype` (None where that path does not apply).
+
+  Nearest rounding when `bits` is None. The same codes, bit for bit, as
+  scaling `x` by the power of two first wherever that scaling is exact; a
+  scaled value below float32's normal range rounds to a signed zero either
+  way (it is more than 32 bits below the smallest subnormal of every
+  one-byte format). Cheaper: the scaled value is never formed.
+  """
+  fmt = get_format(fmt)
+  _check_overflow(overflow)
+  dtype = jnp.dtype(dtype)
+  if x.dtype != jnp.float32 or not _direct(fmt, x.dtype, dtype):
+    return None
+  return _code_direct(x, fmt, bits, overflow, dtype, exp_shift)
 
 
 def round_nearest(

@@ -83,7 +83,12 @@ import numpy as np
 from lowprec import names
 from lowprec import rng as rng_lib
 from lowprec.formats import NAMED, Format
-from lowprec.rounding import OVERFLOW_MODES, round_and_flag, round_nearest
+from lowprec.rounding import (
+  OVERFLOW_MODES,
+  round_and_flag,
+  round_nearest,
+  round_scaled_code,
+)
 
 MODES = ("nearest", "stochastic")
 SCALE_RULES = ("ocp", "noclip")  # the power-of-two (E8M0) rules
@@ -472,6 +477,19 @@ def _divide(x, s):
 def _round_blocks(x, fmt, mode, key, overflow, scales, bits=None):
   """`(q, overflowed, per, scales)`: element grid values in blocks, where
   they overflowed, the per-block scales and the `Scales`."""
+  fmt = get_scaled_format(fmt)
+  xb, bits, per, scales = _blocks(x, fmt, mode, key, overflow, scales, bits)
+  if fmt.scale_type == "e8m0":
+    y = ldexp(xb, -per)
+  else:
+    y = _divide(xb, per)
+  q, over = round_and_flag(y, fmt.element, bits, overflow=overflow)
+  return q, over, per, scales
+
+
+def _blocks(x, fmt, mode, key, overflow, scales, bits):
+  """`(x, bits, per, scales)`: `x` and its random bits (None for nearest)
+  in blocks, the per-block scales (`_per_block`) and the `Scales`."""
   names.check_choice("rounding mode", mode, MODES)
   names.check_choice("overflow mode", overflow, OVERFLOW_MODES)
   fmt = get_scaled_format(fmt)
@@ -490,13 +508,15 @@ def _round_blocks(x, fmt, mode, key, overflow, scales, bits=None):
   xb = _to_blocks(x, fmt)
   if scales is None:
     scales = compute_scales(x, fmt)
-  per = _per_block(scales, fmt)
-  if fmt.scale_type == "e8m0":
-    y = ldexp(xb, -per)
-  else:
-    y = _divide(xb, per)
-  q, over = round_and_flag(y, fmt.element, bits, overflow=overflow)
-  return q, over, per, scales
+  return xb, bits, _per_block(scales, fmt), scales
+
+
+def _once_per_block(k):
+  """`k` (int32) itself, computed once per block: XLA:CPU would otherwise
+  fuse the exponent's computation from the block amax into the elements'
+  loop and repeat it for each of the block's elements. It does not repeat
+  an integer division (an expensive op), here by a 1 it cannot see."""
+  return jax.lax.div(k, jax.lax.optimization_barrier(jnp.int32(1)))
 
 
 def _scale_back(q, per, fmt: ScaledFormat):
@@ -547,9 +567,20 @@ def quantize(
 # rather than one dispatch per operation when called eagerly.
 @functools.partial(jax.jit, static_argnums=(1, 2, 4))
 def _quantize(x, fmt, mode, key, overflow, scales):
+  dtype = fmt.element_dtype
+  if dtype != np.float32 and fmt.scale_type == "e8m0":
+    # One-byte codes straight from x's bits and the block exponents: the
+    # codes of rounding ldexp(x, -k) without forming it (on XLA:CPU the
+    # ldexp cost more than the rest of the rounding).
+    xb, bits, per, scales = _blocks(x, fmt, mode, key, overflow, scales, None)
+    k = _once_per_block(per)
+    q = round_scaled_code(
+      xb, k, fmt.element, bits, overflow=overflow, dtype=dtype
+    )
+    if q is not None:
+      return Quantized(_from_blocks(q, x.shape, fmt), scales)
   q, _, _, scales = _round_blocks(x, fmt, mode, key, overflow, scales)
   q = _from_blocks(q, x.shape, fmt)
-  dtype = fmt.element_dtype
   if dtype != np.float32:
     q = round_nearest(q, fmt.element, overflow="ieee", dtype=dtype)
   return Quantized(q, scales)

@@ -2,7 +2,7 @@
 
   python -m scripts.bench [section ...] [--quick] [--runs N] [--json FILE]
 
-Sections: rounding, writeback, trace, ops, train, user_ops (default: all
+Sections: rounding, scaled, writeback, trace, ops, train, user_ops (default: all
 that exist). Each lives in `scripts/bench_<section>.py` with
 `run(quick: bool) -> benchlib.Result`. Within a section the cases run
 interleaved, round by round, and every ratio is reported as the median of
@@ -30,7 +30,15 @@ import sys
 
 from scripts import benchlib
 
-SECTIONS = ("rounding", "writeback", "trace", "ops", "train", "user_ops")
+SECTIONS = (
+  "rounding",
+  "scaled",
+  "writeback",
+  "trace",
+  "ops",
+  "train",
+  "user_ops",
+)
 
 
 def main(argv=None) -> None:

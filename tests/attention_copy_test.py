@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import lowprec
 from lowprec import audit, ops
 from lowprec.ops import saved
 
@@ -156,3 +157,85 @@ def test_output_only_copy_is_the_earlier_fresh_read_bit_for_bit():
     mode="stochastic",
   )[0]
   np.testing.assert_array_equal(op._output_copy(p, v, bkey), want)
+
+
+# Block-scaled saved tensors: 32 keys (the probabilities' blocks) and a
+# width of 2 heads x 16 = 32 (the output's blocks; head_dim 16 alone is
+# shorter than a block, as in the CPU-scale GPT).
+MX4 = "mxfp4_e2m1"
+SRMX = ops.Rounding(MX4, "stochastic")
+
+
+def _mx_inputs(seed=0):
+  rng = np.random.default_rng(seed)
+  return tuple(
+    rng.standard_normal((1, 32, 2, 16)).astype(np.float32) for _ in range(3)
+  )
+
+
+def _by_width(f, o):
+  """`f` applied to `o[b, q, h, d]` as `[b, q, h * d]`."""
+  return f(o.reshape(*o.shape[:2], -1)).reshape(o.shape)
+
+
+@pytest.mark.parametrize("mode", ["nearest", "stochastic"])
+def test_mx_saved_tensors_are_rounded_with_block_scales(mode):
+  # Oracle: lowprec.scaled.fake_quantize with the operator's own keys, on
+  # the probabilities (blocks of 32 keys) and on P~ V (blocks of the width).
+  q, k, v = _mx_inputs()
+  key = jax.random.key(5)
+  op = ops.Attention(probs=f"{MX4}:{mode}", out=f"{MX4}:{mode}")
+  sr = mode == "stochastic"
+  kp, ko = (saved.key_for(key, t) if sr else None for t in ("probs", "out"))
+  p = _probs(q, k)
+  pr = lowprec.scaled.fake_quantize(p, MX4, mode, kp)
+  pv = jnp.einsum("bhqk,bkhd->bqhd", pr, v)
+  want = _by_width(lambda x: lowprec.scaled.fake_quantize(x, MX4, mode, ko), pv)
+  got = op(q, k, v, key=key)
+  # The operator's softmax may differ from jax.nn.softmax in a last bit,
+  # moving a rare element to the next grid value: nearly all are equal
+  # (all of them here, on an AVX2 CPU).
+  assert np.mean(np.asarray(got) == np.asarray(want)) > 0.99
+  # Per-tensor e2m1 on the same values is another grid: MX is what ran.
+  tensor = ops.Rounding("float4_e2m1fn", mode).round(pv, ko)[0]
+  assert np.mean(np.asarray(got) == np.asarray(tensor)) < 0.5  # 7-8% here
+  # The backward keeps the elements and the E8M0 block scales.
+  values = op.resolve(_reads("rounded"))
+  _, res = op._forward(values, (q, k, v), op._keys(values, key, None))
+  stored_p, stored_o = res["probs"]["rounded"], res["out"]["rounded"]
+  assert stored_p.quantized.scales.block.shape == (1, 2, 32, 1)
+  assert stored_o.quantized.scales.block.shape == (1, 32, 1)
+  assert stored_o.quantized.scales.block.dtype == jnp.float8_e8m0fnu
+  np.testing.assert_array_equal(
+    stored_o.value().reshape(got.shape), np.asarray(got)
+  )
+
+
+def test_mx_copies_recompute_their_scales_from_what_they_round():
+  # The output-only copy rounds P V with P V's block scales; a nearest
+  # read of P V gives the same block grid.
+  q, k, v = _mx_inputs()
+  bkey = jax.random.key(3)
+  p = _probs(q, k)
+  pv = jnp.einsum("bhqk,bkhd->bqhd", p, v)
+  op = ops.Attention(probs=SRMX, out=SRMX, fresh_out="output")
+  want = _by_width(
+    lambda x: lowprec.scaled.fake_quantize(
+      x, MX4, "stochastic", saved.key_for(bkey, "attn.out@delta")
+    ),
+    pv,
+  )
+  np.testing.assert_array_equal(op._output_copy(p, v, bkey), want)
+
+
+def test_mx_copy_has_the_distribution_of_the_reused_output():
+  # As test_copy_has_the_distribution_of_the_reused_output, in mxfp4_e2m1:
+  # each rounding's block scales come from its own values, so the redraw
+  # is the forward's map on a new draw (the same law, saturation included).
+  op = ops.Attention(probs=SRMX, out=SRMX)
+  out, copy = _draws(op, _mx_inputs())
+  z_mean, z_var, va, vb = _moments_z(out, copy)
+  random = va > 0
+  assert np.mean(random) > 0.9
+  assert np.max(np.abs(z_mean[random])) < SIGMA
+  assert np.max(np.abs(z_var[random])) < SIGMA

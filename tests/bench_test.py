@@ -56,3 +56,17 @@ def test_across_runs_takes_the_median_and_range_of_run_medians():
   assert d == {"runs": [1.2, 1.5, 1.3], "median": 1.3, "min": 1.2, "max": 1.5}
   md = benchlib.across_runs_markdown(runs)
   assert "| x | 1.30x (1.20-1.50) |" in md and "3 runs" in md
+
+
+def test_scaled_section_times_mx_quantize_against_the_cast(tmp_path):
+  path = tmp_path / "bench.json"
+  bench.main(["scaled", "--quick", "--json", str(path)])
+  data = json.loads(path.read_text())["scaled"]
+  cast = "native astype float8_e4m3fn"
+  for case, most in data["targets"].items():
+    ratio = data["cases"][case]["ratio_to"][cast]
+    assert ratio["min"] <= ratio["median"] <= ratio["max"]
+    assert most in (2.0, 3.0)
+  assert any(
+    n.startswith("- quantize mxfp8_e4m3 nearest") for n in data["notes"]
+  )

@@ -677,3 +677,46 @@ def test_mx_grids_are_fixed_points_and_nvfp4_is_not():
 def test_scaled_names_where_they_do_not_apply(call, match):
   with pytest.raises(ValueError, match=match):
     call()
+
+
+def _every_exponent(rows, seed=0):
+  """Float32 values of every biased exponent (subnormals, inf and NaN
+  included), both signs, random mantissas: each row holds all 2048, in
+  64 blocks of 32."""
+  rng = np.random.default_rng(seed)
+  exp = np.arange(256, dtype=np.uint32).repeat(8)
+  man = rng.integers(0, 1 << 23, (rows, exp.size), dtype=np.uint32)
+  man[:, ::8] = 0  # powers of two, zeros and infinities
+  sign = rng.integers(0, 2, (rows, exp.size), dtype=np.uint32) << 31
+  x = (sign | (exp << 23) | man).view(np.float32)
+  return rng.permuted(x, axis=1)
+
+
+@pytest.mark.parametrize("overflow", ["saturate", "ieee"])
+@pytest.mark.parametrize("mode", ["nearest", "stochastic"])
+@pytest.mark.parametrize("name", ["mxfp8_e4m3", "mxfp8_e5m2"])
+def test_one_byte_codes_equal_the_scaled_values_rounded(name, mode, overflow):
+  # `quantize` emits one-byte MX elements straight from x's bits and the
+  # block exponents; `fake_quantize` scales first (ldexp), then rounds.
+  # Every exponent class under computed scales (both rules), and under
+  # given scales: row r's blocks all take E8M0 exponent -127 + 4r (up to
+  # +125) or +127 (the last row).
+  x = _every_exponent(65)
+  key = jax.random.key(4)
+  codes = np.minimum(np.arange(65) * 4, 254).astype(np.uint8)
+  given = jax.lax.bitcast_convert_type(
+    jnp.asarray(np.repeat(codes[:, None], 64, 1)), jnp.float8_e8m0fnu
+  )
+  for rule, scales in (
+    ("ocp", None),
+    ("noclip", None),
+    ("ocp", scaled.Scales(given)),
+  ):
+    fmt = scaled.get_scaled_format(name, rule=rule)
+    kw = dict(overflow=overflow, scales=scales)
+    q = scaled.quantize(x, fmt, mode, key, **kw)
+    got = np.asarray(scaled.dequantize(q, fmt))
+    want = np.asarray(scaled.fake_quantize(x, fmt, mode, key, **kw))
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    ok = ~np.isnan(want)
+    assert _same_bits(got[ok], want[ok]), (rule, scales is None)

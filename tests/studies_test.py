@@ -1016,6 +1016,27 @@ def test_failing_reuse_study_is_the_searchs_e2m1_runs(scale):
         assert a[key] == b[key], (arm, key)
 
 
+@pytest.mark.parametrize("scale", common.SCALES)
+def test_search_mx_settings_validate_and_fit_the_blocks(scale):
+  c = _load("attention_reuse_search", f"scale={scale}")
+  arms = [a for a in study.arms_of(c) if a.startswith("mx_")]
+  assert arms  # the smoke variant keeps mx_e2m1
+  for arm in arms:
+    r = study.resolve(c, arm, 0)
+    study.validate(r)
+    saved = models.numerics_from(r.lowprec).saved
+    assert saved.is_scaled_format and saved.format.block == 32
+    # Blocked axes: the keys (seq_len), the width (attention's output as
+    # heads x head_dim, dense and norm outputs), the MLP's hidden width.
+    m = r.model
+    hidden = m.mlp_ratio * m.d_model
+    assert all(n % 32 == 0 for n in (m.seq_len, m.d_model, hidden))
+    bad = ml_collections.ConfigDict(r.to_dict())
+    bad.lowprec.fwd_format = "mxfp4_e2m2"
+    with pytest.raises(ValueError, match="lowprec.fwd_format"):
+      study.validate(bad)
+
+
 @pytest.mark.slow
 def test_attention_search_smoke_tabulates_each_setting(tmp_path):
   _, md = _smoke("attention_reuse_search", tmp_path)
@@ -1029,7 +1050,8 @@ def test_attention_search_smoke_tabulates_each_setting(tmp_path):
       )
     )
   )
-  assert [r["setting"] for r in rows] == ["e4m3", "e2m1"]  # by dose
+  # By dose, then MX: the config's order (study.settings).
+  assert [r["setting"] for r in rows] == ["e4m3", "e2m1", "mx_e2m1"]
   for r in rows:
     for arm in ("reuse", "redraw", "outonly"):
       assert float(r[f"{arm}_val_loss"]) > 0

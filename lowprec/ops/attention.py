@@ -100,9 +100,21 @@ class Attention(Op):
   distribution of `O~` (none exists when the output is rounded to nearest
   from stochastic probabilities).
 
+  Scales: every rounding computes its scale from the values it rounds, by
+  its format's rule (per-tensor amax, or per block for a scaled format).
+  So the forward's `O~` is rounded with scales from `P~ V`, the `redraw`
+  copy with scales from its own `P~' V` (the forward's map applied to a
+  new draw: `O~`'s distribution), the `output` copy and a `nearest` read
+  with scales from `P V`; a fresh draw of the probabilities reads the
+  scales of `P`, the same as the forward's. A scaled format with blocks
+  along the last axis blocks the probabilities along the keys (the axis
+  `P~ V` sums over) and the output along its width, `heads * head_dim`,
+  the axis the output projection sums over (as `[batch, length, width]`;
+  `head_dim` alone is often shorter than a block).
+
   Attributes:
     probs: rounding of the probabilities (per-tensor scale: amax is 1).
-    out: rounding of the output.
+    out: rounding of the output (blocks along the width, see above).
     grad: rounding of `dO` and `dS` (the gradients entering matmuls).
     fresh_out: what a `fresh` read of the output draws anew: `"redraw"`
       (the probabilities' rounding and the output's) or `"output"` (the
@@ -182,7 +194,8 @@ class Attention(Op):
     if values is None:
       pr = saved.straight_through(self.probs, p, keys["probs"])
       o = jnp.einsum("bhqk,bkhd->bqhd", pr, v)
-      return saved.straight_through(self.out, o, keys["out"]), None
+      orr = saved.straight_through(self.out, self._rows(o), keys["out"])
+      return orr.reshape(o.shape), None
     reads = self.reads(values)
     # The probabilities: keep the narrow copies the reads name; the original
     # (and fresh draws of it) is recomputed from q, k and the log-sum-exp.
@@ -192,7 +205,8 @@ class Attention(Op):
     o = jnp.einsum("bhqk,bkhd->bqhd", pr, v)
     # The output: only a reused O~ is kept; the other reads need P V.
     reads_o = reads["out"] & {"rounded"}
-    orr, res_o = saved.save(self.out, o, keys["out"], reads_o)
+    orr, res_o = saved.save(self.out, self._rows(o), keys["out"], reads_o)
+    orr = orr.reshape(o.shape)
     if not reads_o:
       res_o = {}
     need_p = (
@@ -223,7 +237,7 @@ class Attention(Op):
       if value == "rounded":
         out = res["out"]
         o = out["original"] if self.out.is_identity else out["rounded"].value()
-        return jnp.einsum("bqhd,bqhd->bhq", do, o)
+        return jnp.einsum("bqhd,bqhd->bhq", do, o.reshape(do.shape))
       copy = value == "fresh" and self._redraws_probs()
       if value == "original" or (self.out.is_identity and not copy):
         return jnp.sum(dp * p, -1)
@@ -231,7 +245,7 @@ class Attention(Op):
         o = self._output_copy(p, res["v"], bkey)
       else:
         pv = jnp.einsum("bhqk,bkhd->bqhd", p, res["v"])
-        o = self.out.round(pv, mode="nearest")[0]
+        o = self._round_out(pv, None, "nearest")
       return jnp.einsum("bqhd,bqhd->bhq", do, o)
 
     return per_value(values[self.uses.index("attn.out@delta")], read)
@@ -247,7 +261,24 @@ class Attention(Op):
     if self.out.is_identity:
       return pv
     key = saved.key_for(bkey, "attn.out@delta")
-    return self.out.round(pv, key, mode="stochastic")[0]
+    return self._round_out(pv, key, "stochastic")
+
+  def _blocks_width(self) -> bool:
+    """Whether the output's format has blocks along its last axis: they
+    then run along the width `heads * head_dim` (see the class doc)."""
+    f = self.out.format
+    return (
+      self.out.is_scaled_format and f.block is not None and f.axis in (-1, 3)
+    )
+
+  def _rows(self, o):
+    """The output as its rounding sees it: `[b, q, h * d]` for a format
+    blocked along the width, else `o` itself."""
+    return o.reshape(*o.shape[:2], -1) if self._blocks_width() else o
+
+  def _round_out(self, o, key, mode):
+    """A new rounding of an output `o` (scales computed from `o`)."""
+    return self.out.round(self._rows(o), key, mode=mode)[0].reshape(o.shape)
 
   def _backward(self, values, res, g):
     q, k, v, bkey = res["q"], res["k"], res["v"], res["backward_key"]
