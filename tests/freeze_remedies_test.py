@@ -281,6 +281,8 @@ def mlp_runs():
   return ref_state, pred, measured
 
 
+# The MLP runs take about 20 s to compile: slow tests (CI runs them).
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["kahan_bf16", "kahan_e5m2"])
 def test_mlp_first_step_counts_equal_the_measured_ones(mlp_runs, name):
   # Same initial weights, same first proposal, zero buffer: the same step.
@@ -294,6 +296,7 @@ def test_mlp_first_step_counts_equal_the_measured_ones(mlp_runs, name):
   assert pred[f"pred/{name}/drift"][0] == 0.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["kahan_bf16", "kahan_e5m2"])
 def test_mlp_predicted_curves_follow_the_measured_ones(mlp_runs, name):
   # Measured (seed 0, 60 steps): erased fraction within 0.002 over the
@@ -318,6 +321,7 @@ def test_mlp_predicted_curves_follow_the_measured_ones(mlp_runs, name):
     assert np.all(lp[:10] > 0.05)
 
 
+@pytest.mark.slow
 def test_mlp_host_report_equals_the_arrays(mlp_runs):
   state, pred, _ = mlp_runs
   host = lowprec.telemetry(state)
