@@ -117,25 +117,26 @@ def _fmt_range(xs, spec) -> str:
   return f"{np.mean(xs):{spec}} (range {min(xs):{spec}} to {max(xs):{spec}})"
 
 
+def _values(rows, key) -> list:
+  return [r[key] for r in rows if r.get(key) is not None]
+
+
 def _lines(rows) -> list[str]:
   out = []
   for arm in dict.fromkeys(r["arm"] for r in rows):
     mine = [r for r in rows if r["arm"] == arm]
-    d = [r["val_minus_fp32"] for r in mine if "val_minus_fp32" in r]
-    if not d or not any(f"{m}_erased_2nd_half" in r for r in mine for m in
-                        MOMENTS):  # fmt: skip
+    d = _values(mine, "val_minus_fp32")
+    measured = {m: _values(mine, f"{m}_erased_2nd_half") for m in MOMENTS}
+    if not d or not any(measured.values()):
       continue
     parts = [
       f"- {arm}: final val loss minus float32 state {_fmt_range(d, '+.4f')} "
       f"nats, {len(d)} seeds"
     ]
-    for m in MOMENTS:
-      got = [r[f"{m}_erased_2nd_half"] for r in mine
-             if r.get(f"{m}_erased_2nd_half") is not None]  # fmt: skip
-      want = [r[f"{m}_predicted_2nd_half"] for r in mine
-              if r.get(f"{m}_predicted_2nd_half") is not None]  # fmt: skip
+    for m, got in measured.items():
       if got:
         text = f"{m} updates erased (2nd half) {np.mean(got):.3f}"
+        want = _values(mine, f"{m}_predicted_2nd_half")
         if want:
           text += f", predicted {np.mean(want):.3f}"
         parts.append(text)
