@@ -64,7 +64,7 @@ The MX settings alone (one arm per command, its three seeds in turn):
 
 CPU scale (default): 54 runs; the 36 of the per-tensor settings take 70
 to 300 seconds each (plus compilation), 100 minutes on 2 shared CPU
-cores; the 9 mx_e2m1 runs took 5 minutes. Expected (CPU scale,
+cores; each MX setting's 9 runs took about 5 minutes. Expected (CPU scale,
 measured on an AVX2 CPU): final validation loss reuse minus redraw +0.006
 (e4m3), +0.022 (e5m2), +0.008 (e3m2), none failing (thresholds 0.08 to
 0.11); at e2m1 +0.148 (per seed +0.104, +0.132, +0.207; threshold 0.074):
@@ -74,7 +74,8 @@ fails; reuse minus outonly +0.154 (fails), redraw minus outonly +0.006
 0. docs/bwd_studies.md has the table and figure. mx_e2m1 (measured on
 an AVX-512 CPU): reuse minus redraw +0.016 (per seed +0.025, +0.013,
 +0.009; threshold 0.121): no failure where per-tensor e2m1 fails; reuse
-minus outonly +0.021, redraw minus outonly +0.005. mx_e4m3 not yet run.
+minus outonly +0.021, redraw minus outonly +0.005; mx_e4m3: reuse minus
+redraw -0.008 (threshold 0.125), no failure.
 """
 
 from configs import attention_reuse
