@@ -603,21 +603,11 @@ class _Rule:
     if self.remainder:
       return self._remainder(w, u, c, fmt)
     c = jnp.asarray(c).astype(jnp.float32)
-    y = u + c
-    finite = jnp.isfinite(y) & ~jnp.isnan(w)
-    if self.two_sum:
-      s, t = _two_sum(w, y)
-    else:
-      s, t = w + y, None
-    q, over = round_and_flag(s, fmt, bits, overflow=self.overflow)
-    written = self._written(y != 0, finite)
-    q = jnp.where(written & (q != w), q, w)
-    delta, lands = _land(w, q, fmt)
-    new_w = w + delta
-    # The residual: what the weight did not take of y.
-    r = (s - new_w) + t if self.two_sum else y - (new_w - w)
-    r = jnp.where(written, r, c)
-    new_c = round_and_flag(r, buf, None, overflow="saturate")[0]
+    st = step(
+      w, u, c, fmt, buf, bits, self.two_sum, self.overflow, self.nonfinite
+    )
+    delta, new_c, r, written = st.delta, st.new_c, st.residual, st.written
+    finite = st.finite
     if not self.telemetry:
       return delta, new_c, None
     proposed = (u != 0) & finite
@@ -625,15 +615,13 @@ class _Rule:
     erased = proposed & (delta == 0)
     lost = written & (r != 0) & (new_c == 0)
     counts = _count(
-      proposed, erased, moved, over & written, ~lands, ~finite, lost
+      proposed, erased, moved, st.over & written, ~st.lands, ~finite, lost
     )
     masses = (_mass(new_c), _mass(jnp.where(written, r - new_c, 0.0)))
     return delta, new_c, counts + masses
 
   def _written(self, nonzero, finite):
-    if self.nonfinite == "keep":
-      return nonzero & finite
-    return nonzero | ~finite
+    return _written(nonzero, finite, self.nonfinite)
 
   def _remainder(self, w, u, rem, fmt: Format):
     u32 = jnp.uint32
@@ -666,6 +654,62 @@ class _Rule:
     held = jnp.where(nan, 0.0, new - view)
     dropped = jnp.where(proposed, u - (new - master), 0.0)
     return delta, new_rem, counts + (_mass(held), _mass(dropped))
+
+
+def _written(nonzero, finite, nonfinite: str):
+  if nonfinite == "keep":
+    return nonzero & finite
+  return nonzero | ~finite
+
+
+class Step(NamedTuple):
+  """One compensated write-back of a tensor, elementwise (float32)."""
+
+  delta: jax.Array  # lands w on its new grid value (see writeback._land)
+  new_c: jax.Array  # the new buffer (or error term), on the buffer's grid
+  residual: jax.Array  # what the weight did not take of u + c, unrounded
+  written: jax.Array  # bool: the coordinates the step wrote
+  finite: jax.Array  # bool: u + c finite and w not NaN
+  over: jax.Array  # bool: the weight's rounding overflowed
+  lands: jax.Array  # bool: the rounded weight itself was reachable
+
+
+def step(
+  w,
+  u,
+  c,
+  fmt: Format,
+  buf: Format,
+  bits=None,
+  two_sum: bool = False,
+  overflow: str = "saturate",
+  nonfinite: str = "keep",
+) -> Step:
+  """Kahan (`two_sum=False`) or two-component (`two_sum=True`) write-back
+  of weight `w` with buffer `c` and proposal `u`, all float32:
+
+    y = u + c,  w' = Q(w + y),  c' = Q_c(y - (w' - w))
+
+  (two-component: the residual is the exact two-sum's error plus what
+  rounding `w + y` dropped). `bits` makes `Q` stochastic. The transforms
+  here and `lowprec.freeze.compensated_trace` (at the reference weight's
+  grid value) compute with it, so a prediction is the same arithmetic.
+  """
+  y = u + c
+  finite = jnp.isfinite(y) & ~jnp.isnan(w)
+  if two_sum:
+    s, t = _two_sum(w, y)
+  else:
+    s, t = w + y, None
+  q, over = round_and_flag(s, fmt, bits, overflow=overflow)
+  written = _written(y != 0, finite, nonfinite)
+  q = jnp.where(written & (q != w), q, w)
+  delta, lands = _land(w, q, fmt)
+  new_w = w + delta
+  r = (s - new_w) + t if two_sum else y - (new_w - w)
+  r = jnp.where(written, r, c)
+  new_c = round_and_flag(r, buf, None, overflow="saturate")[0]
+  return Step(delta, new_c, r, written, finite, over, lands)
 
 
 def _two_sum(a, b):

@@ -20,12 +20,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from lowprec import storage
-from lowprec.compensated import _buffer_dtype, _buffer_format, _two_sum
+from lowprec import compensated, storage
+from lowprec.compensated import _buffer_dtype, _buffer_format
 from lowprec.formats import Format, get_format
 from lowprec.freeze.trace import named_specs
 from lowprec.rounding import round_and_flag
-from lowprec.writeback import _count, _is_scaled, _land
+from lowprec.writeback import _count, _is_scaled
 
 KINDS = ("kahan", "two_component")
 
@@ -479,17 +479,9 @@ def _predict_leaf(w, u, c, flag, fmt: Format, buf: Format, two_sum: bool):
   c = jnp.asarray(c).astype(jnp.float32)
   q = round_and_flag(w, fmt)[0]
   drift = jnp.where(jnp.isfinite(w) & jnp.isfinite(c), w - (q + c), 0.0)
-  y = u + c
-  finite = jnp.isfinite(y) & ~jnp.isnan(q)
-  s, t = _two_sum(q, y) if two_sum else (q + y, None)
-  new_w = round_and_flag(s, fmt)[0]
-  written = (y != 0) & finite
-  new_w = jnp.where(written & (new_w != q), new_w, q)
-  delta = _land(q, new_w, fmt)[0]
-  new_w = q + delta
-  r = (s - new_w) + t if two_sum else y - (new_w - q)
-  r = jnp.where(written, r, c)
-  new_c = round_and_flag(r, buf)[0]
+  st = compensated.step(q, u, c, fmt, buf, two_sum=two_sum)
+  delta, new_c, r, written = st.delta, st.new_c, st.residual, st.written
+  finite = st.finite
   proposed = (u != 0) & finite
   moved = written & (delta != 0)
   erased = proposed & (delta == 0)
