@@ -188,14 +188,8 @@ def validate(c) -> None:
     names.check_choice("lowprec.trace_targets rounding", rounding, ROUNDINGS)
   if lp.writeback:
     formats.append(("lowprec.writeback", lp.writeback))
-  _check_trace_remedies(lp)
   optim.state_rules(lp)  # raises for a bad lowprec.state entry
-  optim.state_targets(lp)  # and lowprec.state_targets
-  if lp.state and lp.state_targets:
-    raise ValueError(
-      "lowprec.state_targets predicts stored-state erasures from a run "
-      "whose state is float32: set it in an arm without lowprec.state"
-    )
+  _check_float32_predictions(lp)
   if optim.compensation(lp) != "none":
     if not lp.writeback:
       raise ValueError(
@@ -246,8 +240,16 @@ def validate(c) -> None:
   config_checks.check(c)
 
 
-def _check_trace_remedies(lp) -> None:
+def _check_float32_predictions(lp) -> None:
+  """`lowprec.trace_remedies` and `lowprec.state_targets`: well formed,
+  and in a run whose weights, or state, they predict from float32."""
   optim.trace_remedies(lp)  # raises for a bad entry, naming the form
+  optim.state_targets(lp)
+  if lp.state and lp.state_targets:
+    raise ValueError(
+      "lowprec.state_targets predicts stored-state erasures from a run "
+      "whose state is float32: set it in an arm without lowprec.state"
+    )
   if lp.get("trace_remedies", ()) and lp.writeback:
     raise ValueError(
       "lowprec.trace_remedies predicts compensated write-back from a "

@@ -207,3 +207,29 @@ def test_trace_remedies_in_a_low_precision_arm_is_refused():
   c = _config(trace_remedies=("bfloat16:kahan",))
   with pytest.raises(ValueError, match="float32 reference arm"):
     study.validate(c)
+
+
+def test_state_targets_build_a_state_trace_and_bad_ones_are_rejected():
+  import lowprec
+  from experiments import study
+
+  good = ("rn: mu=bfloat16; nu=bfloat16", "sr: nu=bfloat16:stochastic")
+  c = _fp32_config(state_targets=good)
+  study.validate(c)
+  assert optim.has_telemetry(c.lowprec)
+  params = _tree(3)
+  tx = optim.build(c, jax.random.key(0))
+  _, state = tx.update(_tree(4), tx.init(params), params)
+  tel = lowprec.telemetry(state)
+  assert tel["pred_state/rn/changed"] > 0 and "pred_state/sr/erased" in tel
+  for entries, match in [
+    (("mu=bfloat16",), "not 'name: regex=spec"),
+    (("rn:",), "not 'name: regex=spec"),
+    (("rn: mu=bfloat16", "rn: nu=bfloat16"), "names 'rn' twice"),
+    (("rn: mu=bfloat17",), "lowprec.state_targets 'rn' entry"),
+  ]:
+    with pytest.raises(ValueError, match=match):
+      study.validate(_fp32_config(state_targets=entries))
+  stored = _fp32_config(state_targets=good, state=("mu=bfloat16",))
+  with pytest.raises(ValueError, match="arm without lowprec.state"):
+    study.validate(stored)
