@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from lowprec.formats import get_format
-from lowprec.state_storage import parse_state_format
+from experiments.analysis.writeback_tables import recipe_bytes
 
 MOMENTS = ("mu", "nu")
-ADAM_MOMENTS = 2  # float32 moments per parameter without a store
 
 
 def _rules(run) -> str:
@@ -58,24 +56,6 @@ def _late_mean(curve) -> float | None:
   late = frac[steps > steps.max() / 2]
   late = late[np.isfinite(late)]
   return float(late.mean()) if late.size else None
-
-
-def recipe_bytes(config) -> float:
-  """Bytes per parameter of the weights and AdamW's two moments as the
-  recipe stores them: each format's width (the runner may hold a grid in
-  float32), plus a float32 scale per block or tensor. Norm gains and
-  biases kept in float32 are not counted apart (under 2% here)."""
-  lp = config["lowprec"]
-  w = get_format(lp["writeback"]).bits / 8 if lp.get("writeback") else 4.0
-  state = {}
-  for entry in lp.get("state") or ():
-    regex, _, spec = entry.rpartition("=")
-    sf = parse_state_format(spec)
-    scale = sf.scale
-    extra = 4 / scale if isinstance(scale, int) else 0.0
-    state[regex] = get_format(sf.fmt).bits / 8 + extra
-  moments = sum(state.get(m, 4.0) for m in MOMENTS)
-  return w + moments + 4.0 * (ADAM_MOMENTS - len(MOMENTS))
 
 
 def state_table(runs):

@@ -23,6 +23,7 @@ import numpy as np
 from experiments.analysis.freeze_tables import val_at
 from lowprec.formats import get_format
 from lowprec.freeze import remedy_name
+from lowprec.state_storage import parse_state_format
 
 KINDS = ("fp32", "nearest", "stochastic", "deadzone")
 SR_ARMS = (("stochastic", "full_sr"), ("deadzone", "deadzone_sr"))
@@ -115,32 +116,39 @@ def remedy_kind(config: dict) -> str:
   return lp["rounding"] if comp == "none" else comp
 
 
-def remedy_bytes(config: dict) -> float:
+def recipe_bytes(config: dict) -> float:
   """Bytes per parameter that a run's recipe stores: the weights (their
   format's width; a float32 master for float32 and mixed precision), the
   buffer of a compensated write-back (Kahan's buffer format, the
   two-component error term on the weights' grid, the remainder's 16
-  bits) and AdamW's two float32 moments. Counts formats, not the float32
-  arrays the runner may hold grid values in; parameters kept in float32
-  (`keep_float32`, under 2% here) are not counted apart."""
+  bits) and AdamW's two moments (float32, or as `lowprec.state` stores
+  them: the format's width plus a float32 scale per block). Counts
+  formats, not the float32 arrays the runner may hold grid values in;
+  parameters kept in float32 (`keep_float32`, under 2% here) are not
+  counted apart."""
   lp = config["lowprec"]
-  adam = 8.0
+  moments = {"mu": 4.0, "nu": 4.0}
+  for entry in lp.get("state") or ():
+    regex, _, spec = entry.rpartition("=")
+    sf = parse_state_format(spec)
+    block = 4 / sf.scale if isinstance(sf.scale, int) else 0.0
+    moments[regex] = get_format(sf.fmt).bits / 8 + block
+  state = moments["mu"] + moments["nu"]
   if not lp["writeback"]:
-    return 4.0 + adam
+    return 4.0 + state
   weights = get_format(lp["writeback"]).bits / 8
-  comp = lp.get("compensation", "none")
   buffer = {
     "none": 0.0,
     "kahan": get_format(lp.get("buffer", "bfloat16")).bits / 8,
     "two_component": weights,
     "remainder": 2.0,
-  }[comp]
-  return weights + buffer + adam
+  }[lp.get("compensation", "none")]
+  return weights + buffer + state
 
 
 def remedies_table(runs):
   """Per kind of run (`remedy_kind`): seeds, mean final validation loss,
-  `bytes_per_param` (`remedy_bytes`), `step_time_vs_nearest` (the nearest
+  `bytes_per_param` (`recipe_bytes`), `step_time_vs_nearest` (the nearest
   run's steps/s over this run's, same seed, mean over seeds), mean last
   erased fraction and carried mass, and the mean recovery of
   the nearest-rounding gap `(L_RN - L_x) / (L_RN - L_fp32)` over the seeds
@@ -170,7 +178,7 @@ def remedies_table(runs):
       and loss["nearest"][s] != loss["fp32"][s]
     ]  # fmt: skip
     row["recovery"] = _mean(gaps)
-    row["bytes_per_param"] = remedy_bytes(next(iter(seeds.values())).config)
+    row["bytes_per_param"] = recipe_bytes(next(iter(seeds.values())).config)
     nearest = by_kind.get("nearest", {})
     row["step_time_vs_nearest"] = _mean(
       nearest[s].summary.get("steps_per_s") / r.summary.get("steps_per_s")
