@@ -1,10 +1,11 @@
-"""The entry point's flags for existing runs, and its errors as messages.
+"""The entry point's flags for existing runs, its help, and its errors.
 
-A mistake on the command line (no `--config`, a bad `:arg`, an unknown or
-badly typed `--config.` key) and a run refused or stopped for a reason the
-user can fix print one message and exit with status 2 (1 for a stop during
-training: non-finite loss, a failed write), without a traceback;
-`--traceback` shows it.
+`--help` (or `-h`) prints the usage, the studies and the flags, and exits
+with status 0, with or without `--config`. A mistake on the command line (no
+`--config`, a bad `:arg`, an unknown or badly typed `--config.` key) and a
+run refused or stopped for a reason the user can fix print one message and
+exit with status 2 (1 for a stop during training: non-finite loss, a failed
+write), without a traceback; `--traceback` shows it.
 """
 
 from __future__ import annotations
@@ -130,8 +131,41 @@ def _check_key(config, key: str) -> None:
     seen.append(part)
 
 
+HELP = ("-h", "-?", "--help", "--helpshort", "--helpfull")
+
+
+def _studies() -> str:
+  """The studies, one a line: name and what it reproduces."""
+  from experiments.analysis import studies
+
+  found = studies.summaries()
+  width = max(map(len, found))
+  return "\n".join(f"  {n:<{width}}  {s}" for n, s in found.items())
+
+
+def help_text(doc: str, full: bool = False) -> str:
+  """The usage (`doc`), the studies in configs/, and the flags."""
+  if full:
+    listed = flags.FLAGS.get_help()
+  else:  # the runner's flags and these, without their modules' names
+    modules = (sys.modules["__main__"], sys.modules[__name__])
+    listed = "\n".join(
+      flags.FLAGS.module_help(m).strip().split("\n", 1)[-1] for m in modules
+    )
+  return (
+    f"{doc.strip()}\n\nStudies (--config configs/<study>.py):\n"
+    f"{_studies()}\n\nFlags:\n{listed}\n"
+  )
+
+
 def parse_flags(argv):
-  """absl's flag parsing, with config mistakes as one message (exit 2)."""
+  """absl's flag parsing, with config mistakes as one message (exit 2);
+  `--help` prints the help and exits 0."""
+  asked = [a for a in argv[1:] if a in HELP]
+  if asked:
+    doc = sys.modules["__main__"].__doc__ or ""
+    print(help_text(doc, full="--helpfull" in asked), end="", flush=True)
+    sys.exit(0)
   show = "--traceback" in argv
   given = [a for a in argv if a == "--config" or a.startswith("--config=")]
   if len(given) > 1:
@@ -142,7 +176,7 @@ def parse_flags(argv):
   if spec is None:
     fail(
       "missing --config: name a study config, e.g. `python -m "
-      "experiments.run --config configs/smoke.py` (configs/ holds them)"
+      "experiments.run --config configs/smoke.py`; --help lists the studies"
     )
   if not show:
     config = _load(spec)

@@ -10,6 +10,7 @@ r"""Entry point: `python -m experiments.run --config configs/<study>.py`.
 --allow_opt_change                       continue an unfinished run with
                                          changed opt.* keys (a lower opt.lr)
 --traceback                              show the traceback of an error
+--help                                   this text, the studies and the flags
 --coordinator_address=HOST:PORT --num_processes=N --process_id=I
                                          one of N processes (jax.distributed;
                                          gloo collectives on CPU)

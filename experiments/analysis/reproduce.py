@@ -13,24 +13,16 @@ import os
 import time
 
 from experiments import xla_flags  # noqa: F401  (before jax)
-from experiments.analysis import figures, tables
-
-CONFIGS = os.path.join(
-  os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-  "configs",
-)
+from experiments.analysis import figures, studies, tables
 
 
 def load_config(study: str, arg: str | None):
-  """The study's locked config; an unknown study lists the known ones."""
-  path = os.path.join(CONFIGS, f"{study}.py")
-  if not os.path.exists(path):
-    names = sorted(
-      f[:-3]
-      for f in os.listdir(CONFIGS)
-      if f.endswith(".py") and not f.startswith("_") and f != "common.py"
-    )
-    raise SystemExit(f"no config {path}; studies: {', '.join(names)}")
+  """The study's locked config; a name that is not a study lists them."""
+  known = studies.names()
+  if study not in known:
+    path = os.path.join(studies.CONFIGS, f"{study}.py")
+    what = "not a study" if os.path.exists(path) else "no such config"
+    raise SystemExit(f"{study}: {what}; studies: {', '.join(known)}")
   module = importlib.import_module(f"configs.{study}")
   config = module.get_config(arg)
   config.lock()
