@@ -189,9 +189,10 @@ def kahan_writeback(
   flushes residuals below its smallest subnormal (`2^-9` for e4m3fn, `2^-16`
   for e5m2), a first-order loss for weights of order one.
 
-  Coordinates where `y == 0` keep their bits. Non-finite `u + c` and NaN
-  weights follow `nonfinite` as in `writeback`; under "keep" the buffer is
-  kept too. The buffer starts at zero.
+  Where `y == 0` (a proposal that cancels the buffer exactly) the weight
+  keeps its bits and the buffer is still written: `c' = y`, zero. Non-finite
+  `u + c` and NaN weights follow `nonfinite` as in `writeback`; under
+  "keep" the buffer is kept too. The buffer starts at zero.
 
   Telemetry (`lowprec.telemetry`): `proposals`, `erased` (from the
   weight), `moved`, `saturated`, `unreachable`, `nonfinite`, `lost`
@@ -691,7 +692,9 @@ def step(
     y = u + c,  w' = Q(w + y),  c' = Q_c(y - (w' - w))
 
   (two-component: the residual is the exact two-sum's error plus what
-  rounding `w + y` dropped). `bits` makes `Q` stochastic. The transforms
+  rounding `w + y` dropped). Where `y == 0` the weight keeps its bits and
+  `c' = y`: the buffer is written wherever `y` is finite. `bits` makes `Q`
+  stochastic. The transforms
   here and `lowprec.freeze.compensated_trace` (at the reference weight's
   grid value) compute with it, so a prediction is the same arithmetic.
   """
@@ -707,7 +710,10 @@ def step(
   delta, lands = _land(w, q, fmt)
   new_w = w + delta
   r = (s - new_w) + t if two_sum else y - (new_w - w)
-  r = jnp.where(written, r, c)
+  # The buffer is written wherever y is finite: where y == 0 (u cancels
+  # c exactly) the weight keeps its bits and the residual is y itself,
+  # as the formula gives. Only a non-finite y kept out keeps the buffer.
+  r = jnp.where(written, r, jnp.where(finite, y, c))
   new_c = round_and_flag(r, buf, None, overflow="saturate")[0]
   return Step(delta, new_c, r, written, finite, over, lands)
 
