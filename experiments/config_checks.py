@@ -1,10 +1,14 @@
-"""Checks of a resolved config's durations, cadences, sizes and sharding.
+"""Checks of a resolved config's durations, cadences, sizes and sharding,
+its optimizer's decay rates, and a dry build of its optimizer.
 
 Each check raises `ValueError` naming the config key, the value and a fix,
-before anything is built or written. `study.validate` calls `check(c)`.
+before anything is written. `study.validate` calls `check(c)`;
+`study.resolve_all` calls `check_builds(runs)` for every selected run.
 """
 
 from __future__ import annotations
+
+import json
 
 # key -> smallest allowed value (every duration and cadence is a step count)
 MINIMUM = {
@@ -47,6 +51,23 @@ def check_minimums(c) -> None:
     )
 
 
+# key -> the value an error suggests: decay rates in [0, 1)
+RATES = {"opt.b1": 0.9, "opt.b2": 0.95, "opt.momentum": 0.9}
+
+
+def check_rates(c) -> None:
+  """AdamW's `b1`, `b2` and SGD's `momentum` are decay rates: 0 <= b < 1."""
+  for key, example in RATES.items():
+    value = _get(c, key)
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not (number and 0 <= value < 1):
+      raise ValueError(
+        f"{key}={value!r} must be in 0 <= {key} < 1 (a decay rate: the "
+        f"weight of the running average's past); e.g. --config.{key}="
+        f"{example}"
+      )
+
+
 def _is_pow2(n: int) -> bool:
   return n > 0 and n & (n - 1) == 0
 
@@ -83,6 +104,7 @@ def check_batch(c, n_devices: int) -> None:
 def check(c, n_devices: int | None = None) -> None:
   """Every check above; `n_devices` defaults to `jax.device_count()`."""
   check_minimums(c)
+  check_rates(c)
   if c.log.get("tensorboard", False):
     from experiments import tensorboard
 
@@ -93,3 +115,77 @@ def check(c, n_devices: int | None = None) -> None:
 
       n_devices = jax.device_count()
     check_batch(c, n_devices)
+
+
+def _one_line(e: Exception) -> str:
+  return " ".join(str(e).split())
+
+
+def abstract_params(c):
+  """The model's parameters as `jax.ShapeDtypeStruct`s, or None where the
+  task's data cannot be opened (the run reports that when it starts).
+
+  Nothing is computed: `jax.eval_shape` of the task's init.
+  """
+  import jax
+
+  from experiments import tasks
+
+  try:
+    task = tasks.build(c)
+  except (OSError, ValueError, RuntimeError):
+    return None
+  return jax.eval_shape(task.init, jax.random.key(0))
+
+
+def check_build(c, params) -> None:
+  """Builds the run's optimizer chain and its state on abstract `params`
+  (`jax.eval_shape`: nothing is computed or compiled), as the run will.
+
+  Raises:
+    ValueError: a transform refuses the config, when built or initialized
+      (a `lowprec.state` rule that matches no moment, a compensated
+      write-back on a grid it cannot take, ...); one line, led by the run
+      and the config key the transform comes from.
+  """
+  import jax
+
+  import lowprec
+  from experiments import ledger, optim
+
+  lp = c.lowprec
+  if optim.needs_params(lp):  # scales from the values: any scale will do
+    c = c.copy_and_resolve_references()
+    c.unlock()
+    c.lowprec.int_scale = 1.0
+    c.lock()
+    lp = c.lowprec
+  where = "opt, lowprec"  # until the chain is built
+  try:
+    parts = optim.parts(c, jax.random.key(0))
+    target = optim.writeback_target(lp)
+    if target is not None:  # the run's weights start on the grid
+      where = "lowprec.writeback"
+      params = jax.eval_shape(lambda p: lowprec.to_grid(p, target), params)
+    for key, tx in parts:
+      where = key  # the part that refuses, for the message
+      jax.eval_shape(tx.init, params)
+  except ValueError as e:
+    raise ValueError(
+      f"{ledger.tag(c)} {where}: the optimizer refuses this config: "
+      f"{_one_line(e)}"
+    ) from None
+
+
+def check_builds(runs) -> None:
+  """`check_build` for every run, the abstract params built once per model
+  and data (the optimizer's settings do not change them)."""
+  params = {}
+  for c in runs:
+    if c.study.kind != "train":
+      continue
+    key = json.dumps([c.model.to_dict(), c.data.to_dict()], sort_keys=True)
+    if key not in params:
+      params[key] = abstract_params(c)
+    if params[key] is not None:
+      check_build(c, params[key])

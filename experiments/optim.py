@@ -358,11 +358,14 @@ def _plain(lp, target, key):
   )
 
 
+DEFAULT_BUFFER = "bfloat16"  # lowprec.buffer where a config leaves it out
+
+
 def _kahan(lp, target, key):
   return lowprec.kahan_writeback(
     target,
     lp.rounding,
-    buffer=lp.get("buffer", "bfloat16"),
+    buffer=lp.get("buffer", DEFAULT_BUFFER),
     key=key,
     overflow=lp.overflow,
   )
@@ -413,43 +416,56 @@ def build(config, key: jax.Array, params=None) -> optax.GradientTransformation:
 
   `params` (the initial parameters) are needed only for per-tensor `intK`
   scales (`needs_params`). The config's names (`opt.name`, `opt.schedule`,
-  `lowprec.rounding`, ...) are checked by `study.validate` before a run
-  directory is touched.
+  `lowprec.rounding`, ...) are checked by `study.validate`, and the chain is
+  built on the model's abstract parameters (`config_checks.check_build`),
+  before a run directory is touched.
   """
+  return optax.chain(*(tx for _, tx in parts(config, key, params)))
+
+
+def parts(config, key: jax.Array, params=None) -> list:
+  """`build`'s chain as `[(config key, transform), ...]`, in order: the
+  key each transform comes from, for the errors of a dry build."""
   opt, lp = config.opt, config.lowprec
   lr = schedule(opt, config.train.steps)
-  parts = []
+  out = []
   if opt.clip_norm > 0:
-    parts.append(clip_by_global_norm(opt.clip_norm))
+    out.append(("opt.clip_norm", clip_by_global_norm(opt.clip_norm)))
+  where = "opt.name"
   optimizer = OPTIMIZERS[opt.name](opt, lr)
   if lp.get("state", ()):
     # A key of its own, so that the write-back's and the trace's keys stay
     # those of runs without stored state.
     state_key = jax.random.fold_in(key, 3)
     optimizer = lowprec.store_state(optimizer, state_rules(lp), key=state_key)
+    where = "lowprec.state"
   if lp.get("state_targets", ()):
     optimizer = lowprec.freeze.state_trace(optimizer, state_targets(lp))
-  parts.append(optimizer)
+    where = "lowprec.state_targets"
+  out.append((where, optimizer))
   target = writeback_target(lp, params)
   if lp.get("decay_erasure", False):
-    parts.append(_decay_erasure(config, lr, target))
+    out.append(("lowprec.decay_erasure", _decay_erasure(config, lr, target)))
   wb_key, trace_key = jax.random.split(key)
   if target is not None:
     needs_key = lp.rounding != "nearest"
     write = WRITEBACKS[compensation(lp)]
-    parts.append(write(lp, target, wb_key if needs_key else None))
+    where = "lowprec.writeback"
+    if compensation(lp) != "none":
+      where = "lowprec.compensation"
+    out.append((where, write(lp, target, wb_key if needs_key else None)))
   if lp.trace_targets:
-    parts.append(
-      lowprec.freeze.reference_trace(
-        trace_targets(lp),
-        sample=lp.trace_sample,
-        key=trace_key,
-        at_init=lp.get("trace_at_init", False),
-      )
+    trace = lowprec.freeze.reference_trace(
+      trace_targets(lp),
+      sample=lp.trace_sample,
+      key=trace_key,
+      at_init=lp.get("trace_at_init", False),
     )
+    out.append(("lowprec.trace_targets", trace))
   if lp.get("trace_remedies", ()):
-    parts.append(lowprec.freeze.compensated_trace(trace_remedies(lp)))
-  return optax.chain(*parts)
+    remedies = lowprec.freeze.compensated_trace(trace_remedies(lp))
+    out.append(("lowprec.trace_remedies", remedies))
+  return out
 
 
 def _decay_erasure(config, lr, target):

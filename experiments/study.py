@@ -190,15 +190,9 @@ def validate(c) -> None:
     formats.append(("lowprec.writeback", lp.writeback))
   optim.state_rules(lp)  # raises for a bad lowprec.state entry
   _check_float32_predictions(lp)
-  if optim.compensation(lp) != "none":
-    if not lp.writeback:
-      raise ValueError(
-        f"lowprec.compensation={optim.compensation(lp)!r} compensates a "
-        "write-back: set lowprec.writeback to the weights' grid (e.g. "
-        "'bfloat16'), or lowprec.compensation='none'"
-      )
-    if optim.compensation(lp) == "kahan":
-      formats.append(("lowprec.buffer", lp.buffer))
+  _check_compensation(lp)
+  if optim.compensation(lp) == "kahan":
+    formats.append(("lowprec.buffer", lp.buffer))
   for field, name in formats:
     if field in _SCALED_FIELDS and lowprec.scaled.is_scaled(name):
       _check_scaled(field, name)
@@ -240,6 +234,68 @@ def validate(c) -> None:
   config_checks.check(c)
 
 
+def _check_compensation(lp) -> None:
+  """`lowprec.compensation` with the write-back it compensates, its
+  rounding and `lowprec.buffer` (which only Kahan reads)."""
+  kind = optim.compensation(lp)
+  buffer = lp.get("buffer", optim.DEFAULT_BUFFER)
+  if kind != "kahan" and buffer != optim.DEFAULT_BUFFER:
+    raise ValueError(
+      f"lowprec.buffer={buffer!r} is the Kahan buffer's format and only "
+      f"applies with lowprec.compensation='kahan' (this run has {kind!r}): "
+      "set --config.lowprec.compensation=kahan to use it, or leave "
+      f"lowprec.buffer at {optim.DEFAULT_BUFFER!r}"
+    )
+  if kind == "none":
+    return
+  if not lp.writeback:
+    raise ValueError(
+      f"lowprec.compensation={kind!r} compensates a write-back: set "
+      "lowprec.writeback to the weights' grid (e.g. 'bfloat16'), or "
+      "lowprec.compensation='none'"
+    )
+  if lowprec.scaled.is_scaled(lp.writeback):
+    raise ValueError(
+      f"lowprec.compensation={kind!r} takes weights on a grid, and "
+      f"lowprec.writeback={lp.writeback!r} is a scaled (MX) format: set "
+      "--config.lowprec.compensation=none for its plain write-back, or a "
+      "grid, e.g. --config.lowprec.writeback=float8_e4m3fn"
+    )
+  if lp.rounding == "deadzone":
+    raise ValueError(
+      f"lowprec.compensation={kind!r} does not take lowprec.rounding="
+      "'deadzone' (the compensation already keeps what nearest rounding "
+      "drops): set --config.lowprec.rounding=nearest (or stochastic), or "
+      "--config.lowprec.compensation=none for dead-zone rounding alone"
+    )
+  if kind == "remainder":
+    if lp.rounding != "nearest":
+      raise ValueError(
+        "lowprec.compensation='remainder' rebuilds an exact float32 master "
+        f"and rounds nothing: set --config.lowprec.rounding=nearest (got "
+        f"{lp.rounding!r})"
+      )
+    if not _on_bfloat16_grid(lp.writeback):
+      raise ValueError(
+        "lowprec.compensation='remainder' splits a float32 master into a "
+        "bfloat16 weight and its low 16 bits, so it needs lowprec.writeback="
+        f"'bfloat16' (got {lp.writeback!r}): for another grid use "
+        "--config.lowprec.compensation=kahan (its buffer: lowprec.buffer)"
+      )
+
+
+def _on_bfloat16_grid(name: str) -> bool:
+  """Whether the format `name` has bfloat16's grid (True for a name the
+  format check reports as unknown)."""
+  if name.startswith("int"):
+    return False
+  try:
+    f = lowprec.get_format(name)
+  except ValueError:
+    return True
+  return (f.kind, f.exp_bits, f.man_bits) == ("float", 8, 7)
+
+
 def _check_float32_predictions(lp) -> None:
   """`lowprec.trace_remedies` and `lowprec.state_targets`: well formed,
   and in a run whose weights, or state, they predict from float32."""
@@ -260,18 +316,22 @@ def _check_float32_predictions(lp) -> None:
 
 
 def resolve_all(config, cli_keys=()) -> list:
-  """The resolved config of every selected arm x seed, all checked.
+  """The resolved config of every selected arm x seed, all checked, and
+  each one's optimizer built on the model's abstract parameters
+  (`config_checks.check_builds`: nothing computed or compiled).
 
   Raises:
     ConfigError: any of them is invalid (nothing has run).
   """
   try:
     names.check_choice("study.kind", config.study.kind, RUNNERS)
-    return [
+    runs = [
       resolve(config, arm, seed, cli_keys)
       for arm in arms_of(config)
       for seed in seeds_of(config, arm)
     ]
+    config_checks.check_builds(runs)
+    return runs
   except ConfigError:
     raise
   except ValueError as e:
