@@ -627,10 +627,8 @@ class _Rule:
   def _remainder(self, w, u, rem, fmt: Format):
     u32 = jnp.uint32
     # A plain float32 add of the proposal as it arrives, as a master run
-    # does: without the barrier XLA:CPU contracts the optimizer's last
-    # multiply with this add into an FMA, and the bits drift from a run
-    # that applies its updates with optax.apply_updates.
-    u = jax.lax.optimization_barrier(u)
+    # that applies its updates with optax.apply_updates does.
+    u = _as_emitted(u)
     top = jax.lax.bitcast_convert_type(w, u32)
     master = jax.lax.bitcast_convert_type(top | rem.astype(u32), jnp.float32)
     finite = jnp.isfinite(u) & ~jnp.isnan(master)
@@ -698,6 +696,7 @@ def step(
   here and `lowprec.freeze.compensated_trace` (at the reference weight's
   grid value) compute with it, so a prediction is the same arithmetic.
   """
+  u = _as_emitted(u)
   y = u + c
   finite = jnp.isfinite(y) & ~jnp.isnan(w)
   if two_sum:
@@ -716,6 +715,20 @@ def step(
   r = jnp.where(written, r, jnp.where(finite, y, c))
   new_c = round_and_flag(r, buf, None, overflow="saturate")[0]
   return Step(delta, new_c, r, written, finite, over, lands)
+
+
+def _as_emitted(u):
+  """`u` as the optimizer emitted it: rounded to float32 before any add.
+
+  XLA:CPU contracts a multiply that feeds an add in the same fusion into
+  an FMA, which skips the multiply's rounding: AdamW's last multiply (by
+  `-lr`) and `u + c` become one operation, and at rounding ties the sum
+  leaves the formula. An optimization barrier does not stop it (XLA:CPU
+  expands barriers before it fuses). An add fuses only with a multiply
+  that is its operand, so a select in between, which returns every value
+  of `u` (NaN as NaN), keeps the rounding.
+  """
+  return jnp.where(jnp.isnan(u), jnp.float32(jnp.nan), u)
 
 
 def _two_sum(a, b):
