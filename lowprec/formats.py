@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Iterable
 
 import jax
 import jax.numpy as jnp
@@ -321,7 +322,12 @@ def format_names() -> list[str]:
   return [*NAMED, "eXmY (X in 2..8, Y in 0..23)", "intK (K in 2..8, scale=)"]
 
 
-def get_format(fmt: str | Format, *, scale: float | None = None) -> Format:
+def get_format(
+  fmt: str | Format,
+  *,
+  scale: float | None = None,
+  also_valid: Iterable[str] = (),
+) -> Format:
   """Returns the `Format` for a name (or passes a `Format` through).
 
   Args:
@@ -329,10 +335,15 @@ def get_format(fmt: str | Format, *, scale: float | None = None) -> Format:
       ml_dtypes dtype, or a `Format`.
     scale: the grid step of an `intK` format (required there, refused
       elsewhere).
+    also_valid: other names the caller takes where it asks for this
+      format (e.g. the MX names of `lowprec.scaled.SCALED`, which this
+      module does not know): an unknown name's error suggests and lists
+      them too.
 
   Raises:
-    ValueError: unknown name (the message lists the valid ones), `intK`
-      without a scale, or a scale given to a float format.
+    ValueError: unknown name (the message lists the valid ones and
+      suggests the closest, `also_valid` included), `intK` without a
+      scale, or a scale given to a float format.
   """
   if isinstance(fmt, Format):
     return fmt
@@ -359,7 +370,9 @@ def get_format(fmt: str | Format, *, scale: float | None = None) -> Format:
       "lowprec.writeback), or name its element format here, e.g. "
       f"{scaled.SCALED[name].element.name!r}"
     )
+  also = [n for n in also_valid if n not in NAMED]
+  also_text = f"; also valid here: {', '.join(also)}" if also else ""
   raise ValueError(
-    f"unknown format {name!r}.{names.suggest(name, NAMED)} Valid formats: "
-    + ", ".join(format_names())
+    f"unknown format {name!r}.{names.suggest(name, [*NAMED, *also])} Valid "
+    f"formats: {', '.join(format_names())}{also_text}"
   )

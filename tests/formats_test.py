@@ -150,6 +150,19 @@ def test_unknown_name_lists_valid_names_and_suggests():
   assert "eXmY" in str(e.value) and "bfloat16" in str(e.value)
 
 
+def test_unknown_name_suggests_and_lists_what_the_caller_also_takes():
+  # A caller that takes scaled names too passes them (formats itself
+  # knows only grids): they are suggested and listed.
+  mx = ("mxfp8_e4m3", "mxfp4_e2m1")
+  with pytest.raises(ValueError) as e:
+    lowprec.get_format("mxfp8_e4m", also_valid=mx)
+  assert "Did you mean 'mxfp8_e4m3'" in str(e.value)
+  assert "mxfp4_e2m1" in str(e.value) and "bfloat16" in str(e.value)
+  with pytest.raises(ValueError) as e:
+    lowprec.get_format("mxfp8_e4m")  # without them: none is named
+  assert "mxfp" not in str(e.value).replace("'mxfp8_e4m'", "")
+
+
 @pytest.mark.parametrize(
   "name, kwargs, match",
   [

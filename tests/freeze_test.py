@@ -604,6 +604,27 @@ def test_errors_name_the_fix():
     )
 
 
+@pytest.mark.parametrize(
+  "spec, fix",
+  [
+    ("mxfp8_e4m3:stochastic", "Target('mxfp8_e4m3', 'stochastic')"),
+    ("bfloat16:deadzone", "Target('bfloat16', 'deadzone')"),
+    ("mxfp8_e4m", "Did you mean 'mxfp8_e4m3'?"),
+    ("mxfp4", "mxfp4_e2m1"),
+  ],
+  ids=["mx-with-rounding", "grid-with-rounding", "mx-typo", "mx-short"],
+)
+def test_an_unknown_target_names_the_mx_formats_and_the_fix(spec, fix):
+  # Trace targets take MX names: the error lists them next to the grids,
+  # and a "name:rounding" spec points to Target's rounding argument.
+  with pytest.raises(ValueError) as e:
+    freeze.reference_trace([spec])
+  msg = str(e.value)
+  assert fix in msg, msg
+  assert "mxfp8_e4m3" in msg and "mxfp4_e2m1" in msg and "bfloat16" in msg
+  assert "nvfp4" not in msg  # refused as a target: not offered
+
+
 # ---- curves ----------------------------------------------------------------
 
 nan = float("nan")

@@ -50,7 +50,7 @@ class Target:
     if scaled.is_scaled(self.fmt):
       object.__setattr__(self, "fmt", _checked(self.fmt))
     elif isinstance(self.fmt, (str, Format)):
-      object.__setattr__(self, "fmt", get_format(self.fmt))
+      object.__setattr__(self, "fmt", _grid(self.fmt))
     object.__setattr__(self, "_lookup", storage.format_lookup(self.fmt))
 
   @property
@@ -63,6 +63,38 @@ class Target:
     """The format of the parameter at key path `path` (None: left out)."""
     fmt = self._lookup(path)
     return _checked(fmt) if scaled.is_scaled(fmt) else fmt
+
+
+# The scaled formats a target takes (`_checked`): MX, power-of-two scales.
+_MX_TARGETS = tuple(
+  n for n, f in scaled.SCALED.items() if f.scale_type == "e8m0"
+)
+
+
+def _grid(fmt) -> Format:
+  """A target's grid; the error for an unknown name lists the MX names
+  too, and points a `"name:rounding"` spec to `Target(name, rounding)`."""
+  try:
+    return get_format(fmt, also_valid=_MX_TARGETS)
+  except ValueError as e:
+    name, sep, mode = str(fmt).rpartition(":")
+    if not (sep and mode in ROUNDINGS and _known(name)):
+      raise
+    raise ValueError(
+      f"{fmt!r} is a format and a rounding; a target's rounding is its own "
+      f"argument: Target({name!r}, {mode!r}), e.g. reference_trace(["
+      f"Target({name!r}, {mode!r})]). ({e})"
+    ) from None
+
+
+def _known(name: str) -> bool:
+  if scaled.is_scaled(name):
+    return True
+  try:
+    get_format(name)
+  except ValueError:
+    return False
+  return True
 
 
 def _checked(fmt) -> scaled.ScaledFormat:
