@@ -352,8 +352,9 @@ def remainder_writeback(
 
   Telemetry as `kahan_writeback`, where the residual is float32 addition
   to the master: `lost` counts `u != 0` with `m' == m` (float32 itself
-  erased the proposal), `lost_mass` sums `|u - (m' - m)|` and `carried`
-  sums `|m' - w'|`. `saturated` is always 0 (an infinite master stays
+  erased the proposal), `lost_mass` sums `|(m + u) - m'|` (what float32
+  addition dropped, computed exactly by a two-sum) and `carried` sums
+  `|m' - w'|`. `saturated` is always 0 (an infinite master stays
   infinite, as in float32).
 
   Args:
@@ -633,7 +634,9 @@ class _Rule:
     master = jax.lax.bitcast_convert_type(top | rem.astype(u32), jnp.float32)
     finite = jnp.isfinite(u) & ~jnp.isnan(master)
     written = self._written(u != 0, finite)
-    new = jnp.where(written, master + u, master)
+    # `t` is what float32 addition to the master drops, exactly.
+    summed, t = _two_sum(master, u)
+    new = jnp.where(written, summed, master)
     b = jax.lax.bitcast_convert_type(new, u32)
     nan = jnp.isnan(new)
     # Truncating a NaN can leave an inf: keep a quiet NaN in the view.
@@ -651,7 +654,7 @@ class _Rule:
     zero = jnp.zeros_like(proposed)
     counts = _count(proposed, erased, moved, zero, ~lands, ~finite, lost)
     held = jnp.where(nan, 0.0, new - view)
-    dropped = jnp.where(proposed, u - (new - master), 0.0)
+    dropped = jnp.where(proposed, t, 0.0)
     return delta, new_rem, counts + (_mass(held), _mass(dropped))
 
 
