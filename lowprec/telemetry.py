@@ -6,7 +6,15 @@ predictions) keep their counters in their state as a node with two methods:
 by `scan` and batched by `vmap`, and `report()`, the same as plain Python
 numbers for logging. `telemetry` and `telemetry_arrays` find every such node
 anywhere in an optax state: inside `optax.chain`, `inject_hyperparams`,
-`MultiSteps`, `masked`, Flax NNX optimizer state and user containers.
+`MultiSteps`, `masked`, `multi_transform`, Flax NNX optimizer state and
+user containers.
+
+Keys are named by where a node sits: under a group of
+`optax.multi_transform` (or `optax.partition`), a node's keys take the
+group's label as a prefix, `<label>/<key>` (`matrices/erased_fraction`;
+nested groups join their labels, outer first). Where two nodes still report
+the same key (two write-backs chained outside any group), the later ones
+get a positional `#1`, `#2`.
 
 They also read the views of an optimizer state that have lost its types:
 `nnx.state(opt)`, `.to_pure_dict()` of it, and a checkpoint restored
@@ -51,18 +59,46 @@ def _is_reporter(x) -> bool:
   return isinstance(x, Reports) and not isinstance(x, type)
 
 
-def _merge(dicts) -> dict[str, Any]:
-  # Only colliding keys get a suffix: a write-back and a reference trace in
-  # one chain keep their own plain names; a second write-back gets `#1`.
+def _merge(labelled) -> dict[str, Any]:
+  """`(prefix, {key: value})` pairs as one dict of `prefix + key`.
+
+  Only keys that still collide get a suffix: a write-back and a reference
+  trace in one chain keep their own plain names; a second write-back
+  outside `multi_transform` groups gets `#1`.
+  """
   out: dict[str, Any] = {}
-  for d in dicts:
+  for prefix, d in labelled:
     for k, v in d.items():
-      name, n = k, 0
+      name, n = prefix + k, 0
       while name in out:
         n += 1
-        name = f"{k}#{n}"
+        name = f"{prefix}{k}#{n}"
       out[name] = v
   return out
+
+
+# The field of `optax.multi_transform`'s state (`PartitionState`, formerly
+# `MultiTransformState`) that maps each group's label to its state; views
+# without types keep it as a dict key.
+_GROUPS = "inner_states"
+
+
+def _key_name(key):
+  for attr in ("name", "key", "idx"):
+    if hasattr(key, attr):
+      return getattr(key, attr)
+  return key
+
+
+def _prefix(path: tuple) -> str:
+  """`"<label>/"` for a node under a `multi_transform` group (outer groups
+  first), `""` outside any."""
+  names = [str(_key_name(k)) for k in path]
+  return "".join(
+    f"{label}/"
+    for field, label in zip(names, names[1:], strict=False)
+    if field == _GROUPS
+  )
 
 
 # States recognized in a plain view by their fields: (fields every view
@@ -98,10 +134,12 @@ _NAMED_BY_LAYOUT = {
 }
 
 
-def _reporters(opt_state, caller: str) -> list[Reports]:
+def _reporters(opt_state, caller: str) -> list[tuple[str, Reports]]:
+  """Every reporting node in `opt_state`, in tree order, with the prefix
+  of its keys (`_prefix`)."""
   # Flax NNX keeps optimizer state in Variables (`OptArray`): read through
   # them, so `opt.opt_state` of an `nnx.Optimizer` can be passed as it is.
-  found: list[Reports] = []
+  found: list[tuple[str, Reports]] = []
   _collect(nnx.as_pure(opt_state), (), found)
   if not found:
     raise ValueError(_nothing_found(opt_state, caller))
@@ -109,14 +147,14 @@ def _reporters(opt_state, caller: str) -> list[Reports]:
 
 
 def _collect(node, path: tuple, found: list) -> None:
-  """Appends the reporting nodes under `node` in tree order."""
+  """Appends `(prefix, node)` for the reporting nodes under `node`."""
   if _is_reporter(node):
-    found.append(node)
+    found.append((_prefix(path), node))
     return
   if isinstance(node, Mapping):
     view = _from_view(node, path)
     if view is not None:
-      found.append(view)
+      found.append((_prefix(path), view))
       return
   children = jax.tree_util.tree_flatten_with_path(
     node, is_leaf=lambda x: x is not node
@@ -196,8 +234,12 @@ def _nothing_found(opt_state, caller: str) -> str:
 def telemetry(opt_state) -> dict[str, float | int]:
   """All telemetry in `opt_state` as plain Python numbers, ready to log.
 
-  Keys are those of each reporting node; when several nodes report the same
-  key (two write-backs in one state), later ones get a `#1`, `#2` suffix.
+  Keys are those of each reporting node. A node inside a group of
+  `optax.multi_transform` gets the group's label as a prefix,
+  `<label>/<key>`, nested labels outer first (the label is the group's key
+  in the state's `inner_states`, so it holds in every view). When several
+  nodes still report the same key (two write-backs chained outside any
+  group), later ones get a `#1`, `#2` suffix.
   This reads values to the host: call it outside `jit`. A state batched by
   `vmap` gives a list per key, one entry per ensemble member.
 
@@ -220,9 +262,16 @@ def telemetry(opt_state) -> dict[str, float | int]:
     state = opt.init(params)
     ...
     lowprec.telemetry(state)["erased_fraction"]
+
+    mixed = optax.multi_transform(
+        {"matrices": lowprec.writeback("bfloat16"),
+         "gains": lowprec.writeback("float8_e4m3fn")},
+        labels)  # a pytree (or function of params) of "matrices"/"gains"
+    ...
+    lowprec.telemetry(state)["gains/erased_fraction"]
     ```
   """
-  reports = [n.report() for n in _reporters(opt_state, "telemetry")]
+  reports = [(p, n.report()) for p, n in _reporters(opt_state, "telemetry")]
   return {k: _plain(v) for k, v in _merge(reports).items()}
 
 
@@ -249,7 +298,7 @@ def telemetry_arrays(opt_state) -> dict[str, jax.Array]:
     ValueError: as `telemetry`.
   """
   nodes = _reporters(opt_state, "telemetry_arrays")
-  return _merge(n.arrays() for n in nodes)
+  return _merge((p, n.arrays()) for p, n in nodes)
 
 
 def reseed(opt_state, key: jax.Array):

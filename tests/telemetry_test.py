@@ -353,3 +353,116 @@ def test_a_reference_trace_seen_as_plain_arrays_is_refused_with_the_fix(
   _, fresh = _nnx_run(trace, lowprec.writeback(rules), steps=0)
   nnx.update(fresh, state)
   assert lowprec.telemetry(fresh.opt_state) == typed
+
+
+# ---- groups of optax.multi_transform ---------------------------------------
+
+
+def _groups(path, _):
+  return "gains" if "scale" in jax.tree_util.keystr(path) else "matrices"
+
+
+def _labelled(gains_key=None):
+  """Two write-backs under multi_transform: bfloat16 on the matrices,
+  float8_e4m3fn (stochastic) on the gains."""
+  gains = lowprec.writeback("float8_e4m3fn", "stochastic", key=gains_key)
+  return optax.multi_transform(
+    {"matrices": lowprec.writeback(FMT), "gains": gains},
+    lambda p: jax.tree_util.tree_map_with_path(_groups, p),
+  )
+
+
+def _own_reports(state, prefix="") -> dict:
+  """Each group's write-back state read by its own report(), labelled."""
+  want = {}
+  for label in ("matrices", "gains"):
+    node = state.inner_states[label].inner_state
+    want |= {f"{prefix}{label}/{k}": v for k, v in node.report().items()}
+  return want
+
+
+class _Normed(nnx.Module):
+  def __init__(self, rngs):
+    self.l1 = nnx.Linear(4, 8, rngs=rngs)
+    self.norm = nnx.LayerNorm(8, use_bias=False, rngs=rngs)
+    self.l2 = nnx.Linear(8, 1, use_bias=False, rngs=rngs)
+
+  def __call__(self, x):
+    return self.l2(self.norm(jax.nn.tanh(self.l1(x))))
+
+
+def test_write_backs_in_multi_transform_groups_report_under_their_labels(
+  tmp_path,
+):
+  model = _Normed(nnx.Rngs(0))
+  on_grid = [(r".*scale", "float8_e4m3fn"), (r".*", FMT)]
+  nnx.update(model, lowprec.to_grid(nnx.state(model, nnx.Param), on_grid))
+  tx = optax.chain(optax.adam(1e-2), _labelled(jax.random.key(1)))
+  opt = lowprec.nnx.Optimizer(model, tx, wrt=nnx.Param)
+  x = jax.random.normal(jax.random.key(2), (32, 4))
+
+  @nnx.jit
+  def step(model, opt):
+    grads = nnx.grad(lambda m: jnp.mean((m(x) - 1.0) ** 2))(model)
+    opt.update(model, grads)
+
+  for _ in range(3):
+    step(model, opt)
+  typed = nnx.as_pure(opt.opt_state)[1]
+  want = _own_reports(typed)
+  assert want["matrices/steps"] == 3 == want["gains/steps"]
+  assert want["matrices/moved/l1/kernel"] > 0
+  assert "gains/proposals/norm/scale" in want
+  got = lowprec.telemetry(opt.opt_state)
+  assert not [k for k in got if "#" in k], list(got)
+  assert_telemetry_equal(got, want)
+  state = nnx.state(opt)
+  restored = _restored(tmp_path, state)
+  views = {
+    "nnx.state(opt)": state,
+    "nnx.to_pure_dict(nnx.state(opt))": nnx.to_pure_dict(state),
+    "orbax restore of nnx.state(opt)": restored,
+    'orbax restore, ["opt_state"]': restored["opt_state"],
+  }
+  for name, view in views.items():
+    assert list(lowprec.telemetry(view).items()) == list(got.items()), name
+    arrays = lowprec.telemetry_arrays(view)
+    assert list(arrays) == list(got), name
+    assert int(arrays["gains/moved"]) == want["gains/moved"], name
+  jitted = jax.jit(lowprec.telemetry_arrays)(nnx.as_pure(state))
+  assert int(jitted["matrices/erased"]) == want["matrices/erased"]
+
+
+def test_labels_nest_and_a_plain_state_restored_without_target_keeps_them(
+  tmp_path,
+):
+  params, x, y = _problem()
+  params = {"w": params["w"], "scale": lowprec.to_grid(params["b"] + 1, FMT)}
+  inner = optax.chain(
+    optax.adam(1e-2),
+    optax.multi_transform(
+      {"matrices": lowprec.writeback(FMT), "gains": lowprec.writeback(FMT)},
+      lambda p: jax.tree_util.tree_map_with_path(_groups, p),
+    ),
+  )
+  # An outer group around the inner ones: labels join, outer first.
+  opt = optax.multi_transform({"all": inner}, lambda p: {k: "all" for k in p})
+  state = opt.init(params)
+
+  def loss(p, x, y):
+    return jnp.mean((x @ p["w"] * p["scale"] - y) ** 2)
+
+  for t in range(3):
+    grads = jax.grad(loss)(params, x[t], y[t])
+    updates, state = opt.update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+  want = _own_reports(state.inner_states["all"].inner_state[1], "all/")
+  assert want["all/matrices/moved"] > 0 and want["all/gains/moved"] > 0
+  got = lowprec.telemetry(state)
+  assert_telemetry_equal(got, want)
+  restored = _restored(tmp_path, state)
+  assert "all" in restored["inner_states"]  # the label survives as a key
+  _assert_same(lowprec.telemetry(restored), got)
+  # Outside multi_transform, a collision still takes the `#n` suffix.
+  both = optax.chain(lowprec.writeback(FMT), lowprec.writeback(FMT))
+  assert "moved#1" in lowprec.telemetry(both.init(params))
