@@ -29,6 +29,7 @@ for float8 params). Their telemetry is read with `lowprec.telemetry`.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import NamedTuple
 
 import jax
@@ -37,6 +38,7 @@ import numpy as np
 import optax
 
 from lowprec import rng as rng_lib
+from lowprec import scaled
 from lowprec.formats import Format, get_format
 from lowprec.rounding import OVERFLOW_MODES, round_and_flag
 from lowprec.storage import (
@@ -214,12 +216,15 @@ def kahan_writeback(
 
   Returns:
     An `optax.GradientTransformation` whose state is a `CompensatedState`
-    holding one buffer per parameter with a format.
+      holding one buffer per parameter with a format.
 
   Raises:
-    ValueError: as `writeback`; also "deadzone" rounding, a buffer format
-      wider than float32, an integer buffer format, or a parameter with a
-      weight format and no buffer format.
+    ValueError: as `writeback`; also, when the transform is built,
+      "deadzone" rounding, a scaled (MX) weight format (the message names
+      `lowprec.writeback(fmt, rounding="stochastic", ...)` and Kahan on the
+      element grid), or a buffer format wider than float32, integer or
+      scaled; at `init`, a parameter with a weight format and no buffer
+      format.
 
   Example:
     ```python
@@ -236,6 +241,12 @@ def kahan_writeback(
   Reference: Kahan, "Further remarks on reducing truncation errors" (1965);
   Zamirai et al., "Revisiting BFloat16 Training" (2020).
   """
+  _refuse_scaled(
+    "kahan_writeback",
+    fmt,
+    "Kahan on the plain grid of its elements: kahan_writeback({elem!r}, "
+    "buffer='bfloat16')",
+  )
   buffers = _buffer_lookup(buffer)
   return _compensated(
     "kahan_writeback",
@@ -289,8 +300,8 @@ def two_component_writeback(
     An `optax.GradientTransformation` whose state is a `CompensatedState`.
 
   Raises:
-    ValueError: as `kahan_writeback`; also a weight format that is not a
-      floating-point format.
+    ValueError: as `kahan_writeback`; also, at `init`, a weight format
+      that is not a floating-point format.
 
   Example:
     ```python
@@ -303,6 +314,13 @@ def two_component_writeback(
   Reference: Yu et al., "Collage: Light-Weight Low-Precision Strategy for
   LLM Training" (ICML 2024).
   """
+
+  _refuse_scaled(
+    "two_component_writeback",
+    fmt,
+    "a two-component float on the plain grid of its elements: "
+    "two_component_writeback({elem!r})",
+  )
 
   def on_grid(path, f: Format) -> Format:
     if not f.is_float:
@@ -366,12 +384,13 @@ def remainder_writeback(
 
   Returns:
     An `optax.GradientTransformation` whose state is a `CompensatedState`
-    with uint16 remainders, starting at zero (the master equals the
-    initial bfloat16 weights).
+      with uint16 remainders, starting at zero (the master equals the
+      initial bfloat16 weights).
 
   Raises:
-    ValueError: a parameter on another grid than bfloat16, and as
-      `writeback`.
+    ValueError: as `writeback`; also a scaled (MX) format when the
+      transform is built, and at `init` a parameter on another grid than
+      bfloat16.
 
   Example:
     ```python
@@ -386,6 +405,13 @@ def remainder_writeback(
   the split float32 master of "8-bit Optimizers via Block-wise
   Quantization" (Dettmers et al., 2022).
   """
+
+  _refuse_scaled(
+    "remainder_writeback",
+    fmt,
+    "a float32 master split over the bfloat16 grid: "
+    "remainder_writeback('bfloat16')",
+  )
 
   def bf16_only(path, f: Format) -> None:
     if (f.kind, f.exp_bits, f.man_bits) != ("float", 8, 7):
@@ -419,20 +445,61 @@ _WIDER = ("float64", "double", "f8", "complex64", "complex128")
 
 def _buffer_format(f) -> Format:
   name = np.dtype(f).name if isinstance(f, np.dtype | type) else f
-  if isinstance(name, str) and name in _WIDER:
+  if isinstance(name, str):
+    name = name.strip()
+    if name in _WIDER:
+      raise ValueError(
+        f"buffer format {name!r} is wider than float32: the compensated "
+        "write-back computes in float32, so a wider buffer holds nothing "
+        "more. Use buffer='float32' at most, or 'bfloat16' (the default)"
+      )
+    if _INT_NAME.match(name):  # before get_format asks for a scale
+      raise _integer_buffer(name)
+  if scaled.is_scaled(f):
+    elem = scaled.get_scaled_format(f).element.name
     raise ValueError(
-      f"buffer format {name!r} is wider than float32: the compensated "
-      "write-back computes in float32, so a wider buffer holds nothing "
-      "more. Use buffer='float32' at most, or 'bfloat16' (the default)"
+      f"buffer format {str(name)!r} is a scaled format; the buffer is one "
+      "plain grid per coordinate, whose gap already follows |c|. Use "
+      f"buffer={elem!r} (its element format) or 'bfloat16' (the default)"
     )
   fmt = get_format(f)
   if not fmt.is_float:
-    raise ValueError(
-      f"buffer format {fmt} is an integer grid; the buffer holds small "
-      "residuals of either magnitude and needs a floating-point format, "
-      "e.g. buffer='bfloat16' or 'float8_e5m2'"
-    )
+    raise _integer_buffer(fmt.name)
   return fmt
+
+
+# An integer format's name, with or without a suffix ("int8", "int8:...").
+_INT_NAME = re.compile(r"int\d")
+
+
+def _integer_buffer(name: str) -> ValueError:
+  return ValueError(
+    f"buffer format {name!r} is an integer grid; the buffer holds small "
+    "residuals of either magnitude and needs a floating-point format, "
+    "e.g. buffer='bfloat16' or 'float8_e5m2'"
+  )
+
+
+def _refuse_scaled(caller: str, spec, other: str) -> None:
+  """Raises for a scaled format anywhere in the weights' spec `spec`;
+  `other` is the fix on a plain grid, with `{elem}` for the element."""
+
+  def check(f):
+    if f is not None and scaled.is_scaled(f):
+      fmt = scaled.get_scaled_format(f)
+      raise ValueError(
+        f"{caller}: {fmt.name!r} is a scaled format, and the compensated "
+        "write-backs here cover unscaled grids: on a scaled grid a "
+        "block's scale moves with its maximum and moves every value of "
+        "the block, which the buffer, its telemetry and its prediction "
+        "would have to carry too. Use lowprec.writeback("
+        f"{fmt.name!r}, rounding='stochastic', key=...) (stochastic "
+        "rounding removes the persistent freeze on a scaled grid), or "
+        + other.format(elem=fmt.element.name)
+      )
+    return f
+
+  _parsed_spec(spec, check)
 
 
 def _buffer_lookup(spec):
@@ -467,7 +534,9 @@ def _parsed_spec(spec, parse):
   return jax.tree.map(
     parse,
     spec,
-    is_leaf=lambda x: x is None or isinstance(x, str | Format | np.dtype),
+    is_leaf=lambda x: (
+      x is None or isinstance(x, str | Format | scaled.ScaledFormat | np.dtype)
+    ),
   )
 
 

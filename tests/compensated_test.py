@@ -6,6 +6,8 @@ split on uint32 bit patterns. Nothing below uses lowprec's rounding to
 compute an expected value.
 """
 
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -621,6 +623,66 @@ def test_bytes_per_param_counts_the_leaves():
 
 
 # ---- errors ----------------------------------------------------------------
+
+
+_MX = lowprec.scaled.get_scaled_format("mxfp8_e4m3")
+
+
+@pytest.mark.parametrize(
+  "spec",
+  [
+    "mxfp8_e4m3",
+    _MX,
+    {"w": "mxfp8_e4m3", "b": None},
+    [("b", None), (".*", "mxfp8_e4m3")],
+  ],
+  ids=["name", "format", "pytree", "rules"],
+)
+@pytest.mark.parametrize(
+  "factory, fix",
+  [
+    (lowprec.kahan_writeback, r"kahan_writeback\('float8_e4m3fn'"),
+    (lowprec.two_component_writeback, r"two_component_writeback\('float8"),
+    (lowprec.remainder_writeback, r"remainder_writeback\('bfloat16'\)"),
+  ],
+  ids=["kahan", "two_component", "remainder"],
+)
+def test_scaled_weight_formats_are_refused_when_the_transform_is_built(
+  factory, fix, spec
+):
+  # Refused in the factory call itself, with the reason and the fixes.
+  with pytest.raises(ValueError, match="scaled format") as err:
+    factory(spec)
+  msg = str(err.value)
+  assert "mxfp8_e4m3" in msg and "unscaled grids" in msg
+  assert "lowprec.writeback('mxfp8_e4m3', rounding='stochastic'" in msg
+  assert re.search(fix, msg), msg
+
+
+@pytest.mark.parametrize(
+  "buffer",
+  [
+    "int8",
+    "int8:0.125",
+    " int4",
+    np.dtype("int8"),
+    lowprec.get_format("int8", scale=2.0**-10),
+    [(".*", "int8")],
+  ],
+  ids=["int8", "int8-colon", "int4", "dtype", "format", "rules"],
+)
+def test_an_integer_buffer_gets_one_message_naming_the_fix(buffer):
+  with pytest.raises(ValueError) as err:
+    lowprec.kahan_writeback("bfloat16", buffer=buffer)
+  msg = str(err.value)
+  assert "is an integer grid" in msg and "buffer='bfloat16'" in msg, msg
+  assert "scale" not in msg, msg  # never asks for a scale it then refuses
+
+
+def test_a_scaled_buffer_names_its_element_format():
+  with pytest.raises(ValueError, match=r"buffer format 'mxfp8_e4m3' is a "
+                     r"scaled format.*'float8_e4m3fn'"):  # fmt: skip
+    lowprec.kahan_writeback("bfloat16", buffer="mxfp8_e4m3")
 
 
 def test_errors_name_the_fix():

@@ -406,14 +406,23 @@ def test_default_names_and_spec_forms():
       "integer grid",
     ),
     ({"a": ("bfloat16", "two_component", "bfloat16")}, "only 'kahan'"),
-    ({"a": "bfloat16"}, "not a Remedy or a tuple"),
+    ({"a": "bfloat16"}, r"is a string.*\('bfloat16', 'kahan', 'bfloat16'\)"),
+    ({"a": 3}, "not a Remedy or a tuple"),
     ({"a": ("bfloat16", "kahan", None)}, "needs a buffer format"),
     ({"a/b": ("bfloat16", "kahan")}, "no '/'"),
     ([([(".*", "bfloat16")], "kahan")], "needs a name"),
+    ("bfloat16:kahan", r"^remedy 'bfloat16:kahan' is a string.*"
+     r"\('bfloat16', 'kahan'\)$"),
+    (["bfloat16:kahan:float8_e5m2"], r"is a string.*\('bfloat16', 'kahan', "
+     r"'float8_e5m2'\)"),
+    ({"a": ("bfloat16", "kahan", "int8")}, "integer grid.*'bfloat16'"),
+    ({"a": ("bfloat16", "kahan", "int8:0.5")}, "integer grid.*'bfloat16'"),
+    ({"a": ("mxfp8_e4m3", "kahan")}, "scaled format.*'float8_e4m3fn'"),
   ],
   ids=[
-    "empty", "kind", "wide", "int", "buffer", "bare", "none", "slash",
-    "rules",
+    "empty", "kind", "wide", "int", "buffer", "bare", "number", "none",
+    "slash",
+    "rules", "string", "string-in-list", "int8", "int8-colon", "mx",
   ],
 )  # fmt: skip
 def test_errors_name_the_fix(spec, match):

@@ -110,6 +110,8 @@ def remedy_name(fmt: str, kind: str, buffer: str | None = None) -> str:
 def _as_remedy(spec) -> Remedy:
   if isinstance(spec, Remedy):
     return spec
+  if isinstance(spec, str):
+    raise _string_remedy(spec)
   if _is_spec_tuple(spec):
     fmt, kind, *rest = spec
     if kind != "kahan" and rest and rest[0] is not None:
@@ -125,6 +127,17 @@ def _as_remedy(spec) -> Remedy:
   )
 
 
+def _string_remedy(spec: str) -> ValueError:
+  # The study runner's "weights:kind[:buffer]" is a config string; here a
+  # remedy is a tuple, so show the tuple the string spells.
+  parts = tuple(p.strip() for p in spec.split(":"))
+  fix = parts if len(parts) in (2, 3) else ("bfloat16", "kahan", "bfloat16")
+  return ValueError(
+    f"remedy {spec!r} is a string; give a tuple (weight format, kind"
+    f"[, buffer]), a list or a dict of them, e.g. {fix!r}"
+  )
+
+
 def _is_spec_tuple(spec) -> bool:
   return (
     isinstance(spec, (tuple, list))
@@ -134,6 +147,8 @@ def _is_spec_tuple(spec) -> bool:
 
 
 def _parse(remedies) -> tuple[tuple[str, Remedy], ...]:
+  if isinstance(remedies, str):  # not an iterable of remedies
+    raise _string_remedy(remedies)
   return named_specs(
     remedies,
     single=lambda r: isinstance(r, Remedy) or _is_spec_tuple(r),
@@ -336,14 +351,15 @@ def compensated_trace(remedies) -> optax.GradientTransformation:
 
   Returns:
     An `optax.GradientTransformation` whose state is a
-    `CompensatedTraceState`; `lowprec.telemetry(state)` reports
-    `pred/<name>/...`.
+      `CompensatedTraceState`; `lowprec.telemetry(state)` reports
+      `pred/<name>/...`.
 
   Raises:
-    ValueError: no or duplicate remedies, an unknown kind or format, a
-      buffer wider than float32 or on an integer grid, a scaled weight
-      grid, a two-component remedy on an integer grid, or a missing
-      `params` argument to `update`.
+    ValueError: no or duplicate remedies, a remedy given as a string (the
+      message shows the tuple), an unknown kind or format, a buffer wider
+      than float32, on an integer grid or scaled; at `init`, a scaled
+      weight grid or a two-component remedy on an integer grid; at
+      `update`, a missing `params` argument.
 
   Example:
     ```python
