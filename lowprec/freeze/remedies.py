@@ -21,7 +21,7 @@ import numpy as np
 import optax
 
 from lowprec import compensated, storage
-from lowprec.compensated import _buffer_dtype, _buffer_format
+from lowprec.compensated import _as_emitted, _buffer_dtype, _buffer_format
 from lowprec.formats import Format, get_format
 from lowprec.freeze.trace import named_specs
 from lowprec.rounding import round_and_flag
@@ -491,7 +491,8 @@ def _predict_leaf(w, u, c, flag, fmt: Format, buf: Format, two_sum: bool):
   weight.
   """
   w = jnp.asarray(w).astype(jnp.float32)
-  u = jnp.asarray(u).astype(jnp.float32)
+  # Rounded as emitted, also for `q + u` below (see compensated.step).
+  u = _as_emitted(jnp.asarray(u).astype(jnp.float32))
   c = jnp.asarray(c).astype(jnp.float32)
   q = round_and_flag(w, fmt)[0]
   drift = jnp.where(jnp.isfinite(w) & jnp.isfinite(c), w - (q + c), 0.0)
