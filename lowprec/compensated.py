@@ -739,7 +739,7 @@ class Step(NamedTuple):
   delta: jax.Array  # lands w on its new grid value (see writeback._land)
   new_c: jax.Array  # the new buffer (or error term), on the buffer's grid
   residual: jax.Array  # what the weight did not take of u + c, unrounded
-  written: jax.Array  # bool: the coordinates the step wrote
+  written: jax.Array  # bool: where the weight was written (y != 0)
   finite: jax.Array  # bool: u + c finite and w not NaN
   over: jax.Array  # bool: the weight's rounding overflowed
   lands: jax.Array  # bool: the rounded weight itself was reachable
@@ -763,10 +763,11 @@ def step(
 
   (two-component: the residual is the exact two-sum's error plus what
   rounding `w + y` dropped). Where `y == 0` the weight keeps its bits and
-  `c' = y`: the buffer is written wherever `y` is finite. `bits` makes `Q`
-  stochastic. The transforms
-  here and `lowprec.freeze.compensated_trace` (at the reference weight's
-  grid value) compute with it, so a prediction is the same arithmetic.
+  `c' = y`: the buffer is written wherever `y` is finite. `u` enters
+  rounded to float32 as the optimizer emitted it, whatever XLA fuses.
+  `bits` makes `Q` stochastic. The transforms here and
+  `lowprec.freeze.compensated_trace` (at the reference weight's grid
+  value) compute with it, so a prediction is the same arithmetic.
   """
   u = _as_emitted(u)
   y = u + c
