@@ -23,7 +23,9 @@ step. None of them keeps a float32 copy of the weights:
 
 They go last in an optax chain, like `writeback`, and return float32 deltas
 that land exactly through `optax.apply_updates` (`lowprec.apply_updates`
-for float8 params). Their telemetry is read with `lowprec.telemetry`.
+for float8 params). Their telemetry is read with `lowprec.telemetry`. They
+take unscaled grids: a scaled (MX) format is refused when the transform is
+built, and the error names `lowprec.writeback` with stochastic rounding.
 """
 
 from __future__ import annotations
