@@ -138,7 +138,7 @@ class Registry:
 
     Returns:
       The new registry; this one itself if `op` is already registered with
-      the same uses.
+        the same uses.
 
     Raises:
       ValueError: the name is registered with other uses (the message lists
@@ -289,11 +289,12 @@ class Policy:
 
     Returns:
       The `Policy`. `Policy.parse(str(p), p.registry) == p` for every
-      policy `p`.
+        policy `p`.
 
     Raises:
       ValueError: an item without exactly one `=`, an empty pattern, an
-        unknown value, or a bad regex. TypeError: any other kind of spec.
+        unknown value, or a bad regex.
+      TypeError: any other kind of spec.
 
     Example:
       >>> Policy.parse({"norm.out@dw": "rounded", "norm.out@.*": "original"})

@@ -209,10 +209,11 @@ def round_nearest(
 
   Returns:
     An array of `x`'s shape holding grid values, in the carrier dtype or
-    `dtype`.
+      `dtype`.
 
   Raises:
-    TypeError: non-float input. ValueError: unknown format or overflow mode.
+    TypeError: non-float input.
+    ValueError: unknown format or overflow mode.
 
   Example:
     ```python
@@ -295,8 +296,8 @@ def round_and_flag(
 
   Returns:
     `(rounded, overflowed)`: the rounded array and a boolean mask of the
-    finite-or-infinite inputs whose rounding went past the largest finite
-    value (and was saturated or turned into inf/NaN by `overflow`).
+      finite-or-infinite inputs whose rounding went past the largest finite
+      value (and was saturated or turned into inf/NaN by `overflow`).
   """
   fmt = get_format(fmt)
   _check_overflow(overflow)

@@ -549,7 +549,7 @@ def quantize(
 
   Returns:
     `Quantized(elements, scales)`: elements in `fmt.element_dtype`, scales
-    as in `Scales`.
+      as in `Scales`.
 
   Raises:
     ValueError: an unknown format or mode, a missing key, or a block axis

@@ -237,14 +237,15 @@ def writeback(
       binade below; doubled, 480 lies past 448) is off the grid of its
       own, halved, scale and is put there, which saturates it to
       `224 * scale`; so `w'` is always on its grid.
+
   Returns:
     An `optax.GradientTransformation` whose `update` needs `params`, stored
-    as float32 holding grid values or as the format's native dtype.
-    Its `init` checks concrete params and raises if any is off the grid.
-    Leaves that are not arrays (an Equinox module's functions and Python
-    numbers) need no format and are no parameters; a None update passes
-    through (as `eqx.filter_grad` gives for them), so `init` and `update`
-    take an unfiltered Equinox module as `params`.
+      as float32 holding grid values or as the format's native dtype.
+      Its `init` checks concrete params and raises if any is off the grid.
+      Leaves that are not arrays (an Equinox module's functions and Python
+      numbers) need no format and are no parameters; a None update passes
+      through (as `eqx.filter_grad` gives for them), so `init` and `update`
+      take an unfiltered Equinox module as `params`.
 
   Raises:
     ValueError: unknown rounding, overflow, nonfinite or scales mode or

@@ -162,7 +162,7 @@ def derive(
 
   Returns:
     A `Derivation`; `.op` is `op` carrying the derived table (with `op`'s
-    own roundings), `.agrees` whether Monte Carlo confirmed every row.
+      own roundings), `.agrees` whether Monte Carlo confirmed every row.
 
   Raises:
     TypeError: `op` is not an `ops.Custom`.

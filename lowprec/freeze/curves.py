@@ -239,8 +239,8 @@ def summarize(
 
   Returns:
     A `Summary`: counts within tolerance (`summary.within_tol == "52/55"`),
-    category confusion, macro RMSE and skill against the leave-one-out
-    baseline `1 - RMSE_pred / RMSE_baseline`.
+      category confusion, macro RMSE and skill against the leave-one-out
+      baseline `1 - RMSE_pred / RMSE_baseline`.
 
   Raises:
     ValueError: no cells, or a cell whose two curves differ in length.

@@ -60,7 +60,7 @@ def stuck(initial, current, groups=None, fmt=None) -> dict[str, StuckShare]:
 
   Returns:
     `{group: StuckShare}` in order of first appearance, plus `"all"` over
-    every counted tensor.
+      every counted tensor.
 
   Raises:
     ValueError: trees of different structure or shapes, a path no group

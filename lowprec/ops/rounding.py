@@ -138,8 +138,8 @@ class Rounding:
 
     Returns:
       `(value, stored)`: the rounded tensor in `x`'s dtype, and its narrow
-      form for the backward (computed only if used: converting to a float8
-      dtype costs more than the rounding on CPU).
+        form for the backward (computed only if used: converting to a float8
+        dtype costs more than the rounding on CPU).
     """
     mode = mode or self.mode
     if self.is_scaled_format:

@@ -31,8 +31,8 @@ def save(r: Rounding, x, key, reads) -> tuple[jax.Array, dict]:
 
   Returns:
     `(x~, residuals)`: the rounded tensor in `x`'s dtype, and a dict holding
-    `"rounded"` / `"nearest"` as `Stored` (narrow) and `"original"` as `x`,
-    only those needed. Without rounding everything is `x` itself.
+      `"rounded"` / `"nearest"` as `Stored` (narrow) and `"original"` as `x`,
+      only those needed. Without rounding everything is `x` itself.
   """
   if r.is_identity:
     return x, {"original": x}
