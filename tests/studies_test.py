@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +25,7 @@ import pytest
 import lowprec
 from configs import common, presets
 from experiments import checkpoint, models, optim, study, tasks, train
-from experiments.analysis import figures, tables
+from experiments.analysis import figures, plotting, studies, tables
 from lowprec.freeze import leaf_paths
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -1114,3 +1115,23 @@ def test_remedies_smoke_runs_and_tabulates(name, tmp_path):
     "- kahan (float8_e5m2 buffer), float32 prediction vs measured (mean "
     "over steps): erased " in md
   )
+
+
+# A snake_case identifier outside backticks: a row key, not words.
+_IDENTIFIER = re.compile(r"[A-Za-z0-9]_[A-Za-z0-9]")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", studies.names())
+def test_every_study_writes_worded_tables_and_legible_figures(name, tmp_path):
+  # At smoke scale, where curves are a few points and arms often agree to
+  # the last digit: every column is named in words, and the figure has no
+  # text cut or overlapping, no point off its axes, no hidden line and no
+  # empty panel (plotting.problems).
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", plotting.IllegibleFigure)
+    _, md = _smoke(name, tmp_path)
+  head = next(line for line in md.splitlines() if line.startswith("| "))
+  cells = [c.strip() for c in re.split(r"(?<!\\)\|", head)[1:-1]]
+  words = [c for c in cells if not _IDENTIFIER.search(re.sub("`[^`]*`", "", c))]
+  assert words == cells, f"not in words: {sorted(set(cells) - set(words))}"

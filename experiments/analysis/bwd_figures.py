@@ -26,20 +26,17 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from experiments.analysis import bwd_tables as ba  # noqa: E402
+from experiments.analysis import plotting  # noqa: E402
 from experiments.analysis.runs import load_runs  # noqa: E402
 
 COLORS = {"reuse": "C3", "redraw": "C0", "outonly": "C2", "per_use": "C0"}
+Z_BIASED = 3.0  # |z| of the pooled bias test drawn as biased
 COLORS.update({"original_both": "C1", "rounded_both": "C3"})
 
 
 def _save(fig, study, results, out) -> str:
-  fig.tight_layout()
   out = out or os.path.join(results, study, "tables")
-  os.makedirs(out, exist_ok=True)
-  path = os.path.join(out, f"{study}.png")
-  fig.savefig(path, dpi=80)
-  plt.close(fig)
-  return path
+  return plotting.save(fig, os.path.join(out, f"{study}.png"))
 
 
 def _legend(ax):
@@ -49,6 +46,12 @@ def _legend(ax):
 
 def _color(arm, i):
   return COLORS.get(arm, f"C{i % 10}")
+
+
+def _style(arm, i, points):
+  """The arm's colour, with a line style and markers of its own (arms with
+  the same curve, e.g. two exact policies, still show as two lines)."""
+  return {**plotting.arm_style(i, points), "color": _color(arm, i)}
 
 
 def _arms(runs):
@@ -65,7 +68,7 @@ def operator_z(study, results="results", out=None) -> str:
   keys = list(dict.fromkeys((x["op"], x["use"]) for x in cells))
   z_th = run.config["checks"]["z_threshold"]
   lo, hi = 0.1, 1e4
-  fig, ax = plt.subplots(figsize=(10, 4.2))
+  fig, ax = plt.subplots(figsize=(10, 5))
   jitter = np.random.default_rng(0)
   for i, key in enumerate(keys):
     for x in (x for x in cells if (x["op"], x["use"]) == key):
@@ -83,15 +86,13 @@ def operator_z(study, results="results", out=None) -> str:
   ax.axhline(z_th, color="k", lw=0.8, ls="--")
   ax.set_yscale("log")
   ax.set_ylim(lo / 2, hi * 30)
-  ax.set_xticks(
-    range(len(keys)), [f"{u}\n{o}" for o, u in keys], rotation=60, fontsize=7
-  )
+  ax.set_xticks(range(len(keys)), [f"{u}\n{o}" for o, u in keys], rotation=60)
   ax.set_ylabel(f"|z| (clipped to [{lo:g}, {hi:g}])")
   ax.scatter([], [], marker="o", color="C3", label="predicted biased")
   ax.scatter([], [], marker="s", color="C0", label="predicted unbiased")
   ax.scatter([], [], marker="x", color="C0", label="exact (zero difference)")
   ax.plot([], [], "k--", lw=0.8, label=f"|z| = {z_th:g}")
-  ax.legend(fontsize=7, loc="upper center", ncol=4)
+  ax.legend(fontsize=8, loc="upper center", ncol=4)
   n = run.summary["rows"][0]["n_forward"]
   ax.set_title(
     f"every value of every use: verified |z|, {n} forward draws (seed "
@@ -110,26 +111,34 @@ def _running_rms(steps, b2, window=5):
 def attention_curves(study, results="results", out=None) -> str:
   runs = load_runs(results, study)
   group = ba.probe_groups(runs[0])[0]
-  fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+  fig, grid = plt.subplots(2, 2, figsize=(9, 7))
+  axes = list(grid.flat)
   for i, arm in enumerate(_arms(runs)):
     for j, run in enumerate(r for r in runs if r.arm == arm):
       label = arm if j == 0 else None
-      c = _color(arm, i)
       s, b2 = run.curve(f"probe/{group}/bias2")
       s, b2 = s[s >= 1], b2[s >= 1]
       if b2.size >= 5:
-        axes[0].plot(*_running_rms(s, b2), color=c, lw=1, label=label)
+        x, y = _running_rms(s, b2)
+        axes[0].plot(x, y, label=label, **_style(arm, i, len(x)))
       s, cos = run.curve(f"probe/{group}/cos")
-      axes[1].plot(s, np.maximum(1 - cos, 1e-9), color=c, lw=0.8, label=label)
+      y = np.maximum(1 - cos, 1e-9)
+      axes[1].plot(s, y, label=label, **_style(arm, i, len(s)))
       s, v = run.curve("val_loss")
-      axes[2].plot(s, v, color=c, lw=1, marker=".", label=label)
+      axes[2].plot(s, v, label=label, **_style(arm, i, len(s)))
+  if not axes[0].lines:
+    axes[0].text(
+      0.5, 0.5, "fewer than 5 probes per run:\nno running mean",
+      ha="center", va="center", transform=axes[0].transAxes,
+    )  # fmt: skip
   axes[0].set_title(f"{group} gradient: relative bias (5-probe mean)")
   axes[1].set_title(f"{group} gradient: 1 - cos(mean g, mean g_ref)")
   axes[1].set_yscale("log")
   axes[2].set_title("validation loss")
-  for ax in axes:
+  for ax in axes[:3]:
     ax.set_xlabel("step")
     _legend(ax)
+  axes[3].set_visible(False)
   return _save(fig, study, results, out)
 
 
@@ -141,25 +150,22 @@ def search_dose_response(study, results="results", out=None) -> str:
   rows, _ = ba.attention_search_table(runs)
   names = [r["setting"] for r in rows]
   x = np.arange(len(names))
-  fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+  fig, axes = plt.subplots(2, 1, figsize=(8, 7.5))
   offsets = dict(zip(ba.SEARCH_ARMS, (-0.15, 0.0, 0.15), strict=True))
   for kind, dx in offsets.items():
     color = COLORS[kind]
-    bias = [r.get(f"{kind}_qkv_bias_rms") or np.nan for r in rows]
-    axes[0].plot(x + dx, bias, "o", color=color, label=kind)
     for xi, r in zip(x, rows, strict=True):
-      z = r.get(f"{kind}_qkv_bias_z")
-      b = r.get(f"{kind}_qkv_bias_rms")
-      if z is not None and b:
-        axes[0].annotate(
-          f"z={z:+.1f}",
-          (xi + dx, b),
-          fontsize=6,
-          xytext=(3, 3),
-          textcoords="offset points",
-        )
+      b, z = r.get(f"{kind}_qkv_bias_rms"), r.get(f"{kind}_qkv_bias_z")
+      if not b:
+        continue
+      biased = z is not None and abs(z) >= Z_BIASED
+      axes[0].plot(
+        xi + dx, b, "o", color=color, mfc=color if biased else "none"
+      )
+    axes[0].plot([], [], "o", color=color, mfc="none", label=kind)
+  axes[0].plot([], [], "o", color="grey", label=f"filled: |z| >= {Z_BIASED:g}")
   axes[0].set_yscale("log")
-  axes[0].set_title("QKV gradient: pooled relative bias")
+  axes[0].set_title("QKV gradient: pooled relative bias (z in the table)")
   for copy, dx in (("redraw", -0.1), ("outonly", 0.1)):
     key = f"reuse_minus_{copy}"
     color = COLORS[copy]
@@ -176,11 +182,14 @@ def search_dose_response(study, results="results", out=None) -> str:
       if r.get(f"{key}_threshold") is not None:
         axes[1].plot(xi + dx, r[f"{key}_threshold"], "v", color=color, ms=5)
   axes[1].axhline(0, color="grey", lw=0.5)
-  axes[1].set_title("final val loss, reuse - copy (per seed, mean; v: 3 sd)")
+  axes[1].plot([], [], "_", color="k", ms=12, label="mean over seeds")
+  axes[1].plot([], [], "v", color="grey", ms=5, label="3 sd of the copy")
+  axes[1].set_title("final val loss, reuse minus copy, per seed")
+  axes[1].set_ylabel("nats")
   for ax in axes:
-    ax.set_xticks(x, names, fontsize=8)
+    ax.set_xticks(x, names)
     ax.set_xlabel("setting")
-    _legend(ax)
+    plotting.legend_outside(ax)
   return _save(fig, study, results, out)
 
 
@@ -188,7 +197,14 @@ def norm_store_curves(study, results="results", out=None) -> str:
   runs = load_runs(results, study)
   groups = ba.probe_groups(runs[0])
   n = len(groups) + 1
-  fig, axes = plt.subplots(1, n, figsize=(4.3 * n, 3.6))
+  ncol = min(n, 2)
+  fig, grid = plt.subplots(
+    -(-n // ncol), ncol, figsize=(4.6 * ncol, 3.8 * -(-n // ncol)),
+    squeeze=False,
+  )  # fmt: skip
+  axes = list(grid.flat)
+  for ax in axes[n:]:
+    ax.set_visible(False)
   titles = {"gain": "gain gradients", "w": "weight gradients fed by a norm"}
   arms = _arms(runs)
   floor = 1e-6
@@ -197,9 +213,8 @@ def norm_store_curves(study, results="results", out=None) -> str:
       label = arm if j == 0 else None
       for ax, g in zip(axes, groups, strict=False):
         s, e = run.curve(f"probe/{g}/rel_err")
-        ax.plot(
-          s, np.maximum(e, floor), color=_color(arm, i), lw=0.8, label=label
-        )
+        y = np.maximum(e, floor)
+        ax.plot(s, y, label=label, **_style(arm, i, len(s)))
   for ax, g in zip(axes, groups, strict=False):
     ax.set_yscale("log")
     ax.set_title(
@@ -208,7 +223,7 @@ def norm_store_curves(study, results="results", out=None) -> str:
     ax.set_xlabel("step")
     _legend(ax)
   # The planned comparison: final validation loss minus per_use's, per seed.
-  ax = axes[-1]
+  ax = axes[n - 1]
   margin = runs[0].config["study"].get("loss_margin")
   base = {r.seed: r.last("val_loss") for r in runs if r.arm == "per_use"}
   others = [a for a in arms if a != "per_use"]
@@ -225,6 +240,7 @@ def norm_store_curves(study, results="results", out=None) -> str:
   ax.set_xticks(range(len(others)), others)
   ax.set_xlim(-0.6, len(others) - 0.4)
   ax.set_title("final val loss minus per_use (per seed)")
+  ax.set_ylabel("nats")
   _legend(ax)
   return _save(fig, study, results, out)
 

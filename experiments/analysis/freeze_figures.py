@@ -16,9 +16,13 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+from matplotlib import ticker  # noqa: E402
 
 from experiments.analysis import audit_tables as at  # noqa: E402
-from experiments.analysis import freeze_panels  # noqa: E402
+from experiments.analysis import (
+  freeze_panels,  # noqa: E402
+  plotting,  # noqa: E402
+)
 from experiments.analysis import freeze_tables as fa  # noqa: E402
 from experiments.analysis import state_tables as st  # noqa: E402
 from experiments.analysis import writeback_tables as wt  # noqa: E402
@@ -26,13 +30,8 @@ from experiments.analysis.runs import load_runs  # noqa: E402
 
 
 def _save(fig, study, results, out) -> str:
-  fig.tight_layout()
   out = out or os.path.join(results, study, "tables")
-  os.makedirs(out, exist_ok=True)
-  path = os.path.join(out, f"{study}.png")
-  fig.savefig(path, dpi=90)
-  plt.close(fig)
-  return path
+  return plotting.save(fig, os.path.join(out, f"{study}.png"))
 
 
 def _crossings(runs, group):
@@ -53,7 +52,7 @@ def crossing_scatter(study, results="results", out=None, group=None) -> str:
   runs = load_runs(results, study)
   group = group or (lambda r: r["format"])
   rows, pts = _crossings(runs, group)
-  fig, ax = plt.subplots(figsize=(5, 4.6))
+  fig, ax = plt.subplots(figsize=(6, 5))
   if pts:
     lo = min(min(p, m) for _, p, m in pts) / 1.5
     hi = max(max(p, m) for _, p, m in pts) * 1.5
@@ -67,7 +66,20 @@ def crossing_scatter(study, results="results", out=None, group=None) -> str:
       )
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.legend(fontsize=7)
+    for axis in (ax.xaxis, ax.yaxis):
+      axis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+      axis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+      axis.set_minor_formatter(ticker.NullFormatter())
+    ax.legend(fontsize=8)
+  else:
+    ax.text(
+      0.5,
+      0.5,
+      "no cell crosses after init\nin both curves",
+      ha="center",
+      va="center",
+      transform=ax.transAxes,
+    )
   cats = [r.get("category_agrees") for r in rows]
   steps = [m for _, _, m in pts]
   late = [m for m in steps if m > fa.EARLY_STEP]
@@ -97,12 +109,13 @@ def _val_panel(ax, runs, title: str) -> None:
   for i, arm in enumerate(arms):
     for j, run in enumerate(r for r in runs if r.arm == arm):
       s, v = _val(run)
-      ax.plot(s, v, color=f"C{i}", lw=1, label=arm if j == 0 else None)
+      style = plotting.arm_style(i, len(s))
+      ax.plot(s, v, label=arm if j == 0 else None, **style)
   ax.set_xlabel("step")
   ax.set_ylabel("validation loss")
-  _zoom(ax, [_val(r)[1] for r in runs])
-  ax.legend(fontsize=8)
-  ax.set_title(title, fontsize=9)
+  plotting.loss_axes(ax)
+  plotting.legend_outside(ax)
+  ax.set_title(title, fontsize=10)
 
 
 def remedies_figure(study, results="results", out=None) -> str:
@@ -111,22 +124,29 @@ def remedies_figure(study, results="results", out=None) -> str:
   proposals erased from the weight per step of every write-back arm, the
   mean over seeds."""
   runs = load_runs(results, study)
-  fig, (ax, ex) = plt.subplots(1, 2, figsize=(11, 4))
-  _val_panel(ax, runs, study)
   arms = list(dict.fromkeys(r.arm for r in runs))
+  erased = {}
   for i, arm in enumerate(arms):
     curves = [r.curve("erased_fraction") for r in runs if r.arm == arm]
     curves = [c for c in curves if c[0].size]
-    if not curves:
-      continue
-    steps = curves[0][0]
-    same = [c[1] for c in curves if np.array_equal(c[0], steps)]
-    ex.plot(steps, np.mean(same, axis=0), color=f"C{i}", lw=1, label=arm)
-  ex.set_xlabel("step")
-  ex.set_ylabel("proposals erased from the weight")
-  ex.set_ylim(-0.02, 1.02)
-  if ex.lines:
-    ex.legend(fontsize=7)
+    if curves:
+      steps = curves[0][0]
+      same = [c[1] for c in curves if np.array_equal(c[0], steps)]
+      erased[arm] = (i, steps, np.mean(same, axis=0))
+  # Without a write-back arm's telemetry there is no second panel.
+  fig, axes = plt.subplots(
+    2 if erased else 1, 1, figsize=(8, 7.5 if erased else 4), squeeze=False
+  )
+  _val_panel(axes[0][0], runs, f"{study}: validation loss")
+  if erased:
+    ex = axes[1][0]
+    for arm, (i, steps, mean) in erased.items():
+      ex.plot(steps, mean, label=arm, **plotting.arm_style(i, len(steps)))
+    ex.set_xlabel("step")
+    ex.set_ylabel("share of proposals erased")
+    ex.set_title("erased from the weight, mean over seeds", fontsize=10)
+    ex.set_ylim(-0.02, 1.02)
+    plotting.legend_outside(ex)
   return _save(fig, study, results, out)
 
 
@@ -136,10 +156,8 @@ def recovery_figure(study, results="results", out=None) -> str:
   its mean and +-1 sd."""
   runs = load_runs(results, study)
   rows, _ = wt.recovery_table(runs)
-  fig, (ax, dx) = plt.subplots(
-    1, 2, figsize=(10, 4), gridspec_kw={"width_ratios": [3, 2]}
-  )
-  _val_panel(ax, runs, study)
+  fig, (ax, dx) = plt.subplots(2, 1, figsize=(8, 7.5))
+  _val_panel(ax, runs, f"{study}: validation loss")
   pts = [(r["seed"], r["deadzone_minus_full_sr"]) for r in rows]
   pts = [(s, d) for s, d in pts if d is not None]
   if pts:
@@ -154,8 +172,11 @@ def recovery_figure(study, results="results", out=None) -> str:
     neg = sum(v < 0 for v in d)
     dx.set_title(
       f"mean {m:+.4f}, sd {sd:.4f}; negative in {neg}/{len(d)} seeds",
-      fontsize=9,
+      fontsize=10,
     )
+  else:
+    dx.text(0.5, 0.5, "no seed with both stochastic arms", ha="center",
+            va="center", transform=dx.transAxes)  # fmt: skip
   dx.axhline(0, color="grey", lw=0.5)
   dx.set_ylabel("L dead-zone SR - L full SR (nats)")
   return _save(fig, study, results, out)
@@ -165,14 +186,6 @@ def _val(run):
   pts = [(r["step"], r["val_loss"]) for r in run.metrics if "val_loss" in r]
   s, v = zip(*pts, strict=True) if pts else ((), ())
   return np.asarray(s), np.asarray(v, float)
-
-
-def _zoom(ax, curves):
-  """Leaves out the initial loss, so the late differences are visible."""
-  late = np.concatenate([c[1:] for c in curves if c.size > 1] or [[0.0]])
-  lo, hi = float(np.min(late)), float(np.max(late))
-  pad = 0.05 * (hi - lo or 1.0)
-  ax.set_ylim(lo - pad, hi + pad)
 
 
 def replay_curves(study, results="results", out=None) -> str:
@@ -185,19 +198,19 @@ def replay_curves(study, results="results", out=None) -> str:
   reps = [r for r in runs if r.config["train"].get("init_from_arm")]
   quants = list(dict.fromkeys(wt.quantizer(r.config) for r in reps))
   fig, axes = plt.subplots(
-    1, max(len(quants), 1), figsize=(6 * max(len(quants), 1), 4), squeeze=False
+    1,
+    max(len(quants), 1),
+    figsize=(5 * max(len(quants), 1), 4.5),
+    squeeze=False,
   )
   rows, _ = wt.replay_table(runs)
   for ax, q in zip(axes[0], quants, strict=False):
-    curves = []
     for run in ref:
       s, v = _val(run)
-      curves.append(v)
       ax.plot(s, v, color="k", lw=1.2, label=f"{run.arm} (fp32)")
     for run in (r for r in reps if wt.quantizer(r.config) == q):
       rn = run.config["lowprec"]["rounding"] == "nearest"
       s, v = _val(run)
-      curves.append(v)
       ax.plot(
         run.config["train"]["init_from_step"] + s,
         v,
@@ -271,21 +284,21 @@ def fp8_panels(study, results="results", out=None) -> str:
         )
     ax.axhline(0.5, color="grey", lw=0.5)
     ax.set_ylim(-0.02, 1.02)
-    ax.set_title(f"{fmt}: share of proposals per step", fontsize=9)
+    ax.set_title(f"{fmt}: share of proposals per step", fontsize=10)
     ax.set_xlabel("step")
     ax.legend(fontsize=7)
     lx = axes[1][i]
-    curves, labelled = [], set()
+    labelled = set()
     for run in runs:
       lp = run.config["lowprec"]
       if lp["writeback"] not in ("", fmt):
         continue
       s, v = _val(run)
-      curves.append(v)
       label = None if run.arm in labelled else run.arm
       labelled.add(run.arm)
-      lx.plot(s, v, lw=1, color=f"C{arms.index(run.arm)}", label=label)
-    _zoom(lx, curves)
+      style = plotting.arm_style(arms.index(run.arm), len(s))
+      lx.plot(s, v, label=label, **style)
+    plotting.loss_axes(lx)
     lx.set_xlabel("step")
     lx.set_ylabel("validation loss")
     lx.legend(fontsize=7)
@@ -303,7 +316,7 @@ def audit_curves(study, results="results", out=None) -> str:
   variants = at.variants(runs)
   ncol = max(len(variants), 1)
   fig, axes = plt.subplots(
-    2, ncol, figsize=(6 * ncol, 6.5), sharex=True, squeeze=False
+    2, ncol, figsize=(5 * ncol, 7), sharex=True, squeeze=False
   )
   for col, (arm, group) in enumerate(variants.items()):
     mine = [r for r in rows if r["arm"] == arm]
@@ -376,9 +389,14 @@ def user_reports_panels(study, results="results", out=None) -> str:
     for arm in ("nearest", "stochastic", "deadzone")
     if arm in by
   }
-  fig, axes = plt.subplots(
-    1, len(groups) + 1, figsize=(3.2 * (len(groups) + 1), 3.4)
+  ncol = min(3, len(groups) + 1)
+  nrow = -(-(len(groups) + 1) // ncol)
+  fig, grid = plt.subplots(
+    nrow, ncol, figsize=(3.4 * ncol, 3.2 * nrow), squeeze=False
   )
+  axes = list(grid.flat)
+  for ax in axes[len(groups) + 1 :]:
+    ax.set_visible(False)  # the grid's unused cells
   for ax, (_, group) in zip(axes, groups, strict=False):
     xs = sorted(pred)
     ax.plot(
@@ -396,56 +414,66 @@ def user_reports_panels(study, results="results", out=None) -> str:
         label=arm,
       )
     ax.set_ylim(-0.03, 1.03)
-    ax.set_title(group, fontsize=9)
+    ax.set_title(group, fontsize=10)
     ax.set_xlabel("step")
-  axes[0].set_ylabel("share still at its initial value")
-  axes[0].legend(fontsize=7)
-  ax = axes[-1]
+  for row in grid:
+    row[0].set_ylabel("share still at its initial value")
+  axes[0].legend(fontsize=8)
+  ax = axes[len(groups)]
   names = [g for _, g in groups]
   p = ur.decay_only_share(ref, groups) if ref else {}
   m = ur.decay_only_share(by["nearest"], groups) if "nearest" in by else {}
-  x = np.arange(len(names))
-  ax.bar(x - 0.2, [p.get(n, np.nan) for n in names], 0.4, label="predicted")
-  ax.bar(x + 0.2, [m.get(n, np.nan) for n in names], 0.4, label="nearest")
-  ax.set_xticks(x, names, rotation=45, ha="right", fontsize=7)
-  ax.set_ylim(0, 1.05)
-  ax.set_title("erased proposals: weight decay only", fontsize=9)
-  ax.legend(fontsize=7)
+  y = np.arange(len(names))
+  ax.barh(y - 0.2, [p.get(n, np.nan) for n in names], 0.4, label="predicted")
+  ax.barh(y + 0.2, [m.get(n, np.nan) for n in names], 0.4, label="nearest")
+  ax.set_yticks(y, names)
+  ax.invert_yaxis()  # the groups in the order of the other panels
+  ax.set_xlim(0, 1.05)
+  ax.set_xlabel("share of erased proposals")
+  ax.set_title("weight decay only", fontsize=10)
+  ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=2)
   return _save(fig, study, results, out)
 
 
-# figure name (a study's `study.figure`) -> (study, results, out) -> PNG path
 def state_figure(study, results="results", out=None) -> str:
-  """Validation loss of every arm; beside it, the share of the second
-  moment's updates erased by storage per step, measured (solid, one line
-  per seed) and predicted by the float32-state run (dashed)."""
+  """Validation loss of every arm; below it, the share of the second
+  moment's updates erased by storage per step, measured (one line per
+  seed) and predicted by the float32-state run (black, dashed)."""
   runs = load_runs(results, study)
-  fig, (ax, ex) = plt.subplots(1, 2, figsize=(11, 4))
-  _val_panel(ax, runs, study)
+  fig, (ax, ex) = plt.subplots(2, 1, figsize=(8, 7.5))
+  _val_panel(ax, runs, f"{study}: validation loss")
   by_key = {(r.arm, r.seed): r for r in runs}
-  arms = [a for a in dict.fromkeys(r.arm for r in runs)]
-  stored = [a for a in arms if any(
-    r.arm == a and r.config["lowprec"].get("state") for r in runs
-  )]  # fmt: skip
-  for i, arm in enumerate(stored):
+  arms = list(dict.fromkeys(r.arm for r in runs))
+  predicted = False
+  for arm in arms:
+    i = arms.index(arm)
     for j, run in enumerate(r for r in runs if r.arm == arm):
+      if not run.config["lowprec"].get("state"):
+        continue
       nu = st.moment_curves(run, "state").get("nu")
       if nu is not None:
-        ex.plot(*nu, color=f"C{i}", lw=1, label=arm if j == 0 else None)
+        style = {**plotting.arm_style(i, len(nu[0])), "ls": "-"}
+        ex.plot(*nu, label=arm if j == 0 else None, **style)
       st_cfg = run.config["study"]
       ref = by_key.get((st_cfg.get("reference_arm"), run.seed))
       if ref is not None and st_cfg.get("cell"):
         pred = st.moment_curves(ref, f"pred_state/{st_cfg['cell']}")
         if "nu" in pred:
-          ex.plot(*pred["nu"], color=f"C{i}", lw=1, ls="--")
+          label = None if predicted else "predicted (float32 state)"
+          ex.plot(*pred["nu"], color="k", lw=0.8, ls="--", label=label)
+          predicted = True
   ex.set_xlabel("step")
-  ex.set_ylabel("nu updates erased (solid: measured, dashed: predicted)")
+  ex.set_ylabel("share of nu's updates erased")
+  ex.set_title("second moment: updates erased by storage", fontsize=10)
   ex.set_ylim(-0.02, 1.02)
-  if ex.lines:
-    ex.legend(fontsize=7)
+  if not ex.lines:
+    ex.text(0.5, 0.5, "no arm stores its state", ha="center",
+            va="center", transform=ex.transAxes)  # fmt: skip
+  plotting.legend_outside(ex)
   return _save(fig, study, results, out)
 
 
+# figure name (a study's `study.figure`) -> (study, results, out) -> PNG path
 FIGURES = {
   "freeze_panels": freeze_panels.plot,
   "fp8_panels": fp8_panels,

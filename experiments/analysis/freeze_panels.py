@@ -15,6 +15,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from experiments.analysis import plotting  # noqa: E402
 from experiments.analysis.freeze_tables import (  # noqa: E402
   measured,
   predicted,
@@ -34,11 +35,7 @@ def plot(
   """Draws `figure` for the study's runs; returns the path of the PNG."""
   fig = figure(load_runs(results, study), theta, max_panels)
   out = out or os.path.join(results, study, "tables")
-  os.makedirs(out, exist_ok=True)
-  path = os.path.join(out, f"{study}.png")
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return path
+  return plotting.save(fig, os.path.join(out, f"{study}.png"))
 
 
 def figure(runs, theta: float = 0.5, max_panels: int = 12):
@@ -57,7 +54,6 @@ def figure(runs, theta: float = 0.5, max_panels: int = 12):
     nearest = rounding == "nearest"
     steps, e = measured(run)
     ref = reference_for(run, runs)
-    curves = []
     if nearest:
       ax.plot(steps, e, lw=1, label="measured (nearest)")
       crossing = _mark(ax, e, steps, theta, "C0")
@@ -72,42 +68,32 @@ def figure(runs, theta: float = 0.5, max_panels: int = 12):
         _mark(ax, p, ps, theta, "C1")
       elif p.size:  # the trace predicts P(move) under stochastic rounding
         ax.plot(ps, 1 - p, lw=1, ls="--", color="C1", label="1 - P(move)")
-      curves.append(_val_line(lx, ref, "C1", "fp32 reference"))
-    curves.append(_val_line(lx, run, "C0", run.arm))
+      ref_style = {"ls": "--", "marker": "s", "mfc": "none", "ms": 5}
+      _val_line(lx, ref, "C1", "fp32 reference", **ref_style)
+    _val_line(lx, run, "C0", run.arm, marker=".")
     ax.axhline(theta, color="grey", lw=0.5)
     ax.set_ylim(-0.02, 1.02)
-    ax.set_title(f"{run.arm} seed{run.seed}: {fmt}, {rounding}", fontsize=9)
+    ax.set_title(f"{run.arm} seed{run.seed}: {fmt}, {rounding}", fontsize=10)
     ax.set_xlabel("step")
     ax.set_ylabel("erased fraction")
-    ax.legend(fontsize=7)
-    _zoom(lx, curves)
+    ax.legend(fontsize=8)
+    plotting.loss_axes(lx)
     title = "validation loss" + (" (dotted: the crossing)" if nearest else "")
-    lx.set_title(title, fontsize=9)
+    lx.set_title(title, fontsize=10)
     lx.set_xlabel("step")
     lx.set_ylabel("validation loss")
-    lx.legend(fontsize=7)
-  fig.tight_layout()
+    lx.legend(fontsize=8, loc="lower left")
   return fig
 
 
-def _val_line(ax, run, color, label):
+def _val_line(ax, run, color, label, **style) -> None:
   """Plots a run's validation loss (final value in the label)."""
   pts = [(r["step"], r["val_loss"]) for r in run.metrics if "val_loss" in r]
   if not pts:
-    return np.zeros(0)
+    return
   s, v = (np.asarray(x, float) for x in zip(*pts, strict=True))
-  ax.plot(s, v, lw=1, marker=".", color=color, label=f"{label} ({v[-1]:.3f})")
+  ax.plot(s, v, lw=1, color=color, label=f"{label} ({v[-1]:.3f})", **style)
   return v
-
-
-def _zoom(ax, curves):
-  """Leaves out the initial loss, so the late differences are visible."""
-  late = [c[1:] for c in curves if c.size > 1]
-  if late:
-    late = np.concatenate(late)
-    lo, hi = float(np.min(late)), float(np.max(late))
-    pad = 0.05 * (hi - lo or 1.0)
-    ax.set_ylim(lo - pad, hi + pad)
 
 
 def _mark(ax, curve, steps, theta, color):

@@ -114,17 +114,28 @@ HEADINGS = {
   "pred_lost_mean": "lost, predicted",
   "lost_mean": "lost, measured",
   "lost_rmse": "lost, curve RMSE",
+  "bytes_per_param": "bytes / param",
+  "steps_per_s": "steps / s",
+  "step_time_vs_nearest": "step time / nearest's",
+  "erased_fraction": "erased, last step",
+  "carried": "carried mass, last step",
+  "recovery": "recovery of the nearest gap",
 }
 # attention_reuse_search: per arm, and per contrast `a_minus_b`.
 _SEARCH = (
   (r"(\w+)_minus_(\w+)_per_seed", "{0} - {1}, per seed"),
-  (r"(\w+)_minus_(\w+)_threshold", "3 sd ({1})"),
+  (r"(\w+)_minus_(\w+)_threshold", "{0} - {1}, threshold (3 sd of {1})"),
   (r"(\w+)_minus_(\w+)_fails", "{0} vs {1} fails"),
   (r"(reuse|redraw|outonly)_minus_(\w+)", "{0} - {1}"),
   (r"(\w+)_qkv_bias_rms", "{0}: QKV bias"),
   (r"(\w+)_qkv_bias_z", "{0}: z"),
   (r"(reuse|redraw|outonly)_val_loss", "{0}: val loss"),
   (r"(reuse|redraw|outonly)_sd", "{0}: sd"),
+)
+# Per moment `m` of a stored optimizer state (state_precision).
+_MOMENT = (
+  (r"(mu|nu)_erased_2nd_half", "{0} updates erased, 2nd half"),
+  (r"(mu|nu)_predicted_2nd_half", "{0} updates erased, 2nd half, predicted"),
 )
 # Per probe group `g`: `g_<suffix>` -> "g: <words>".
 _PROBE = {
@@ -139,8 +150,16 @@ _PROBE = {
 _HIDDEN = ("cell",)
 
 
+def _name(name: str) -> str:
+  """An arm or group name inside a heading: as code when it is an
+  identifier with an underscore (`per_use`), so that it reads as a name."""
+  return f"`{name}`" if "_" in name else name
+
+
 def heading(key: str) -> str:
-  """The Markdown column heading of a row key."""
+  """The Markdown column heading of a row key, in words: names of arms and
+  probe groups that hold an underscore appear as code, and a key no rule
+  knows has its underscores turned into spaces."""
   if key in HEADINGS:
     return HEADINGS[key]
   m = re.fullmatch(r"val_loss@(\d+)", key)
@@ -151,15 +170,15 @@ def heading(key: str) -> str:
     return f"after {m.group(1)} steps"
   m = re.fullmatch(r"val_minus_(\w+)", key)
   if m:
-    return f"val loss minus {m.group(1)}"
-  for pattern, words in _SEARCH:
+    return f"val loss minus {_name(m.group(1))}"
+  for pattern, words in _SEARCH + _MOMENT:
     m = re.fullmatch(pattern, key)
     if m:
-      return words.format(*m.groups())
+      return words.format(*map(_name, m.groups()))
   for suffix in sorted(_PROBE, key=len, reverse=True):  # last_rel_err first
     if key.endswith("_" + suffix):
-      return f"{key[: -len(suffix) - 1]}: {_PROBE[suffix]}"
-  return key  # arm names and the like, as they are
+      return f"{_name(key[: -len(suffix) - 1])}: {_PROBE[suffix]}"
+  return key.replace("_", " ")
 
 
 def to_markdown(title: str, rows: list[dict], lines: list[str]) -> str:
@@ -172,14 +191,19 @@ def to_markdown(title: str, rows: list[dict], lines: list[str]) -> str:
   out = [
     f"## {title}",
     "",
-    "| " + " | ".join(heading(c) for c in cols) + " |",
+    "| " + " | ".join(_escape(heading(c)) for c in cols) + " |",
     "|" + "---|" * len(cols),
   ]
   for r in rows:
-    out.append("| " + " | ".join(_cell(r.get(c)) for c in cols) + " |")
+    out.append("| " + " | ".join(_escape(_cell(r.get(c))) for c in cols) + " |")
   if lines:
     out += ["", *lines]
   return "\n".join(out) + "\n"
+
+
+def _escape(text: str) -> str:
+  """A cell's `|` as `\\|`, which Markdown tables read as text."""
+  return text.replace("|", "\\|")
 
 
 def _cell(v) -> str:
