@@ -66,6 +66,13 @@ def test_every_docs_page_is_in_the_nav_once():
   assert sorted(nav) == PAGES, "nav names a page twice or one not in docs/"
 
 
+def test_the_home_page_links_every_page():
+  with open(os.path.join(ROOT, "docs", "index.md")) as f:
+    linked = set(re.findall(r"\]\(([\w/]+\.md)[)#]", f.read()))
+  missing = sorted(set(PAGES) - linked - {"index.md"})
+  assert not missing, f"docs/index.md does not link {missing}"
+
+
 def _toc_links(page_html):
   """Links of the page's own table of contents (the theme's secondary nav)."""
   start = page_html.find('aria-label="Table of contents"')
@@ -143,4 +150,84 @@ def test_no_power_in_a_docstring_renders_as_bold(site, page):
   assert not hits, (
     f"'**' rendered as bold in a docstring on docs/{page} (put code and "
     f"math in backticks): {hits}"
+  )
+
+
+# A Returns / Yields entry whose wrapped lines are not indented past its
+# first line: griffe reads each such line as another return value, and the
+# reference shows one sentence as a table of several. A Raises line that is
+# not `Error: why` (a wrapped line), or two errors on one line, likewise.
+_SECTION = re.compile(r"^(\s*)(Returns|Yields|Raises):\s*$")
+_NAMED = re.compile(r"^\w[\w.]*( \([^)]*\))?:(\s|$)")  # `name (type): ...`
+_ERROR = re.compile(r"^[A-Z][\w.]*:(\s|$)")  # `ValueError: ...`
+_TWO_ERRORS = re.compile(r"[.;]\s+[A-Z]\w*(Error|Exception|Warning):")
+
+
+def section_fragments(doc: str) -> list[str]:
+  """Lines of a Google-style docstring's Returns, Yields and Raises sections
+  that griffe would read as an entry of their own but that continue the
+  previous one (or that hold two entries)."""
+  lines, out, i = doc.splitlines(), [], 0
+  while i < len(lines):
+    m = _SECTION.match(lines[i])
+    i += 1
+    if not m:
+      continue
+    head, kind, base, first = len(m.group(1)), m.group(2), None, True
+    while i < len(lines):
+      text = lines[i].strip()
+      indent = len(lines[i]) - len(lines[i].lstrip())
+      if text and indent <= head:
+        break
+      i += 1
+      if not text:
+        continue
+      base = indent if base is None else base
+      if kind == "Raises" and _TWO_ERRORS.search(text):
+        out.append(f"{kind}: {text}")
+      elif indent == base:
+        entry = _ERROR if kind == "Raises" else _NAMED
+        if (kind == "Raises" or not first) and not entry.match(text):
+          out.append(f"{kind}: {text}")
+        first = False
+  return out
+
+
+def test_section_fragments_tells_wrapped_lines_from_entries():
+  wrapped = "Returns:\n  The array, in the carrier dtype or\n  `dtype`.\n"
+  assert section_fragments(wrapped) == ["Returns: `dtype`."]
+  ok = "Returns:\n  The array, in the carrier dtype or\n    `dtype`.\n"
+  assert section_fragments(ok) == []
+  named = "Returns:\n  loss: the loss.\n  aux (dict): the rest,\n    by name.\n"
+  assert section_fragments(named) == []
+  merged = "Raises:\n  TypeError: non-float input. ValueError: bad format.\n"
+  assert len(section_fragments(merged)) == 1
+  raises = "Raises:\n  ValueError: a bad\n    format.\n  TypeError: x.\n\nMore."
+  assert section_fragments(raises) == []
+  assert section_fragments("Raises:\n  ValueError: a bad\n  format.\n")
+
+
+def _public(obj):
+  """The public objects below `obj` that the API reference renders."""
+  for name, member in obj.members.items():
+    if member.is_alias or name.startswith("_"):
+      continue
+    yield member
+    if member.is_module or member.is_class:
+      yield from _public(member)
+
+
+def test_returns_and_raises_entries_are_whole_sentences():
+  import griffe
+
+  package = griffe.load("lowprec", search_paths=[ROOT])
+  bad = [
+    f"{obj.relative_filepath} {obj.path}: {line}"
+    for obj in [package, *_public(package)]
+    if obj.docstring is not None
+    for line in section_fragments(obj.docstring.value)
+  ]
+  assert not bad, (
+    "wrapped lines of a Returns/Raises entry must be indented past its "
+    "first line (one error per line in Raises):\n" + "\n".join(bad)
   )

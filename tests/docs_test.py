@@ -206,6 +206,220 @@ def test_relative_links_are_found():
   assert relative_links(text) == ["docs/a.md", "figures/c.png"]
 
 
+def _prose_lines(text: str) -> list[str]:
+  """The lines of a Markdown text outside its fenced code blocks."""
+  out, fenced = [], False
+  for line in text.splitlines():
+    if line.startswith("```"):
+      fenced = not fenced
+    elif not fenced:
+      out.append(line)
+  return out
+
+
+def heading_anchors(text: str) -> set[str]:
+  """The anchors of a page's headings, as the site (Python-Markdown's toc)
+  makes them, and the ids of its HTML anchors."""
+  from markdown.extensions.toc import slugify
+
+  out, seen = set(), {}
+  for line in _prose_lines(text):
+    m = re.match(r"#{1,6}\s+(.*?)\s*#*$", line)
+    if m:
+      words = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", m.group(1))
+      slug = slugify(re.sub(r"[`*]", "", words), "-")
+      n = seen.get(slug, 0)
+      seen[slug] = n + 1
+      out.add(slug if n == 0 else f"{slug}_{n}")
+    out.update(re.findall(r'\bid="([^"]+)"', line))
+  return out
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_anchor_link_names_a_heading_of_its_page(page):
+  # mkdocs --strict reports a missing anchor only as INFO.
+  with open(os.path.join(ROOT, page), encoding="utf-8") as f:
+    text = f.read()
+  here = os.path.dirname(os.path.join(ROOT, page))
+  broken = []
+  for link in _LINK.findall("\n".join(_prose_lines(text))):
+    target, _, anchor = link.partition("#")
+    if not anchor or "://" in target or not (target or "#" in link):
+      continue
+    path = os.path.join(here, target) if target else os.path.join(ROOT, page)
+    if not path.endswith(".md") or not os.path.exists(path):
+      continue
+    with open(path, encoding="utf-8") as f:
+      if anchor not in heading_anchors(f.read()):
+        broken.append(link)
+  assert not broken, f"{page} links to headings that do not exist: {broken}"
+
+
+def test_heading_anchors_are_the_sites():
+  text = (
+    "# Top\n\n## The grid (`freeze_grid`)\n\n```python\n# no\n```\n## A\n## A"
+  )
+  assert heading_anchors(text) == {"top", "the-grid-freeze_grid", "a", "a_1"}
+
+
+def table_cells(row: str) -> list[str]:
+  """The cells of a Markdown table row: split at `|` that is neither
+  escaped nor inside backticks."""
+  cells, cell, code, i = [], "", False, 0
+  while i < len(row):
+    c = row[i]
+    if c == "\\" and i + 1 < len(row):
+      cell += row[i : i + 2]
+      i += 2
+      continue
+    if c == "`":
+      code = not code
+    if c == "|" and not code:
+      cells.append(cell.strip())
+      cell = ""
+    else:
+      cell += c
+    i += 1
+  cells.append(cell.strip())
+  return cells[1:-1] if row.strip().startswith("|") else cells
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_table_row_has_its_headers_cells(page):
+  # A `|` in a cell (`|predicted - nearest|`) adds a column: the table
+  # then renders as raw text. Escape it as `\\|`.
+  with open(os.path.join(ROOT, page), encoding="utf-8") as f:
+    lines = _prose_lines(f.read())
+  bad = []
+  for i, line in enumerate(lines[1:], start=1):
+    if re.fullmatch(r"\|?\s*:?-+:?\s*(\|\s*:?-+:?\s*)*\|?\s*", line):
+      width = len(table_cells(lines[i - 1]))
+      if len(table_cells(line)) != width:
+        bad.append(lines[i - 1][:60])
+      for row in lines[i + 1 :]:
+        if not row.startswith("|"):
+          break
+        if len(table_cells(row)) != width:
+          bad.append(row[:60])
+  assert not bad, f"{page}: rows whose cells differ from the header: {bad}"
+
+
+def test_table_cells_keep_escaped_pipes_and_code():
+  assert table_cells("| a | \\|x\\| | `b|c` |") == ["a", "\\|x\\|", "`b|c`"]
+
+
+STATUSES = ("reproduced", "partly", "not reproduced", "not covered")
+BEYOND = "beyond the papers"  # a study that answers no claim of the papers
+
+
+def _tables(text: str):
+  """Each Markdown table of a text as (header cells, rows of cells)."""
+  lines = _prose_lines(text)
+  for i in range(1, len(lines)):
+    if lines[i].startswith("|---") and lines[i - 1].startswith("|"):
+      rows = []
+      for row in lines[i + 1 :]:
+        if not row.startswith("|"):
+          break
+        rows.append(table_cells(row))
+      yield table_cells(lines[i - 1]), rows
+
+
+def _names(cell: str) -> list[str]:
+  return re.findall(r"`(\w+)`", cell)
+
+
+def claims_statuses() -> dict[str, str]:
+  """Each study's status from docs/claims.md: that of the claims whose
+  study column names it, or partly where they differ; `BEYOND` for the
+  studies of its table of questions beyond the papers."""
+  with open(os.path.join(ROOT, "docs", "claims.md"), encoding="utf-8") as f:
+    text = f.read()
+  found: dict[str, set] = {}
+  for head, rows in _tables(text):
+    if head[0] == "question":
+      for row in rows:
+        for name in _names(row[head.index("study")]):
+          found.setdefault(name, set()).add(BEYOND)
+      continue
+    status = head.index("status")
+    for row in rows:
+      assert row[status] in STATUSES, f"claims.md: status {row[status]!r}"
+      names = _names(row[head.index("study")])
+      assert names or row[status] == "not covered", (
+        f"claims.md: a measured claim links no study: {row[0][:60]}"
+      )
+      for name in names:
+        found.setdefault(name, set()).add(row[status])
+  return {
+    n: next(iter(s)) if len(s) == 1 else "partly" for n, s in found.items()
+  }
+
+
+def page_statuses(page: str, first: str) -> dict[str, str]:
+  """Each study's status in the table of `page` whose first column is
+  `first` and that has a status column."""
+  with open(os.path.join(ROOT, page), encoding="utf-8") as f:
+    text = f.read()
+  out = {}
+  for head, rows in _tables(text):
+    if head[0] == first and "status" in head:
+      for row in rows:
+        for name in _names(row[0]):
+          out[name] = row[head.index("status")]
+  return out
+
+
+def test_claims_page_links_every_study_and_uses_its_four_statuses():
+  from experiments.analysis import studies
+
+  statuses = claims_statuses()
+  assert set(statuses) == set(studies.names()) - {"smoke"}
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/freeze_studies.md"])
+def test_study_statuses_equal_the_claims_page(page):
+  want = claims_statuses()
+  got = page_statuses(page, "study")
+  assert got, f"{page} has no table of studies with a status column"
+  if page == "README.md":
+    assert set(got) == set(want), "the README lists every study"
+  wrong = {n: (s, want.get(n)) for n, s in got.items() if s != want.get(n)}
+  assert not wrong, f"{page}: status (here, on claims.md) differs: {wrong}"
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_figure_stands_alone_with_a_caption(page):
+  # A figure shares no line with another (side by side, each is shown at
+  # a fraction of the page width, its text too small to read) and the
+  # line after it is its caption, in italics: what it shows.
+  with open(os.path.join(ROOT, page), encoding="utf-8") as f:
+    lines = _prose_lines(f.read())
+  bad = []
+  for i, line in enumerate(lines):
+    figures = re.findall(r"!\[[^\]]*\]\([^)]*\.png\)", line)
+    if not figures:
+      continue
+    caption = lines[i + 1] if i + 1 < len(lines) else ""
+    if len(figures) > 1 or line.strip() != figures[0]:
+      bad.append(f"{line[:50]}: not alone on its line")
+    elif not caption.startswith("*") or caption.startswith("* "):
+      bad.append(f"{line[:50]}: no caption on the next line")
+  assert not bad, f"{page}: {bad}"
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if p.startswith("docs/")])
+def test_long_pages_have_sections(page):
+  # The site's table of contents lists a page's `##` sections: a long page
+  # needs at least two, and one per 100 lines.
+  with open(os.path.join(ROOT, page), encoding="utf-8") as f:
+    lines = _prose_lines(f.read())
+  total = len(lines)
+  sections = sum(line.startswith("## ") for line in lines)
+  if total > 60:
+    assert sections >= max(2, total // 100), (page, total, sections)
+
+
 def test_the_readme_and_every_topic_page_have_blocks_to_run():
   pages = {e.page for e in EXAMPLES}
   assert "README.md" in pages
