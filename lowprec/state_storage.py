@@ -535,7 +535,17 @@ def _check_leaf(name: str, x, rule: _Rule) -> None:
 
 
 def _widen(state, plan, scales):
-  """The state with every stored leaf as float32 `stored * scale`."""
+  """The state with every stored leaf as float32 `stored * scale`.
+
+  The inner transform reads the product through a select (which returns
+  every value, NaN as NaN), as it reads a float32 state it was handed.
+  XLA:CPU contracts a multiply feeding an add in the same fusion into an
+  FMA, and when the scale multiply is fused into Adam's `b2 * nu + (1 -
+  b2) g^2` the other product gets contracted instead, 1 ulp apart in a
+  few percent of the elements; whether it is fused depends on the shapes,
+  so on the sharding (one block per device fuses, several do not). An
+  FMA contracts only a multiply that is its operand.
+  """
 
   def one(path, x):
     name = path_name(path)
@@ -544,6 +554,7 @@ def _widen(state, plan, scales):
     s = jnp.asarray(x).astype(jnp.float32)
     if name in scales:
       s = s * _spread(scales[name], s.shape, plan[name].scale)
+      s = jnp.where(jnp.isnan(s), jnp.float32(jnp.nan), s)
     return s
 
   return jax.tree_util.tree_map_with_path(one, state)

@@ -557,6 +557,110 @@ def test_eight_devices_store_the_bits_of_one(storage):
     assert one[1].inner[0].mu["w"].dtype == jnp.float32
 
 
+# One spec per scale rule; the block sizes put one block, or a part of
+# one, on each device of the column split below.
+SCALE_RULES = {
+  "block32": "float8_e5m2:stochastic:block32",
+  "block16": "bfloat16:nearest:block16",
+  "tensor": "float8_e5m2:stochastic:tensor",
+  "none": "bfloat16:stochastic",
+}
+
+
+@pytest.mark.parametrize("spec", SCALE_RULES.values(), ids=SCALE_RULES)
+def test_eight_devices_split_along_the_blocks_store_the_bits_of_one(spec):
+  """Adam, three scanned steps, the columns (the blocked axis) of two
+  matrices and a vector split over 8 devices: params, stored state,
+  scales and counts are the single device's bit for bit, whatever the
+  scale rule."""
+  ks = jax.random.split(jax.random.key(3), 3)
+  params = {
+    "w": jax.random.normal(ks[0], (16, 256)),
+    "v": jax.random.normal(ks[1], (8, 128)),
+    "b": jax.random.normal(ks[2], (256,)),
+  }
+  tx = lowprec.store_state(optax.adam(1e-3), {"nu": spec}, key=KEY)
+
+  @jax.jit
+  def run(params, state):
+    def body(carry, t):
+      params, state = carry
+      g = jax.tree.map(lambda p: jnp.sin(p * 7.0 + t), params)
+      updates, state = tx.update(g, state, params)
+      return (optax.apply_updates(params, updates), state), None
+
+    return jax.lax.scan(body, (params, state), jnp.arange(3.0))[0]
+
+  one = run(params, jax.jit(tx.init)(params))
+  mesh = Mesh(np.array(jax.devices()), ("x",))
+  split = {"w": P(None, "x"), "v": P(None, "x"), "b": P("x")}
+  params8 = jax.device_put(
+    params, {k: NamedSharding(mesh, v) for k, v in split.items()}
+  )
+  eight = run(params8, jax.jit(tx.init)(params8))
+  assert len(eight[1].inner[0].nu["w"].sharding.device_set) == 8
+  leaves = jax.tree_util.tree_leaves_with_path(one)
+  for (path, a), b in zip(leaves, jax.tree.leaves(eight), strict=True):
+    assert a.dtype == b.dtype
+    np.testing.assert_array_equal(
+      _bits(b), _bits(a), err_msg=jax.tree_util.keystr(path)
+    )
+  assert_telemetry_equal(lowprec.telemetry(eight[1]), lowprec.telemetry(one[1]))
+
+
+@pytest.mark.parametrize("spec", SCALE_RULES.values(), ids=SCALE_RULES)
+def test_update_is_the_inner_update_of_the_widened_state(spec):
+  """A stored run's update and new float32 state are what `inner.update`
+  gives on the widened state as its own jitted input, bit for bit, under
+  every scale rule (XLA may not fold the widening into the inner's
+  arithmetic, e.g. into an FMA with one of Adam's products)."""
+  ks = jax.random.split(jax.random.key(4))
+  params = {
+    "w": jax.random.normal(ks[0], (16, 256)),
+    "b": jax.random.normal(ks[1], (256,)),
+  }
+  inner = optax.adam(1e-3)
+  tx = lowprec.store_state(inner, {"nu": spec}, key=KEY)
+  block = lowprec.state_storage.parse_state_format(spec).scale
+  step = jax.jit(tx.update)
+  oracle = jax.jit(inner.update)
+  state = tx.init(params)
+  for t in range(3):
+    g = jax.tree.map(lambda p, t=t: jnp.sin(p * 7.0 + t), params)
+    want, want_state = oracle(g, _widened(state, block), params)
+    got, state = step(g, state, params)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+      np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=f"step {t}")
+    for a, b in zip(
+      jax.tree.leaves(state.inner[0].mu),
+      jax.tree.leaves(want_state[0].mu),
+      strict=True,
+    ):
+      np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=f"step {t}")
+    params = optax.apply_updates(params, got)
+
+
+def _widened(state, block=None):
+  """The float32 inner state of `store_state`'s state, in numpy: the
+  stored values times their block's (or the tensor's) scale."""
+
+  def one(path, x):
+    name = lowprec.storage.path_name(path)
+    x = np.asarray(x)
+    if x.dtype == np.int32:  # the step count
+      return x
+    x = x.astype(np.float32)
+    scale = state.scales.get(name)
+    if scale is not None:
+      scale = np.asarray(scale)
+      if scale.ndim:
+        scale = np.repeat(scale, block, -1)[..., : x.shape[-1]]
+      x = x * scale
+    return x
+
+  return jax.tree_util.tree_map_with_path(one, state.inner)
+
+
 # ---- bad input -------------------------------------------------------------
 
 
