@@ -38,6 +38,7 @@ import optax
 
 from lowprec import names, scaled
 from lowprec import rng as rng_lib
+from lowprec.float32_views import _widen as float32_view
 from lowprec.formats import Format, get_format
 from lowprec.rounding import OVERFLOW_MODES, ROUNDINGS, round_and_flag
 from lowprec.storage import is_array, path_name
@@ -293,6 +294,13 @@ def store_state(
   the inner state's initial values (zeros, for most optimizers) with
   nearest rounding.
 
+  Float32. `inner` runs on float32 views of the params and updates, as
+  `lowprec.in_float32` runs it (floating leaves narrower than float32 are
+  widened exactly; no copy is kept): on bfloat16 or float8 params its
+  state leaves that no rule stores are float32 (Adam's `mu` where only
+  `nu` is stored), computed in float32, and the proposals are float32, as
+  `lowprec.writeback` requires. Narrow state comes only from the rules.
+
   Rules. `rules` is a dict `{regex: spec}` or a list of `(regex, spec)`
   pairs, in order; the first rule whose regex `re.fullmatch`es one or more
   whole "/"-separated components of a leaf's state path decides it. State
@@ -329,7 +337,7 @@ def store_state(
 
   Args:
     inner: an optax transform whose state leaves are arrays (or Python
-      values that no rule matches).
+      values that no rule matches); it runs in float32 (see above).
     rules: see above.
     key: a JAX PRNG key, required when a rule rounds stochastically; kept
       in the state and split every update (`lowprec.reseed` gives each
@@ -344,6 +352,8 @@ def store_state(
     `StoredState`; extra arguments of `update` are passed to `inner`.
 
   Raises:
+    TypeError: `inner` is not an optax transform (e.g. `optax.adam`, the
+      function, rather than `optax.adam(1e-3)`).
     ValueError: bad rules (a bad regex, format, rounding or scale), a
       random rounding without `key`, unknown storage or overflow mode; at
       `init`, a rule that matches no state leaf, or a rule that stores a
@@ -361,6 +371,13 @@ def store_state(
     lowprec.telemetry(state)["state/erased_fraction"]
     ```
   """
+  if not (hasattr(inner, "init") and hasattr(inner, "update")):
+    called = "; call the factory first" if callable(inner) else ""
+    raise TypeError(
+      "store_state wraps an optax transform (an object with init and "
+      f"update, such as optax.adam(1e-3)), got {type(inner).__name__} "
+      f"{inner!r:.60}{called}: lowprec.store_state(optax.adam(1e-3), rules)"
+    )
   parsed = _parse_rules(rules)
   names.check_choice("storage", storage, STORAGES)
   names.check_choice("overflow mode", overflow, OVERFLOW_MODES)
@@ -375,7 +392,7 @@ def store_state(
   store = _Store(storage, overflow)
 
   def init_fn(params):
-    state = inner.init(params)
+    state = inner.init(float32_view(params))
     plan = _plan(parsed, state, check=True)
     flat, treedef = jax.tree_util.tree_flatten_with_path(state)
     leaves = [x for _, x in flat]
@@ -401,7 +418,9 @@ def store_state(
   def update_fn(updates, state, params=None, **extra):
     plan = _plan(parsed, state.inner, check=False)
     widened = _widen(state.inner, plan, state.scales)
-    updates, new_inner = inner.update(updates, widened, params, **extra)
+    updates, new_inner = inner.update(
+      float32_view(updates), widened, float32_view(params), **extra
+    )
     step_key, new_key = None, None
     if random:
       pair = jax.random.split(

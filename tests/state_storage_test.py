@@ -661,6 +661,41 @@ def _widened(state, block=None):
   return jax.tree_util.tree_map_with_path(one, state.inner)
 
 
+def test_on_bfloat16_params_the_inner_runs_in_float32():
+  """bfloat16 params, only `nu` stored: Adam's `mu` is float32 and
+  computed in float32, as under `lowprec.in_float32`, bit for bit (plain
+  optax would keep it in bfloat16, which `lowprec.writeback` refuses),
+  and the write-back after it gets float32 proposals."""
+  params = lowprec.to_grid(
+    {"w": jax.random.normal(jax.random.key(6), (8, 64))},
+    "bfloat16",
+    storage="native",
+  )
+  rules = {"nu": "bfloat16"}
+  wb = lowprec.writeback("bfloat16")
+  tx = optax.chain(lowprec.store_state(optax.adam(1e-3), rules), wb)
+  f32 = lowprec.in_float32(optax.adam(1e-3))
+  want_tx = optax.chain(lowprec.store_state(f32, rules), wb)
+  state, want_state = tx.init(params), want_tx.init(params)
+  assert state[0].inner[0].mu["w"].dtype == jnp.float32
+  step, want_step = jax.jit(tx.update), jax.jit(want_tx.update)
+  for t in range(3):
+    g = jax.tree.map(lambda p, t=t: jnp.sin(p * 7.0 + t), params)
+    updates, state = step(g, state, params)
+    want, want_state = want_step(g, want_state, params)
+    for a, b in zip(
+      jax.tree.leaves((updates, state)),
+      jax.tree.leaves((want, want_state)),
+      strict=True,
+    ):
+      assert a.dtype == b.dtype
+      np.testing.assert_array_equal(_bits(a), _bits(b))
+    params = lowprec.apply_updates(params, updates)
+  assert params["w"].dtype == jnp.bfloat16
+  assert state[0].inner[0].nu["w"].dtype == jnp.bfloat16
+  assert lowprec.telemetry(state)["moved"] > 0
+
+
 # ---- bad input -------------------------------------------------------------
 
 
@@ -716,3 +751,9 @@ def test_bad_rules_are_errors_naming_the_leaf_and_the_fix():
     lowprec.store_state(optax.adam(1e-2), "bfloat16")
   with pytest.raises(ValueError, match="valid: native, float32"):
     lowprec.store_state(optax.adam(1e-2), {"mu": "bfloat16"}, storage="f8")
+  with pytest.raises(
+    TypeError,
+    match=r"got function .*call the factory first: "
+    r"lowprec.store_state\(optax.adam\(1e-3\), rules\)",
+  ):
+    lowprec.store_state(optax.adam, {"mu": "bfloat16"})
