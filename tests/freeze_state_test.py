@@ -168,3 +168,64 @@ def test_state_trace_refuses_bad_targets():
   tx = lowprec.freeze.state_trace(INNER, {"typo": {"nuu": "bfloat16"}})
   with pytest.raises(ValueError, match="target 'typo'.*'nuu' matches no"):
     tx.init(PARAMS)
+
+
+# ---- single steps worked out by hand ---------------------------------------
+
+GAP = 2.0**-7  # bfloat16's gap above 1.0 (2^-8 below it)
+
+
+def test_prediction_adds_the_update_to_the_stored_value():
+  """bfloat16, three coordinates. The stored run holds q = Q_RN(s) and
+  adds the update to it, so the prediction asks whether q + d rounds back
+  to q, not whether s' does:
+
+    s = 1 + 0.4 gap (q = 1), d = 0.2 gap: q + d = 1 + 0.2 gap, erased
+      (s' = 1 + 0.6 gap rounds up, but the store never holds s);
+    s = 1 + 0.1 gap (q = 1), d = 0.3 gap: q + d = 1 + 0.3 gap, erased;
+    s = 1, d = 0.6 gap: q + d rounds up, not erased."""
+  s0 = np.float32([1 + 0.4 * GAP, 1 + 0.1 * GAP, 1.0])
+  d = np.float32([0.2 * GAP, 0.3 * GAP, 0.6 * GAP])
+  before, after = {"s": jnp.asarray(s0)}, {"s": jnp.asarray(s0 + d)}
+  got = lowprec.freeze.state_erasure(before, after, {"s": "bfloat16"})["s"]
+  assert int(got["changed"]) == 3 and float(got["erased"]) == 2.0
+  # The same through state_trace, on an inner whose state is its input.
+  tx = lowprec.freeze.state_trace(_holder(), {"rn": {"s": "bfloat16"}})
+  state = tx.init(before["s"])
+  _, state = tx.update(before["s"], state)
+  _, state = tx.update(after["s"], state)
+  tel = lowprec.telemetry(state)
+  assert tel["pred_state/rn/erased/s"] == 2.0
+  assert tel["pred_state/rn/changed/s"] == 3
+
+
+@pytest.mark.parametrize(
+  "spec", ["bfloat16:stochastic", "bfloat16:deadzone"], ids=["sr", "deadzone"]
+)
+def test_stochastic_erasure_is_the_share_of_the_gap_not_crossed(spec):
+  """At q = 1.0 an update of a quarter of the gap in its direction
+  reaches the far neighbour with probability 1/4, so it is erased with
+  probability 3/4: up by 2^-9 (gap 2^-7 above 1.0), down by 2^-10 (gap
+  2^-8 below). Dead-zone rounding is stochastic there (nearest would
+  erase both)."""
+  s0 = jnp.ones(2)
+  s1 = jnp.float32([1 + GAP / 4, 1 - GAP / 8])
+  for i in range(2):
+    got = lowprec.freeze.state_erasure(
+      {"s": s0[i : i + 1]}, {"s": s1[i : i + 1]}, {"s": spec}
+    )["s"]
+    assert float(got["erased"]) == 0.75, i
+    assert float(got["erased_fraction"]) == 0.75, i
+
+
+def _holder() -> optax.GradientTransformation:
+  """A transform whose state `{"s": ...}` is the incoming update."""
+
+  def init(params):
+    return {"s": jnp.zeros_like(params)}
+
+  def update(updates, state, params=None):
+    del state, params
+    return updates, {"s": updates}
+
+  return optax.GradientTransformation(init, update)
