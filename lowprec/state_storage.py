@@ -104,6 +104,7 @@ def parse_state_format(spec) -> StateFormat | None:
   `{-(2^(K-1) - 1), ..., 2^(K-1) - 1}` under that scale.
 
   Raises:
+    TypeError: `spec` is none of these.
     ValueError: an unknown format, rounding or scale, with the valid ones.
   """
   if spec is None or isinstance(spec, StateFormat):
@@ -349,7 +350,7 @@ def store_state(
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose state is a
-    `StoredState`; extra arguments of `update` are passed to `inner`.
+      `StoredState`; extra arguments of `update` are passed to `inner`.
 
   Raises:
     TypeError: `inner` is not an optax transform (e.g. `optax.adam`, the

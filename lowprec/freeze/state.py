@@ -91,7 +91,7 @@ def state_erasure(before, after, rules) -> dict[str, dict[str, jax.Array]]:
 
   Returns:
     `{state path: {"changed": int32, "erased": float32,
-    "erased_fraction": float32}}` as arrays.
+      "erased_fraction": float32}}` as arrays.
 
   Raises:
     ValueError: as `store_state`'s `init` for bad rules.
@@ -257,7 +257,7 @@ def state_trace(
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose state is a
-    `StateTraceState` (the inner state in its field `inner`).
+      `StateTraceState` (the inner state in its field `inner`).
 
   Raises:
     ValueError: no targets, or (at `init`) a target's rules as
