@@ -53,7 +53,7 @@ def in_float32(
 
   Returns:
     An `optax.GradientTransformationExtraArgs` with the same state
-    structure as `inner` would have for float32 params.
+      structure as `inner` would have for float32 params.
 
   Raises:
     TypeError: `inner` is not an optax transform (e.g. `optax.adam`, the

@@ -1,0 +1,376 @@
+"""Golden bits: every storage recipe's stored outputs on fixed proposals.
+
+Each recipe (a write-back, a compensated write-back, a stored optimizer
+state) runs a few steps on fixed float32 inputs: the proposals `u` of a
+write-back, or the new float32 state of a stored moment, are constants
+here, not an optimizer's arithmetic, so the only floating-point work is
+the recipe's own (an add, a rounding on bit patterns, a scale). Its
+results are therefore the same on every backend that computes IEEE
+float32 correctly and keeps every rounding the recipe asks for: the file
+`tests/golden_bits.json`, made on CPU, is what a GPU or TPU must give bit
+for bit. `tests/golden_bits_test.py` checks it on CPU; the device check
+(`scripts/device_check.sh`) checks it there, with and without XLA's
+excess precision, and reports per recipe `equal` or the first element
+that differs with both values.
+
+Recorded per recipe, after the last step: every stored array (weights,
+buffers, remainders, stored moments and their scales) as the bytes of its
+dtype, and every integer count of its telemetry. Float sums of the
+telemetry (`carried`, `lost_mass`) are left out: their reduction order is
+the backend's choice.
+
+  python -m experiments.golden_bits --write   # remake the file (CPU)
+  python -m experiments.golden_bits           # compare here, print a table
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GOLDEN_BITS = os.path.join(ROOT, "tests", "golden_bits.json")
+STEPS = 4
+SHAPE = (4, 64)  # the last axis holds two MX blocks of 32
+
+
+# ---- fixed inputs ------------------------------------------------------------
+
+
+def _rng(seed: int):
+  return np.random.default_rng(seed)
+
+
+def _weights(seed: int = 0) -> np.ndarray:
+  """float32 weights, one decade per row (0.01 to 10)."""
+  r = _rng(seed)
+  rows = 10.0 ** np.arange(-2, 2, dtype=np.float64)[:, None]
+  return (r.standard_normal(SHAPE) * rows).astype(np.float32)
+
+
+def _proposals(step: int, seed: int = 100) -> np.ndarray:
+  """float32 proposals spanning 2^-18 to 2^-2 in magnitude, both signs,
+  with exact zeros and a few exact cancellations of the previous step."""
+  r = _rng(seed + step)
+  mag = 2.0 ** r.uniform(-18, -2, SHAPE)
+  u = (np.sign(r.standard_normal(SHAPE)) * mag).astype(np.float32)
+  u[:, ::16] = 0.0
+  if step:
+    prev = _proposals(step - 1, seed)
+    u[:, 5::16] = -prev[:, 5::16]
+  return u
+
+
+def _moment_steps(seed: int) -> list[np.ndarray]:
+  """The float32 values a first and second moment take at each step."""
+  r = _rng(seed)
+  mu = [r.standard_normal(SHAPE).astype(np.float32) * 1e-3]
+  nu = [(r.standard_normal(SHAPE) ** 2).astype(np.float32) * 1e-6]
+  for _ in range(STEPS):
+    # Small relative changes, so that stores erase some of them.
+    mu.append((mu[-1] * (1 + r.uniform(-0.02, 0.02, SHAPE))).astype(np.float32))
+    nu.append(
+      (nu[-1] * (1 + r.uniform(-0.004, 0.004, SHAPE))).astype(np.float32)
+    )
+  return [np.stack([m, n]) for m, n in zip(mu, nu, strict=True)]
+
+
+# ---- the recipes -------------------------------------------------------------
+
+
+def _key():
+  import jax
+
+  return jax.random.key(7)
+
+
+def _run_writeback(tx, params) -> dict:
+  """`STEPS` updates of `tx` with the fixed proposals; the final params and
+  state arrays."""
+  import jax
+  import optax
+
+  state = tx.init(params)
+  step = jax.jit(tx.update)
+  for t in range(STEPS):
+    u = {"w": _proposals(t)}
+    updates, state = step(u, state, params)
+    params = optax.apply_updates(params, updates)
+  return _record(params, state)
+
+
+def _fixed_moments(seed: int):
+  """An optax transform whose state `{"mu", "nu"}` takes fixed values:
+  the store sees the same float32 proposals on every backend."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+
+  table = jnp.asarray(np.stack(_moment_steps(seed)))  # [steps+1, 2, ...]
+
+  def init(params):
+    del params
+    return {"mu": {"w": table[0, 0]}, "nu": {"w": table[0, 1]}, "t": 0}
+
+  def update(updates, state, params=None):
+    del params
+    t = state["t"] + 1
+    row = jax.lax.dynamic_index_in_dim(table, t, keepdims=False)
+    return updates, {"mu": {"w": row[0]}, "nu": {"w": row[1]}, "t": t}
+
+  return optax.GradientTransformation(init, update)
+
+
+def _run_state(rules, seed: int = 3) -> dict:
+  import jax
+  import jax.numpy as jnp
+
+  import lowprec
+
+  tx = lowprec.store_state(_fixed_moments(seed), rules, key=_key())
+  params = {"w": jnp.zeros(SHAPE, jnp.float32)}
+  state = tx.init(params)
+  step = jax.jit(tx.update)
+  for _ in range(STEPS):
+    _, state = step(params, state, params)
+  return _record(None, state)
+
+
+def _bf16_params():
+  import jax.numpy as jnp
+
+  import lowprec
+
+  return lowprec.to_grid(
+    {"w": jnp.asarray(_weights())}, "bfloat16", storage="native"
+  )
+
+
+def _on_grid(fmt):
+  import jax.numpy as jnp
+
+  import lowprec
+
+  return lowprec.to_grid({"w": jnp.asarray(_weights())}, fmt)
+
+
+def _recipes() -> dict[str, Callable[[], dict]]:
+  import lowprec
+
+  wb = lowprec.writeback
+  out = {}
+  for rounding in ("nearest", "stochastic", "deadzone"):
+    out[f"writeback/bfloat16/{rounding}"] = lambda r=rounding: _run_writeback(
+      wb("bfloat16", r, key=_key()), _bf16_params()
+    )
+    out[f"writeback/float8_e4m3fn/{rounding}"] = lambda r=rounding: (
+      _run_writeback(
+        wb("float8_e4m3fn", r, key=_key()), _on_grid("float8_e4m3fn")
+      )
+    )
+  for fmt in ("mxfp8_e4m3", "mxfp4_e2m1"):
+    for rounding in ("nearest", "stochastic"):
+      out[f"writeback/{fmt}/{rounding}"] = lambda f=fmt, r=rounding: (
+        _run_writeback(wb(f, r, key=_key()), _on_grid(f))
+      )
+  out["writeback/mxfp8_e4m3/keep_scales"] = lambda: _run_writeback(
+    wb("mxfp8_e4m3", "nearest", scales="keep"), _on_grid("mxfp8_e4m3")
+  )
+  for rounding in ("nearest", "stochastic"):
+    for buf in ("bfloat16", "float8_e5m2"):
+      out[f"kahan/bfloat16/{buf}/{rounding}"] = lambda r=rounding, b=buf: (
+        _run_writeback(
+          lowprec.kahan_writeback("bfloat16", r, buffer=b, key=_key()),
+          _bf16_params(),
+        )
+      )
+    out[f"two_component/bfloat16/{rounding}"] = lambda r=rounding: (
+      _run_writeback(
+        lowprec.two_component_writeback("bfloat16", r, key=_key()),
+        _bf16_params(),
+      )
+    )
+  out["remainder/bfloat16"] = lambda: _run_writeback(
+    lowprec.remainder_writeback(), _bf16_params()
+  )
+  states = {
+    "bfloat16/nearest": {"mu": "bfloat16", "nu": "bfloat16"},
+    "bfloat16/stochastic": {
+      "mu": "bfloat16:stochastic",
+      "nu": "bfloat16:stochastic",
+    },
+    "bfloat16/deadzone": {"mu": "bfloat16:deadzone", "nu": "bfloat16:deadzone"},
+    "fp8/stochastic/block32": {
+      "mu": "float8_e4m3fn:stochastic:block32",
+      "nu": "float8_e5m2:stochastic:block32",
+    },
+    "fp8/nearest/tensor": {
+      "mu": "float8_e4m3fn:nearest:tensor",
+      "nu": "float8_e5m2:nearest:tensor",
+    },
+    "int8/stochastic/block64": {"mu": "int8:stochastic:block64"},
+  }
+  for name, rules in states.items():
+    out[f"state/{name}"] = lambda r=rules: _run_state(r)
+  return out
+
+
+# ---- recording and comparing -------------------------------------------------
+
+
+def _array_entry(x) -> dict:
+  a = np.asarray(x)
+  return {
+    "dtype": a.dtype.name,
+    "shape": list(a.shape),
+    "hex": a.tobytes().hex(),
+  }
+
+
+def _record(params, state) -> dict:
+  """`{"arrays": {path: entry}, "counts": {key: int}}` of a final step."""
+  import jax
+
+  import lowprec
+
+  arrays = {}
+  trees = {"params": params, "state": state}
+  for top, tree in trees.items():
+    if tree is None:
+      continue
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+      a = np.asarray(jax.device_get(x))
+      if a.dtype.kind not in "fiub" and a.dtype.name not in _NARROW:
+        continue
+      if a.ndim == 0 or (a.dtype.kind == "u" and a.shape == (2,)):
+        continue  # counts (read below) and a PRNG key's words
+      arrays[top + jax.tree_util.keystr(path)] = _array_entry(a)
+  counts = {
+    k: v
+    for k, v in lowprec.telemetry(state).items()
+    if isinstance(v, int) and not isinstance(v, bool)
+  }
+  return {"arrays": arrays, "counts": counts}
+
+
+_NARROW = (
+  "bfloat16",
+  "float16",
+  "float8_e4m3fn",
+  "float8_e5m2",
+  "float8_e4m3fnuz",
+  "float8_e5m2fnuz",
+  "float8_e3m4",
+)
+
+
+def compute(names=None) -> dict[str, dict]:
+  """Every recipe's record (or those in `names`), computed here."""
+  recipes = _recipes()
+  return {
+    n: recipes[n]() for n in sorted(recipes) if names is None or n in names
+  }
+
+
+def _decode(entry: dict) -> np.ndarray:
+  import ml_dtypes  # noqa: F401  (registers the narrow dtypes with numpy)
+
+  dtype = np.dtype(getattr(ml_dtypes, entry["dtype"], entry["dtype"]))
+  raw = bytes.fromhex(entry["hex"])
+  return np.frombuffer(raw, dtype).reshape(entry["shape"])
+
+
+def first_difference(want: dict, got: dict) -> str | None:
+  """None where `got` equals `want` bit for bit; else the first
+  difference in words: the array or count, the element and both values."""
+  for name in sorted(set(want["arrays"]) | set(got["arrays"])):
+    if name not in got["arrays"] or name not in want["arrays"]:
+      return f"{name}: present in only one of the two records"
+    a, b = want["arrays"][name], got["arrays"][name]
+    if a == b:
+      continue
+    if (a["dtype"], a["shape"]) != (b["dtype"], b["shape"]):
+      return (
+        f"{name}: {a['dtype']}{a['shape']} expected, "
+        f"{b['dtype']}{b['shape']} here"
+      )
+    x, y = _decode(a), _decode(b)
+    bx = x.view(np.uint8).reshape(x.size, -1)
+    by = y.view(np.uint8).reshape(y.size, -1)
+    i = int(np.flatnonzero((bx != by).any(axis=1))[0])
+    idx = np.unravel_index(i, x.shape) if x.ndim else ()
+    n = int((bx != by).any(axis=1).sum())
+    return (
+      f"{name}[{', '.join(map(str, idx))}]: expected {x.flat[i]!r}, "
+      f"got {y.flat[i]!r} ({n} of {x.size} elements differ)"
+    )
+  for k in sorted(set(want["counts"]) | set(got["counts"])):
+    if want["counts"].get(k) != got["counts"].get(k):
+      return (
+        f"count {k}: expected {want['counts'].get(k)}, "
+        f"got {got['counts'].get(k)}"
+      )
+  return None
+
+
+def compare(path: str = GOLDEN_BITS, names=None) -> dict[str, str]:
+  """`{recipe: "equal" or the first difference}` against the file."""
+  with open(path) as f:
+    want = json.load(f)["recipes"]
+  got = compute(names if names is not None else list(want))
+  out = {}
+  for name in sorted(want if names is None else names):
+    if name not in got:
+      out[name] = "missing here"
+      continue
+    diff = first_difference(want[name], got[name])
+    out[name] = "equal" if diff is None else diff
+  return out
+
+
+def write(path: str = GOLDEN_BITS) -> None:
+  """Remakes the file from this machine's results (atomically)."""
+  import jax
+
+  data = {
+    "about": "Stored outputs and integer counts of every storage recipe on "
+    "fixed float32 inputs; see experiments/golden_bits.py. Remake (on "
+    "CPU): python -m experiments.golden_bits --write",
+    "made_with": {"jax": jax.__version__, "backend": jax.default_backend()},
+    "steps": STEPS,
+    "recipes": compute(),
+  }
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(data, f, indent=1, sort_keys=True)
+    f.write("\n")
+  os.replace(tmp, path)
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--write", action="store_true", help="remake the file")
+  parser.add_argument("--path", default=GOLDEN_BITS)
+  parser.add_argument("--json", default=None, help="write the comparison here")
+  args = parser.parse_args(argv)
+  if args.write:
+    write(args.path)
+    print(f"wrote {args.path}")
+    return 0
+  result = compare(args.path)
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(result, f, indent=1)
+  width = max(map(len, result))
+  for name, verdict in result.items():
+    print(f"{name:<{width}}  {verdict}")
+  return 0 if all(v == "equal" for v in result.values()) else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())
