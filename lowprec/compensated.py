@@ -30,7 +30,6 @@ built, and the error names `lowprec.writeback` with stochastic rounding.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from typing import NamedTuple
 
@@ -39,30 +38,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from lowprec import leafwise, names, scaled
 from lowprec import rng as rng_lib
-from lowprec import scaled
+from lowprec.counting import layout, mass
 from lowprec.formats import Format, get_format
-from lowprec.rounding import OVERFLOW_MODES, round_and_flag
-from lowprec.storage import (
-  check_on_grid,
-  check_shape,
-  format_lookup,
-  path_name,
-)
-from lowprec.writeback import (
-  NONFINITE_MODES,
-  _check_mode,
-  _check_proposal,
-  _concrete,
-  _count,
-  _format_of,
-  _fraction,
-  _host,
-  _host_fraction,
-  _key_words,
-  _land,
-  _seed,
-)
+from lowprec.rounding import OVERFLOW_MODES
+from lowprec.storage import format_lookup, path_name
+from lowprec.store import Codec, encode, land, stored_dtype, tally
+from lowprec.writeback import NONFINITE_MODES
 
 # How the weight is rounded under compensation. Dead-zone SR is left out:
 # it exists to move coordinates that nearest rounding would freeze, and the
@@ -74,6 +57,7 @@ _COUNTS += ("nonfinite", "lost")
 _MASSES = ("carried", "lost_mass")
 _FIELDS = _COUNTS + _MASSES
 _BF16 = get_format("bfloat16")
+_buffer_dtype = stored_dtype  # TEMPORARY
 
 
 class CompensatedState(NamedTuple):
@@ -106,19 +90,7 @@ class CompensatedState(NamedTuple):
     Counts are int32, `carried` and `lost_mass` float32 sums over tensors,
     `erased_fraction` float32 (NaN without proposals).
     """
-    out = {"steps": self.count}
-    if self.proposals is None:
-      return out
-    per = {n: {f: getattr(self, f)[n] for f in _FIELDS} for n in self.buffer}
-    total = {f: sum(p[f] for p in per.values()) for f in _FIELDS}
-    for f in _MASSES:
-      total[f] = jnp.asarray(total[f], jnp.float32)
-    out.update(total)
-    out["erased_fraction"] = _fraction(total["erased"], total["proposals"])
-    for n, p in per.items():
-      out.update({f"{f}/{n}": p[f] for f in _FIELDS})
-      out[f"erased_fraction/{n}"] = _fraction(p["erased"], p["proposals"])
-    return out
+    return _telemetry(self, host=False)
 
   def report(self) -> dict[str, int | float]:
     """The telemetry as plain numbers: totals, then `<word>/<path>`.
@@ -135,35 +107,17 @@ class CompensatedState(NamedTuple):
     and each per parameter path. Counts are exact integers, masses and
     fractions floats.
     """
-    out = {"steps": _host(self.count)}
-    if self.proposals is None:
-      return out
-    host = jax.device_get(self._replace(key=None, buffer={}))
-    per = {}
-    for n in self.buffer:
-      p = {f: np.asarray(getattr(host, f)[n], np.int64) for f in _COUNTS}
-      p.update({f: np.asarray(getattr(host, f)[n]) for f in _MASSES})
-      per[n] = p
-    for f in _COUNTS:
-      out[f] = _host(sum(p[f] for p in per.values()))
-    for f in _MASSES:
-      out[f] = _host_mass(sum(p[f] for p in per.values()))
-    out["erased_fraction"] = _host_fraction(
-      sum(p["erased"] for p in per.values()),
-      sum(p["proposals"] for p in per.values()),
+    return _telemetry(
+      jax.device_get(self._replace(key=None, buffer={})), host=True
     )
-    for n, p in per.items():
-      for f in _COUNTS:
-        out[f"{f}/{n}"] = _host(p[f])
-      for f in _MASSES:
-        out[f"{f}/{n}"] = _host_mass(p[f])
-      out[f"erased_fraction/{n}"] = _host_fraction(p["erased"], p["proposals"])
-    return out
 
 
-def _host_mass(a):
-  a = np.asarray(a, np.float64)
-  return a.tolist() if a.ndim else float(a)
+def _telemetry(st: CompensatedState, host: bool) -> dict:
+  per = {}
+  if st.proposals is not None:
+    per = {n: {f: getattr(st, f)[n] for f in _FIELDS} for n in st.proposals}
+  ratio = ("erased_fraction", "erased", "proposals") if per else None
+  return layout(st.count, per, _COUNTS, ratio, masses=_MASSES, host=host)
 
 
 def kahan_writeback(
@@ -542,13 +496,6 @@ def _parsed_spec(spec, parse):
   )
 
 
-def _buffer_dtype(f: Format):
-  native = f.native_dtype
-  if native is not None and f.bits == 8 * np.dtype(native).itemsize:
-    return np.dtype(native)
-  return np.dtype(np.float32)
-
-
 def _compensated(
   caller,
   fmt,
@@ -572,95 +519,66 @@ def _compensated(
       "already carries what nearest rounding drops. Use rounding="
       "'nearest' (or 'stochastic')"
     )
-  _check_mode("rounding", rounding, COMPENSATED_ROUNDINGS)
-  _check_mode("overflow mode", overflow, OVERFLOW_MODES)
-  _check_mode("nonfinite mode", nonfinite, NONFINITE_MODES)
+  names.check_choice("rounding", rounding, COMPENSATED_ROUNDINGS)
+  names.check_choice("overflow mode", overflow, OVERFLOW_MODES)
+  names.check_choice("nonfinite mode", nonfinite, NONFINITE_MODES)
   lookup = format_lookup(fmt)
   random = rounding == "stochastic"
-  key, impl = _key_words(key, rounding) if random else (None, None)
-  rule = _Rule(overflow, nonfinite, telemetry, two_sum, remainder)
+  key_state = None
+  if random:
+    key_state = rng_lib.state_key(key, f"{caller}(rounding={rounding!r})")
+  rule = _Compensated(overflow, nonfinite, telemetry, two_sum, remainder)
 
   def init_fn(params):
     buffers = {}
-    for path, w in jax.tree_util.tree_flatten_with_path(params)[0]:
-      f = _format_of(lookup, path, w)
-      if f is None:
-        continue
+    for name, (path, f, w) in leafwise.weights(lookup, params, fmt).items():
       b = buffer_of(path, f)  # raises for a weight the remedy cannot take
-      dtype = np.uint16 if remainder else _buffer_dtype(b)
+      dtype = np.uint16 if remainder else stored_dtype(b)
       # zeros_like takes the sharding of a concrete parameter, as optax
       # does for its moments.
-      buffers[path_name(path)] = jnp.zeros_like(w, dtype)
-    if _concrete(params):
-      with jax.ensure_compile_time_eval():
-        check_on_grid(params, fmt)
+      buffers[name] = jnp.zeros_like(w, dtype)
+    zeros = {}
+    if telemetry:
+      zeros = {
+        f: dict.fromkeys(buffers, jnp.zeros([], jnp.int32)) for f in _COUNTS
+      }
+      zeros.update(
+        {f: dict.fromkeys(buffers, jnp.zeros([], jnp.float32)) for f in _MASSES}
+      )
     return CompensatedState(
       count=jnp.zeros([], jnp.int32),
-      key=key,
+      key=key_state[0] if random else None,
       buffer=buffers,
-      **_zeros(list(buffers), telemetry),
+      **(zeros or dict.fromkeys(_FIELDS)),
     )
 
   def update_fn(updates, state, params=None):
-    if params is None:
-      raise ValueError(
-        f"{caller} rounds w + u and needs the current params: call "
-        "opt.update(updates, state, params)"
-      )
-    flat, treedef = jax.tree_util.tree_flatten_with_path(
-      updates, is_leaf=lambda x: x is None
+    def leaf(path, w, u, f, bits):
+      c = state.buffer[path_name(path)]
+      delta, new_c, counts = rule(w, u, c, f, buffer_of(path, f), bits)
+      return delta, (new_c.astype(c.dtype), counts)
+
+    ks = (state.key, key_state[1]) if random else None
+    deltas, new_key, kept = leafwise.step(
+      caller, lookup, updates, params, ks, leaf
     )
-    weights = treedef.flatten_up_to(params)
-    new_key = step_key = None
-    if random:
-      pair = jax.random.split(jax.random.wrap_key_data(state.key, impl=impl))
-      new_key, step_key = jax.random.key_data(pair[0]), pair[1]
-    deltas, buffers = [], {}
-    counts = {f: {} for f in _FIELDS}
-    for (path, u), w in zip(flat, weights, strict=True):
-      f = None if u is None else _format_of(lookup, path, w)
-      if f is None:
-        deltas.append(u)
-        continue
-      name = path_name(path)
-      check_shape(caller, name, w, u)
-      _check_proposal(name, u)
-      b = buffer_of(path, f)
-      bits = None
-      if random:
-        leaf_key = jax.random.fold_in(step_key, _seed(name))
-        bits = rng_lib.random_bits(leaf_key, jnp.shape(w))
-      c = state.buffer[name]
-      delta, new_c, leaf = rule.write(w, u, c, f, b, bits)
-      deltas.append(delta)
-      buffers[name] = new_c.astype(c.dtype)
-      for field, v in zip(_FIELDS, leaf or (), strict=telemetry):
-        counts[field][name] = v
-    if not telemetry:
-      counts = dict.fromkeys(_FIELDS)
+    counts = dict.fromkeys(_FIELDS)
+    if telemetry:
+      counts = {
+        f: {n: k[1][i] for n, k in kept.items()} for i, f in enumerate(_FIELDS)
+      }
     new_state = CompensatedState(
       count=optax.safe_increment(state.count),
       key=new_key,
-      buffer=buffers,
+      buffer={n: k[0] for n, k in kept.items()},
       **counts,
     )
-    return jax.tree_util.tree_unflatten(treedef, deltas), new_state
+    return deltas, new_state
 
   return optax.GradientTransformation(init_fn, update_fn)
 
 
-def _zeros(names, telemetry):
-  if not telemetry:
-    return dict.fromkeys(_FIELDS)
-  out = {f: {n: jnp.zeros([], jnp.int32) for n in names} for f in _COUNTS}
-  out.update(
-    {f: {n: jnp.zeros([], jnp.float32) for n in names} for f in _MASSES}
-  )
-  return out
-
-
-@dataclasses.dataclass(frozen=True)
-class _Rule:
+class _Compensated(NamedTuple):
   """The compensated write-back of one tensor."""
 
   overflow: str
@@ -669,10 +587,8 @@ class _Rule:
   two_sum: bool
   remainder: bool
 
-  def write(self, w, u, c, fmt: Format, buf: Format | None, bits):
+  def __call__(self, w, u, c, fmt: Format, buf: Format | None, bits):
     """(delta, new buffer, counts or None) for one tensor."""
-    w = jnp.asarray(w).astype(jnp.float32)
-    u = jnp.asarray(u).astype(jnp.float32)
     if self.remainder:
       return self._remainder(w, u, c, fmt)
     c = jnp.asarray(c).astype(jnp.float32)
@@ -687,14 +603,11 @@ class _Rule:
     moved = written & (delta != 0)
     erased = proposed & (delta == 0)
     lost = written & (r != 0) & (new_c == 0)
-    counts = _count(
+    counts = tally(
       proposed, erased, moved, st.over & written, ~st.lands, ~finite, lost
     )
-    masses = (_mass(new_c), _mass(jnp.where(written, r - new_c, 0.0)))
+    masses = (mass(new_c), mass(jnp.where(written, r - new_c, 0.0)))
     return delta, new_c, counts + masses
-
-  def _written(self, nonzero, finite):
-    return _written(nonzero, finite, self.nonfinite)
 
   def _remainder(self, w, u, rem, fmt: Format):
     u32 = jnp.uint32
@@ -704,7 +617,7 @@ class _Rule:
     top = jax.lax.bitcast_convert_type(w, u32)
     master = jax.lax.bitcast_convert_type(top | rem.astype(u32), jnp.float32)
     finite = jnp.isfinite(u) & ~jnp.isnan(master)
-    written = self._written(u != 0, finite)
+    written = _written(u != 0, finite, self.nonfinite)
     # `t` is what float32 addition to the master drops, exactly.
     summed, t = _two_sum(master, u)
     new = jnp.where(written, summed, master)
@@ -715,7 +628,7 @@ class _Rule:
     view = jax.lax.bitcast_convert_type(view_bits, jnp.float32)
     new_rem = jnp.where(nan, u32(0), b & u32(0xFFFF)).astype(jnp.uint16)
     q = jnp.where(written & (view != w), view, w)
-    delta, lands = _land(w, q, fmt)
+    delta, lands = land(w, q, fmt)
     if not self.telemetry:
       return delta, new_rem, None
     proposed = (u != 0) & finite
@@ -723,10 +636,10 @@ class _Rule:
     erased = proposed & (delta == 0)
     lost = proposed & (new == master)
     zero = jnp.zeros_like(proposed)
-    counts = _count(proposed, erased, moved, zero, ~lands, ~finite, lost)
+    counts = tally(proposed, erased, moved, zero, ~lands, ~finite, lost)
     held = jnp.where(nan, 0.0, new - view)
     dropped = jnp.where(proposed, t, 0.0)
-    return delta, new_rem, counts + (_mass(held), _mass(dropped))
+    return delta, new_rem, counts + (mass(held), mass(dropped))
 
 
 def _written(nonzero, finite, nonfinite: str):
@@ -738,7 +651,7 @@ def _written(nonzero, finite, nonfinite: str):
 class Step(NamedTuple):
   """One compensated write-back of a tensor, elementwise (float32)."""
 
-  delta: jax.Array  # lands w on its new grid value (see writeback._land)
+  delta: jax.Array  # lands w on its new grid value (see lowprec.store.land)
   new_c: jax.Array  # the new buffer (or error term), on the buffer's grid
   residual: jax.Array  # what the weight did not take of u + c, unrounded
   written: jax.Array  # bool: where the weight was written (y != 0)
@@ -778,17 +691,19 @@ def step(
     s, t = _two_sum(w, y)
   else:
     s, t = w + y, None
-  q, over = round_and_flag(s, fmt, bits, overflow=overflow)
+  rounding = "nearest" if bits is None else "stochastic"
+  enc = encode(Codec(fmt, rounding, overflow=overflow), s, w, bits)
+  q, over = enc.value, enc.over
   written = _written(y != 0, finite, nonfinite)
   q = jnp.where(written & (q != w), q, w)
-  delta, lands = _land(w, q, fmt)
+  delta, lands = land(w, q, fmt)
   new_w = w + delta
   r = (s - new_w) + t if two_sum else y - (new_w - w)
   # The buffer is written wherever y is finite: where y == 0 (u cancels
   # c exactly) the weight keeps its bits and the residual is y itself,
   # as the formula gives. Only a non-finite y kept out keeps the buffer.
   r = jnp.where(written, r, jnp.where(finite, y, c))
-  new_c = round_and_flag(r, buf, None, overflow="saturate")[0]
+  new_c = encode(Codec(buf), r).value
   return Step(delta, new_c, r, written, finite, over, lands)
 
 
@@ -816,7 +731,3 @@ def _two_sum(a, b):
   knuth = (a - (s - bb)) + (b - bb)
   t = jnp.where(jnp.abs(a) >= jnp.abs(b), fast, knuth)
   return s, jnp.where(jnp.isfinite(s), t, 0.0)
-
-
-def _mass(x):
-  return jnp.sum(jnp.abs(x), dtype=jnp.float32)

@@ -14,6 +14,8 @@ Indices wrap modulo `2**32`, so arrays above `2**32` elements repeat bits.
 
 from __future__ import annotations
 
+import zlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -106,3 +108,48 @@ def _as_typed(key):
   if jnp.issubdtype(jnp.asarray(key).dtype, jax.dtypes.prng_key):
     return key
   return jax.random.wrap_key_data(key_words(key))
+
+
+# ---- keys of the stores: one per transform, split per step, folded per leaf
+
+
+def state_key(key, who: str) -> tuple[jax.Array, object]:
+  """The raw words a transform keeps in its state, and the key's
+  implementation (None for a raw key), for a transform that draws bits.
+
+  Raises:
+    ValueError: `key` is None; the message names `who` and the fix.
+    TypeError: `key` is not a PRNG key.
+  """
+  if key is None:
+    raise ValueError(
+      f"{who} draws random bits and needs a PRNG key: pass "
+      "key=jax.random.key(seed)"
+    )
+  words = key_words(key)  # raises for what is not a key
+  typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+  return words, jax.random.key_impl(key) if typed else None
+
+
+def next_step(words, impl) -> tuple[jax.Array, jax.Array]:
+  """`(words kept for the next step, this step's key)`: one split."""
+  pair = jax.random.split(jax.random.wrap_key_data(words, impl=impl))
+  return jax.random.key_data(pair[0]), pair[1]
+
+
+def leaf_seed(name: str) -> int:
+  """The fold-in of a leaf, from its path: masking or adding a leaf
+  leaves the other leaves' random streams as they were."""
+  return zlib.crc32(name.encode()) & 0x7FFFFFFF
+
+
+def leaf_keys(step_key, names) -> dict[str, jax.Array]:
+  """`{name: key words of fold_in(step_key, leaf_seed(name))}`, in one
+  vectorized fold (one threefry program rather than one per leaf)."""
+  names = list(names)
+  if not names:
+    return {}
+  seeds = jnp.asarray([leaf_seed(n) for n in names], jnp.uint32)
+  fold = jax.vmap(lambda s: jax.random.fold_in(step_key, s))
+  words = jax.random.key_data(fold(seeds))
+  return {n: words[i] for i, n in enumerate(names)}

@@ -26,9 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
-import zlib
-from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -36,13 +33,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from lowprec import names, scaled
+from lowprec import names
 from lowprec import rng as rng_lib
+from lowprec import rules as rules_lib
+from lowprec.counting import layout
 from lowprec.float32_views import _widen as float32_view
 from lowprec.formats import Format, get_format
-from lowprec.rounding import OVERFLOW_MODES, ROUNDINGS, round_and_flag
-from lowprec.storage import is_array, path_name
-from lowprec.writeback import _count as count_masks  # one reduction
+from lowprec.rounding import OVERFLOW_MODES, ROUNDINGS
+from lowprec.storage import path_name
+from lowprec.store import Codec, Encoded, decode, encode, tally
 
 STORAGES = ("native", "float32")
 
@@ -83,6 +82,10 @@ class StateFormat:
         f"unknown state scale {s!r}; valid: None, 'tensor', or a block "
         "size such as 128 (written 'block128' in a string spec)"
       )
+
+  def codec(self, storage: str = "native", overflow: str = "saturate") -> Codec:
+    """The `lowprec.store.Codec` of a leaf stored this way."""
+    return Codec(self.fmt, self.rounding, self.scale, overflow, storage)
 
   def __str__(self) -> str:
     parts = [self.fmt.name, self.rounding]
@@ -137,37 +140,6 @@ def parse_state_format(spec) -> StateFormat | None:
   return StateFormat(get_format(name, scale=unit), rounding, scale)
 
 
-class _Rule(NamedTuple):
-  pattern: str
-  regex: re.Pattern
-  value: StateFormat | None
-
-
-def _parse_rules(rules) -> tuple[_Rule, ...]:
-  if isinstance(rules, Mapping):
-    rules = list(rules.items())
-  ok = isinstance(rules, list | tuple) and all(
-    isinstance(r, list | tuple) and len(r) == 2 and isinstance(r[0], str)
-    for r in rules
-  )
-  if not ok or not rules:
-    raise ValueError(
-      "store_state takes rules over state paths: a dict or a list of "
-      "(regex, spec) pairs, e.g. {'mu': 'bfloat16:stochastic', 'nu': "
-      f"'float8_e5m2:stochastic:block128'}}; got {rules!r:.80}"
-    )
-  out = []
-  for pattern, value in rules:
-    try:
-      # Whole '/'-separated components of the path: 'mu' matches
-      # '0/mu/dense/kernel' but not '0/mum/dense/kernel'.
-      regex = re.compile(f"(?:.*/)?(?:{pattern})(?:/.*)?")
-    except re.error as e:
-      raise ValueError(f"bad regex {pattern!r} in state rules: {e}") from e
-    out.append(_Rule(pattern, regex, parse_state_format(value)))
-  return tuple(out)
-
-
 class StateCounts(NamedTuple):
   """The step count, key and telemetry of `store_state`, for the last update.
 
@@ -187,7 +159,7 @@ class StateCounts(NamedTuple):
 
   def arrays(self) -> dict[str, jax.Array]:
     """`report()`'s keys as arrays: int32 counts, float32 fractions."""
-    return self._collect(self, jnp, _fraction)
+    return _telemetry(self, host=False)
 
   def report(self) -> dict[str, int | float]:
     """The counts as plain numbers, prefixed `state/`.
@@ -201,51 +173,15 @@ class StateCounts(NamedTuple):
     changes); and each of them per state path, `state/erased/<path>`.
     Exact integers and float64 fractions, computed on the host.
     """
-    host = jax.device_get(self._replace(key=None))
-    out = self._collect(host, np, _host_fraction, wide=np.int64)
-    return {k: _host(v) for k, v in out.items()}
-
-  @staticmethod
-  def _collect(st, xp, fraction, wide=None) -> dict[str, Any]:
-    out = {"state/steps": st.count}
-    if st.changed is None:
-      return out
-    cast = (lambda a: xp.asarray(a).astype(wide)) if wide else xp.asarray
-    per = {c: {n: cast(v) for n, v in getattr(st, c).items()} for c in _COUNTS}
-    leaves = list(per["changed"])
-    zero = cast(0)
-    for c in _COUNTS:
-      out[f"state/{c}"] = sum((per[c][n] for n in leaves), zero)
-    out["state/erased_fraction"] = fraction(
-      out["state/erased"], out["state/changed"]
-    )
-    for n in leaves:
-      for c in _COUNTS:
-        out[f"state/{c}/{n}"] = per[c][n]
-      out[f"state/erased_fraction/{n}"] = fraction(
-        per["erased"][n], per["changed"][n]
-      )
-    return out
+    return _telemetry(jax.device_get(self._replace(key=None)), host=True)
 
 
-def _fraction(num, den):
-  den_f = jnp.maximum(den, 1).astype(jnp.float32)
-  return jnp.where(den > 0, num.astype(jnp.float32) / den_f, jnp.nan)
-
-
-def _host_fraction(num, den):
-  num, den = np.asarray(num), np.asarray(den)
-  if not num.ndim:
-    return int(num) / int(den) if den else float("nan")
-  with np.errstate(invalid="ignore", divide="ignore"):
-    return np.where(den > 0, num / np.maximum(den, 1), np.nan)
-
-
-def _host(a):
-  a = np.asarray(a)
-  if a.ndim:
-    return a.tolist()
-  return float(a) if np.issubdtype(a.dtype, np.floating) else int(a)
+def _telemetry(st: StateCounts, host: bool) -> dict:
+  per = {}
+  if st.changed is not None:
+    per = {n: {c: getattr(st, c)[n] for c in _COUNTS} for n in st.changed}
+  ratio = ("erased_fraction", "erased", "changed") if per else None
+  return layout(st.count, per, _COUNTS, ratio, prefix="state/", host=host)
 
 
 class StoredState(NamedTuple):
@@ -379,273 +315,137 @@ def store_state(
       f"update, such as optax.adam(1e-3)), got {type(inner).__name__} "
       f"{inner!r:.60}{called}: lowprec.store_state(optax.adam(1e-3), rules)"
     )
-  parsed = _parse_rules(rules)
+  parsed = parse_rules(rules)
   names.check_choice("storage", storage, STORAGES)
   names.check_choice("overflow mode", overflow, OVERFLOW_MODES)
-  random = any(
-    r.value is not None and r.value.rounding != "nearest" for r in parsed
-  )
-  if random:
-    key, impl = _key_words(key)
-  else:
-    key, impl = None, None
+  key_state = None
+  if any(r.value is not None and r.value.rounding != "nearest" for r in parsed):
+    key_state = rng_lib.state_key(
+      key, "store_state with a stochastic or deadzone rule"
+    )
   inner = optax.with_extra_args_support(inner)
-  store = _Store(storage, overflow)
+
+  def codecs(state, check):
+    plan = rules_lib.plan(parsed, state, check=check)
+    return {n: sf.codec(storage, overflow) for n, sf in plan.items()}
 
   def init_fn(params):
     state = inner.init(float32_view(params))
-    plan = _plan(parsed, state, check=True)
-    flat, treedef = jax.tree_util.tree_flatten_with_path(state)
-    leaves = [x for _, x in flat]
-    picked = [i for i, (p, _) in enumerate(flat) if path_name(p) in plan]
-    sfs = tuple(plan[path_name(flat[i][0])] for i in picked)
-    rounded = _store_all([leaves[i] for i in picked], sfs, store)
-    scales = {}
-    for i, (stored, scale) in zip(picked, rounded, strict=True):
-      leaves[i] = stored
-      if scale is not None:
-        scales[path_name(flat[i][0])] = scale
-
-    def zeros():
-      return {n: jnp.zeros([], jnp.int32) for n in plan} if telemetry else None
-
+    plan = codecs(state, check=True)
+    picked = {n: x for n, x in _leaves(state).items() if n in plan}
+    codes, scales = _store_all(tuple(plan.items()), picked)
+    stored, _, _ = _map_stored(plan, state, lambda n, c, x: (codes[n], None))
+    zeros = dict.fromkeys(plan, jnp.zeros([], jnp.int32)) if telemetry else None
+    words = None if key_state is None else key_state[0]
     counts = StateCounts(
-      jnp.zeros([], jnp.int32), key, **{c: zeros() for c in _COUNTS}
+      jnp.zeros([], jnp.int32), words, **dict.fromkeys(_COUNTS, zeros)
     )
-    return StoredState(
-      jax.tree_util.tree_unflatten(treedef, leaves), scales, counts
-    )
+    return StoredState(stored, scales, counts)
 
   def update_fn(updates, state, params=None, **extra):
-    plan = _plan(parsed, state.inner, check=False)
+    plan = codecs(state.inner, check=False)
     widened = _widen(state.inner, plan, state.scales)
     updates, new_inner = inner.update(
       float32_view(updates), widened, float32_view(params), **extra
     )
-    step_key, new_key = None, None
-    if random:
-      pair = jax.random.split(
-        jax.random.wrap_key_data(state.counts.key, impl=impl)
+    new_key, keys = None, {}
+    if key_state is not None:
+      new_key, step_key = rng_lib.next_step(state.counts.key, key_state[1])
+      keys = rng_lib.leaf_keys(
+        step_key, [n for n, c in plan.items() if c.random]
       )
-      new_key, step_key = jax.random.key_data(pair[0]), pair[1]
-    leaf_keys = _leaf_keys(step_key, plan) if random else {}
-    old = {
-      path_name(p): x
-      for p, x in jax.tree_util.tree_flatten_with_path(widened)[0]
-    }
-    flat, treedef = jax.tree_util.tree_flatten_with_path(new_inner)
-    leaves, scales = [], {}
-    counts = {c: {} for c in _COUNTS}
-    for path, x in flat:
-      name = path_name(path)
-      sf = plan.get(name)
-      if sf is None:
-        leaves.append(x)
-        continue
+    old = _leaves(widened)
+
+    def store(name, codec, x):
       bits = None
-      if sf.rounding != "nearest":
-        bits = rng_lib.random_bits(leaf_keys[name], jnp.shape(x))
-      s_old = old[name]
-      s_new = jnp.asarray(x, jnp.float32)
-      stored, scale, flags = store.round(s_new, sf, bits, s_old)
-      leaves.append(stored)
-      if scale is not None:
-        scales[name] = scale
-      if telemetry:
-        for c, v in zip(_COUNTS, flags, strict=True):
-          counts[c][name] = v
-    if not telemetry:
-      counts = dict.fromkeys(_COUNTS)
+      if codec.random:
+        bits = rng_lib.random_bits(keys[name], jnp.shape(x))
+      enc = encode(codec, x, old[name], bits)
+      return enc, _state_counts(x, old[name], enc) if telemetry else None
+
+    new_inner, scales, per = _map_stored(plan, new_inner, store)
+    counts = dict.fromkeys(_COUNTS)
+    if telemetry:
+      counts = {
+        c: {n: k[i] for n, k in per.items()} for i, c in enumerate(_COUNTS)
+      }
     new_counts = StateCounts(
       optax.safe_increment(state.counts.count), new_key, **counts
     )
-    new_state = StoredState(
-      jax.tree_util.tree_unflatten(treedef, leaves), scales, new_counts
-    )
-    return updates, new_state
+    return updates, StoredState(new_inner, scales, new_counts)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-# One compiled program for the initial state, not one dispatch per
-# operation (init usually runs eagerly).
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def _store_all(xs, sfs, store):
-  return [
-    store.round(jnp.asarray(x, jnp.float32), sf, None)[:2]
-    for x, sf in zip(xs, sfs, strict=True)
-  ]
+def parse_rules(rules) -> tuple[rules_lib.StateRule, ...]:
+  """`store_state`'s rules, compiled (state dialect of `lowprec.rules`)."""
+  return rules_lib.state_rules(rules, parse_state_format)
 
 
-def _key_words(key):
-  if key is None:
-    raise ValueError(
-      "store_state with a stochastic or deadzone rule draws random bits "
-      "and needs a PRNG key: pass key=jax.random.key(seed)"
-    )
-  words = rng_lib.key_words(key)
-  typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
-  return words, jax.random.key_impl(key) if typed else None
+def _leaves(tree) -> dict[str, jax.Array]:
+  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+  return {path_name(p): x for p, x in flat}
 
 
-def _seed(name: str) -> int:
-  # Keyed by state path, as writeback keys by parameter path.
-  return zlib.crc32(name.encode()) & 0x7FFFFFFF
-
-
-def _leaf_keys(step_key, plan) -> dict[str, jax.Array]:
-  """`fold_in(step_key, _seed(path))` of every randomly rounded leaf, in
-  one vectorized fold (one threefry program rather than one per leaf)."""
-  names = [n for n, sf in plan.items() if sf.rounding != "nearest"]
-  if not names:
-    return {}
-  seeds = jnp.asarray([_seed(n) for n in names], jnp.uint32)
-  fold = jax.vmap(lambda s: jax.random.fold_in(step_key, s))
-  words = jax.random.key_data(fold(seeds))
-  return {n: words[i] for i, n in enumerate(names)}
-
-
-def _plan(rules, state, *, check: bool) -> dict[str, StateFormat]:
-  """State path -> format of every stored leaf, in leaf order.
-
-  With `check`, raises for a rule that matches no leaf and for a stored
-  leaf that is not a floating-point array.
-  """
-  flat = jax.tree_util.tree_flatten_with_path(state)[0]
-  plan, used = {}, set()
+def _map_stored(plan, state, store):
+  """`state` with every planned leaf replaced by `store(name, codec,
+  float32 value)`'s code; the scales and the second results by name."""
+  flat, treedef = jax.tree_util.tree_flatten_with_path(state)
+  leaves, scales, second = [], {}, {}
   for path, x in flat:
     name = path_name(path)
-    hits = [r for r in rules if r.regex.fullmatch(name)]
-    used.update(r.pattern for r in hits)
-    if not hits or hits[0].value is None:
+    if name not in plan:
+      leaves.append(x)
       continue
-    if check:
-      _check_leaf(name, x, hits[0])
-    plan[name] = hits[0].value
-  if check:
-    unused = [r.pattern for r in rules if r.pattern not in used]
-    if unused:
-      paths = [path_name(p) for p, _ in flat]
-      shown = ", ".join(repr(p) for p in paths[:10])
-      more = f" and {len(paths) - 10} more" if len(paths) > 10 else ""
-      raise ValueError(
-        f"store_state rule {unused[0]!r} matches no state leaf of the inner "
-        f"transform (its leaves: {shown or 'none'}{more}); a rule's regex "
-        "must re.fullmatch one or more whole '/'-separated components of a "
-        "state path. Fix the regex or drop the rule"
-      )
-  return plan
+    enc, second[name] = store(name, plan[name], jnp.asarray(x, jnp.float32))
+    if not isinstance(enc, Encoded):  # a code stored already
+      leaves.append(enc)
+      continue
+    leaves.append(enc.code)
+    if enc.scales is not None:
+      scales[name] = enc.scales
+  return jax.tree_util.tree_unflatten(treedef, leaves), scales, second
 
 
-def _check_leaf(name: str, x, rule: _Rule) -> None:
-  if is_array(x) and jnp.issubdtype(x.dtype, jnp.floating):
-    return
-  what = (
-    f"holds {np.dtype(x.dtype).name} values"
-    if is_array(x)
-    else f"is a {type(x).__name__}, not an array"
+def _state_counts(s, s_old, enc):
+  """`_COUNTS` of one stored leaf: new float32 values `s`, old `s_old`."""
+  v = enc.value
+  finite = jnp.isfinite(s)
+  changed = finite & (s != s_old)
+  return tally(
+    changed,
+    changed & (v == s_old),
+    finite & (s != 0) & (v == 0),
+    enc.over & finite,
+    ~finite,
   )
-  count = " (a step count)" if name.split("/")[-1] == "count" else ""
-  raise ValueError(
-    f"store_state rule {rule.pattern!r} matches state leaf {name!r}, which "
-    f"{what}{count}: only floating-point state arrays are stored in a "
-    f"low-precision format. Narrow the rule, or put ({name!r}, None) "
-    "before it to keep that leaf as it is"
-  )
+
+
+# One compiled program for the initial state, not one dispatch per
+# operation (init usually runs eagerly).
+@functools.partial(jax.jit, static_argnums=0)
+def _store_all(plan, xs):
+  """`({name: code}, {name: scales})` of the leaves `xs` by `plan`, a
+  tuple of `(name, codec)` pairs."""
+  codes, scales = {}, {}
+  for name, codec in plan:
+    enc = encode(codec, jnp.asarray(xs[name], jnp.float32))
+    codes[name] = enc.code
+    if enc.scales is not None:
+      scales[name] = enc.scales
+  return codes, scales
 
 
 def _widen(state, plan, scales):
-  """The state with every stored leaf as float32 `stored * scale`.
-
-  The inner transform reads the product through a select (which returns
-  every value, NaN as NaN), as it reads a float32 state it was handed.
-  XLA:CPU contracts a multiply feeding an add in the same fusion into an
-  FMA, and when the scale multiply is fused into Adam's `b2 * nu + (1 -
-  b2) g^2` the other product gets contracted instead, 1 ulp apart in a
-  few percent of the elements; whether it is fused depends on the shapes,
-  so on the sharding (one block per device fuses, several do not). An
-  FMA contracts only a multiply that is its operand.
-  """
+  """The state with every stored leaf as float32 `stored * scale`
+  (`lowprec.store.decode`, which reads the product through a select: an
+  FMA in the inner transform then contracts the same product of its own
+  on one device and on eight)."""
 
   def one(path, x):
     name = path_name(path)
     if name not in plan:
       return x
-    s = jnp.asarray(x).astype(jnp.float32)
-    if name in scales:
-      s = s * _spread(scales[name], s.shape, plan[name].scale)
-      s = jnp.where(jnp.isnan(s), jnp.float32(jnp.nan), s)
-    return s
+    return decode(plan[name], x, scales.get(name))
 
   return jax.tree_util.tree_map_with_path(one, state)
-
-
-def _spread(scale, shape, how):
-  """Per-element scales from per-block or per-tensor ones."""
-  if how == "tensor" or not shape:
-    return scale
-  return jnp.repeat(scale, how, axis=-1)[..., : shape[-1]]
-
-
-@dataclasses.dataclass(frozen=True)
-class _Store:
-  """The storage of one leaf: scale, rounding, stored dtype and counts."""
-
-  storage: str
-  overflow: str
-
-  def dtype(self, fmt: Format):
-    native = fmt.native_dtype
-    if (
-      self.storage == "native"
-      and native is not None
-      and fmt.bits == 8 * native.itemsize
-    ):
-      return native
-    return np.dtype(np.float32)
-
-  def round(self, s, sf: StateFormat, bits, s_old=None):
-    """`(stored, scale or None, counts or None)` of float32 values `s`;
-    counts (`_COUNTS`) need the old widened values `s_old`."""
-    fmt = sf.fmt
-    scale = None if sf.scale is None else _scale(s, fmt, sf.scale)
-    per = 1.0 if scale is None else _spread(scale, s.shape, sf.scale)
-    x = s / per if scale is not None else s
-    sr = bits if sf.rounding == "stochastic" else None
-    q, over = round_and_flag(x, fmt, sr, overflow=self.overflow)
-    v = q if scale is None else q * per  # what the next update will see
-    if sf.rounding == "deadzone" and s_old is not None:
-      q_sr, over_sr = round_and_flag(x, fmt, bits, overflow=self.overflow)
-      lost = (v == s_old) & (s != s_old)
-      q = jnp.where(lost, q_sr, q)
-      over = jnp.where(lost, over_sr, over)
-      v = q if scale is None else q * per
-    stored = q.astype(self.dtype(fmt))
-    if s_old is None:
-      return stored, scale, None
-    finite = jnp.isfinite(s)
-    changed = finite & (s != s_old)
-    flags = (
-      changed,
-      changed & (v == s_old),
-      finite & (s != 0) & (v == 0),
-      over & finite,
-      ~finite,
-    )
-    return stored, scale, count_masks(*flags)
-
-
-def _scale(s, fmt: Format, how):
-  """float32 powers of two `p`, smallest with `amax / p <= max_E`."""
-  a = jnp.where(jnp.isfinite(s), jnp.abs(s), 0.0)
-  if how == "tensor" or not s.shape:
-    amax = jnp.max(a, initial=0.0)
-  else:
-    n = s.shape[-1]
-    blocks = -(-n // how)
-    pad = [(0, 0)] * (s.ndim - 1) + [(0, blocks * how - n)]
-    a = jnp.pad(a, pad).reshape(*s.shape[:-1], blocks, how)
-    amax = jnp.max(a, axis=-1, initial=0.0)
-  # The no-clip rule of lowprec.scaled, within float32's normal range.
-  k = scaled.pow2_exponent(amax, fmt.max_finite, "noclip", lo=-126, hi=127)
-  return jax.lax.bitcast_convert_type((k + 127) << 23, jnp.float32)

@@ -36,149 +36,23 @@ Example:
 from __future__ import annotations
 
 import functools
-import re
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from lowprec import scaled
-from lowprec.formats import Format, get_format
+from lowprec.formats import Format
 from lowprec.rounding import round_nearest
+from lowprec.rules import (  # noqa: F401  (the parameter dialect, re-exported)
+  FormatLookup,
+  format_lookup,
+  is_array,
+  path_name,
+  rule_lookup,
+)
 
 STORAGES = ("float32", "native")
-
-# A function from a parameter's key path to its format (None: untouched).
-FormatLookup = Callable[[tuple], Format | None]
-
-
-def path_name(path) -> str:
-  """The "/"-joined name of a pytree key path, e.g. "params/Dense_0/kernel".
-
-  A trailing `.value` attribute is not part of the name: it is the box
-  around an array (a Flax NNX `Variable`, a linen `Partitioned`), so that a
-  parameter has the same name whether it is met boxed (as `nnx.Optimizer`
-  hands it to `init`) or as a plain array (as it hands it to `update`).
-  """
-  path = tuple(path)
-  while path and _is_box_key(path[-1]):
-    path = path[:-1]
-  return jax.tree_util.keystr(path, simple=True, separator="/")
-
-
-def _is_box_key(k) -> bool:
-  return isinstance(k, jax.tree_util.GetAttrKey) and k.name in _BOX_FIELDS
-
-
-# The attribute under which Flax boxes (nnx.Variable, linen Partitioned and
-# LogicallyPartitioned) hold their array.
-_BOX_FIELDS = ("value", "raw_value")
-
-
-def _is_format_leaf(x) -> bool:
-  return x is None or isinstance(
-    x, str | Format | scaled.ScaledFormat | np.dtype | type
-  )
-
-
-def _is_rules(spec) -> bool:
-  # Rules are a list (or tuple) of (regex, format) pairs: a sequence whose
-  # every entry is a pair starting with a string. Pairs may be lists too.
-  return (
-    isinstance(spec, list | tuple)
-    and bool(spec)
-    and all(
-      isinstance(r, tuple | list) and len(r) == 2 and isinstance(r[0], str)
-      for r in spec
-    )
-  )
-
-
-def _as_format(f) -> Format | scaled.ScaledFormat | None:
-  if f is None:
-    return None
-  return scaled.get_scaled_format(f) if scaled.is_scaled(f) else get_format(f)
-
-
-def format_lookup(spec) -> FormatLookup:
-  """Parses a format specification (see the module docstring).
-
-  Formats are parsed and regexes compiled here, so a bad name fails when the
-  transform is built, not at its first update.
-
-  Raises:
-    ValueError: unknown format names, bad regexes; the returned lookup raises
-      for a parameter path that the specification does not cover.
-  """
-  if _is_rules(spec):
-    by_name = rule_lookup(
-      spec,
-      _as_format,
-      what="format rule",
-      fix="e.g. a last catch-all (r'.*', None) to leave the remaining "
-      "parameters float32",
-    )
-    return lambda path: by_name(path_name(path))
-
-  entries, _ = jax.tree_util.tree_flatten_with_path(
-    spec, is_leaf=_is_format_leaf
-  )
-  table = {_key_names(p): _as_format(f) for p, f in entries}
-
-  def by_tree(path) -> Format | None:
-    keys = _key_names(path)
-    # The longest prefix wins, so a format tree may stop above the leaves.
-    for n in range(len(keys), -1, -1):
-      if keys[:n] in table:
-        return table[keys[:n]]
-    known = sorted("/".join(k) for k in table)
-    shown = ", ".join(repr(k) for k in known[:8])
-    more = f" and {len(known) - 8} more" if len(known) > 8 else ""
-    raise ValueError(
-      f"the format pytree has no entry for parameter {path_name(path)!r} or "
-      f"any prefix of it (entries: {shown}{more}); add one, with None to "
-      "leave it float32"
-    )
-
-  return by_tree
-
-
-def rule_lookup(rules, parse, *, what: str, fix: str) -> Callable:
-  """`name -> parse(value)` of the first `(regex, value)` rule whose regex
-  `re.fullmatch`es the "/"-joined parameter name.
-
-  Values are parsed and regexes compiled here, so a bad rule fails at once;
-  a name that no rule matches raises a ValueError naming it, the rules and
-  `fix`.
-  """
-  compiled = []
-  for pattern, value in rules:
-    try:
-      compiled.append((re.compile(pattern), parse(value)))
-    except re.error as e:
-      raise ValueError(f"bad regex {pattern!r} in {what}s: {e}") from e
-
-  def lookup(name: str):
-    for regex, value in compiled:
-      if regex.fullmatch(name):
-        return value
-    shown = ", ".join(repr(p) for p, _ in rules)
-    raise ValueError(
-      f"no {what} matches parameter {name!r} (rules, matched with "
-      f"re.fullmatch in order: {shown}); add a rule for it, {fix}"
-    )
-
-  return lookup
-
-
-def _key_names(path) -> tuple[str, ...]:
-  return tuple(path_name((k,)) for k in path)
-
-
-def is_array(x) -> bool:
-  """Whether a pytree leaf is an array (concrete, traced or abstract)."""
-  return hasattr(x, "shape") and hasattr(x, "dtype")
 
 
 def leaf_format(lookup: FormatLookup, path, x) -> Format | None:

@@ -21,6 +21,7 @@ value (a second moment that never leaves 0, say).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -28,18 +29,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from lowprec import rules as rules_lib
 from lowprec import state_storage as ss
-from lowprec.rounding import round_and_flag
 from lowprec.storage import path_name
+from lowprec.store import encode
 
 
 def _grid(x, sf: ss.StateFormat, bits=None):
   """`Q(x / scale) * scale` with the storage's scale, in float32."""
-  x = jnp.asarray(x, jnp.float32)
-  if sf.scale is None:
-    return round_and_flag(x, sf.fmt, bits)[0]
-  per = ss._spread(ss._scale(x, sf.fmt, sf.scale), x.shape, sf.scale)
-  return round_and_flag(x / per, sf.fmt, bits)[0] * per
+  rounding = "nearest" if bits is None else "stochastic"
+  codec = dataclasses.replace(sf.codec(), rounding=rounding)
+  return encode(codec, x, bits=bits).value
 
 
 def _leaves(tree) -> dict[str, jax.Array]:
@@ -48,7 +48,7 @@ def _leaves(tree) -> dict[str, jax.Array]:
 
 
 def _plan(rules, state) -> dict[str, ss.StateFormat]:
-  return ss._plan(ss._parse_rules(rules), state, check=True)
+  return rules_lib.plan(ss.parse_rules(rules), state, check=True)
 
 
 def _erased_probability(q, x, sf: ss.StateFormat):

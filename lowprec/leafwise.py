@@ -1,0 +1,176 @@
+"""The loop over a model's weights that every write-back runs.
+
+A write-back's `init` and `update` walk the parameters the same way,
+whatever it keeps beside them: find each parameter's format (and refuse
+what no write-back can take), check the params are on their grids, pass
+None updates through (Equinox's for leaves it does not differentiate),
+check each proposal, split the key once per step and fold it per
+parameter path, and collect each parameter's delta and what the recipe
+keeps. `weights` and `step` are that loop; a recipe gives the one-tensor
+step, `(path, w, u, fmt, bits) -> (delta, kept)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lowprec import rng as rng_lib
+from lowprec import scaled
+from lowprec.formats import Format
+from lowprec.storage import (
+  check_on_grid,
+  check_shape,
+  check_storage,
+  leaf_format,
+  path_name,
+)
+
+# (key path, w, u float32 arrays, fmt, bits or None) -> (delta, kept)
+LeafStep = Callable[[str, Any, Any, Any, Any], tuple[Any, Any]]
+
+
+def weight_format(lookup, path, w) -> Format | scaled.ScaledFormat | None:
+  """The format of the parameter at `path`, checked against its storage;
+  None for a leaf that is not an array or that the spec leaves alone."""
+  fmt = leaf_format(lookup, path, w)
+  if fmt is None:
+    return None
+  name = path_name(path)
+  check_storage(name, w.dtype, fmt)
+  if isinstance(fmt, scaled.ScaledFormat):
+    check_writeback_format(fmt, f"parameter {name!r}")
+    return fmt
+  if not fmt.is_float and not float(np.log2(fmt.scale)).is_integer():
+    # float32(k * s) - float32(j * s) is not float32-exact for such s, so
+    # no float32 delta lands on most of the grid.
+    pow2 = 2.0 ** round(float(np.log2(fmt.scale)))
+    raise ValueError(
+      f"parameter {name!r}: write-back onto {fmt} needs a power-of-two "
+      f"scale to land exactly in float32, got {fmt.scale}; use e.g. "
+      f"get_format({fmt.name!r}, scale={pow2})"
+    )
+  return fmt
+
+
+def weights(lookup, params, spec) -> dict[str, tuple[Any, Any, Any]]:
+  """`{name: (key path, fmt, param)}` of the parameters that have a
+  format, in tree order; concrete params are checked on their grids
+  (raises if one is off)."""
+  out = {}
+  for path, w in jax.tree_util.tree_flatten_with_path(params)[0]:
+    f = weight_format(lookup, path, w)
+    if f is not None:
+      out[path_name(path)] = (path, f, w)
+  if _concrete(params):
+    # Concrete params may still meet init inside a trace (closed over
+    # under jit or vmap): evaluate the check now rather than stage it.
+    with jax.ensure_compile_time_eval():
+      check_on_grid(params, spec)
+  return out
+
+
+def step(
+  caller: str,
+  lookup,
+  updates,
+  params,
+  key_state: tuple | None,
+  leaf: LeafStep,
+):
+  """One write-back over the tree: `(deltas, new key words, {path:
+  kept})`. `key_state` is `(key words, impl)` for a random rounding (None
+  for nearest); each parameter draws 32 bits per element from
+  `fold_in(split(key)[1], leaf_seed(path))`."""
+  if params is None:
+    raise ValueError(
+      f"{caller} rounds w + u and needs the current params: call "
+      "opt.update(updates, state, params)"
+    )
+  flat, treedef = jax.tree_util.tree_flatten_with_path(
+    updates, is_leaf=lambda x: x is None
+  )
+  ws = treedef.flatten_up_to(params)
+  todo = []
+  for (path, u), w in zip(flat, ws, strict=True):
+    f = None if u is None else weight_format(lookup, path, w)
+    todo.append((path, u, w, f))
+  new_key = keys = None
+  if key_state is not None:
+    new_key, step_key = rng_lib.next_step(*key_state)
+    keys = rng_lib.leaf_keys(
+      step_key, [path_name(p) for p, _, _, f in todo if f is not None]
+    )
+  deltas, kept = [], {}
+  for path, u, w, f in todo:
+    if f is None:
+      deltas.append(u)
+      continue
+    name = path_name(path)
+    check_shape(caller, name, w, u)
+    _check_proposal(name, u)
+    bits = None
+    if keys is not None:
+      bits = rng_lib.random_bits(keys[name], jnp.shape(w))
+    w32 = jnp.asarray(w).astype(jnp.float32)
+    u32 = jnp.asarray(u).astype(jnp.float32)
+    delta, kept[name] = leaf(path, w32, u32, f, bits)
+    deltas.append(delta)
+  return jax.tree_util.tree_unflatten(treedef, deltas), new_key, kept
+
+
+def _check_proposal(name: str, u) -> None:
+  dtype = jnp.result_type(u)
+  if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4:
+    raise ValueError(
+      f"the proposal for parameter {name!r} arrives as {dtype.name}: the "
+      "transforms before writeback computed in the params' low-precision "
+      "dtype, so their state (e.g. Adam's moments) is that narrow too and "
+      "under- or overflows. Run them in float32: optax.chain("
+      "lowprec.in_float32(optax.adam(...)), lowprec.writeback(...))"
+    )
+
+
+# Why a scaled format with float32 (not power-of-two) scales takes no
+# write-back, and what to use instead, by scale rule.
+_WHY_NOT = {
+  "nvfp4": (
+    "Its scale s_b * s_t is a float32 product recomputed from the "
+    "tensor's amax, and the grid is not a fixed point of its own "
+    "rounding: rounding a tensor already on it recomputes s_t from the "
+    "rounded amax and moves most values by a float32 rounding, so no "
+    "parameter stays on the grid of its own scales (there is no "
+    "state-free grid to write back onto), a step that moves the tensor "
+    "amax moves every value (w' == w, 'erased', loses its meaning), and "
+    "the float32 delta between two products e * s need not land exactly. "
+    "Use 'mxfp4_e2m1' (the same E2M1 elements under power-of-two E8M0 "
+    "scales), or lowprec.get_scaled_format('mxfp4_e2m1', block=16) for "
+    "NVFP4's block size (docs/scaled.md)"
+  ),
+  "amax": (
+    "Its one float32 scale amax / max_E follows the tensor's largest "
+    "|w|, so a step that moves that value moves every value of the "
+    "tensor by a float32 rounding (w' == w, 'erased', loses its "
+    "meaning), and the float32 delta between two products e * s of a "
+    "scale that is not a power of two need not land exactly. Use the "
+    "element format itself (e.g. 'float8_e4m3fn', scale 1) or an MX "
+    "format with power-of-two block scales (e.g. 'mxfp8_e4m3') "
+    "(docs/scaled.md)"
+  ),
+}
+
+
+def check_writeback_format(fmt, where):  # TEMPORARY until formats has it
+  if fmt.scale_type != "e8m0":
+    raise ValueError(
+      f"{where}: write-back onto {fmt} is not supported. {_WHY_NOT[fmt.rule]}"
+    )
+
+
+def _concrete(tree) -> bool:
+  abstract = (jax.core.Tracer, jax.ShapeDtypeStruct)
+  return not any(isinstance(x, abstract) for x in jax.tree.leaves(tree))
