@@ -1,0 +1,131 @@
+"""The storage engine: its key scheme, codecs and layout, against
+`jax.random`, real stored states and the documented example.
+
+The families' results on the engine are pinned bit for bit by
+tests/goldens.json and tests/golden_bits.json; these tests pin the parts
+a new recipe builds on.
+"""
+
+import os
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import lowprec
+from lowprec import counting, rng
+from lowprec.store import Codec, decode, encode
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_leaf_keys_fold_the_crc_of_the_path_into_the_steps_key():
+  # The scheme every recorded stochastic result was drawn with, written
+  # out with jax.random and zlib.
+  key = jax.random.key(3)
+  words, impl = rng.state_key(key, "test")
+  kept, step = rng.next_step(words, impl)
+  want_kept, want_step = jax.random.split(key)
+  assert np.array_equal(kept, jax.random.key_data(want_kept))
+  names = ["params/Dense_0/kernel", "0/mu/w", "b"]
+  got = rng.leaf_keys(step, names)
+  for n in names:
+    seed = zlib.crc32(n.encode()) & 0x7FFFFFFF
+    want = jax.random.key_data(jax.random.fold_in(want_step, seed))
+    assert np.array_equal(got[n], want), n
+  assert rng.leaf_keys(step, []) == {}
+
+
+def test_a_random_store_without_a_key_names_its_caller_and_the_fix():
+  with pytest.raises(ValueError, match=r"my_recipe draws random bits.*"):
+    rng.state_key(None, "my_recipe")
+  with pytest.raises(TypeError, match="PRNG key"):
+    rng.state_key(3, "my_recipe")
+
+
+@pytest.mark.parametrize(
+  "spec",
+  ["float8_e4m3fn:nearest:block32", "int8:stochastic:tensor", "bfloat16"],
+)
+def test_codec_bytes_are_those_of_a_stored_state(spec):
+  params = {"w": jnp.ones((8, 100), jnp.float32)}
+  tx = lowprec.store_state(
+    optax.sgd(0.1, 0.9), {"trace": spec}, key=jax.random.key(0)
+  )
+  state = tx.init(params)
+  leaf = state.inner[0].trace["w"]
+  scales = state.scales.get("0/trace/w")
+  stored = leaf.nbytes + (0 if scales is None else scales.nbytes)
+  codec = lowprec.state_storage.parse_state_format(spec).codec()
+  assert codec.nbytes((8, 100)) == stored
+  assert codec.dtype() == leaf.dtype
+
+
+def test_encode_and_decode_of_a_block_scaled_codec_against_numpy():
+  x = np.random.default_rng(0).standard_normal((3, 70)).astype(np.float32)
+  codec = Codec(lowprec.get_format("float8_e5m2"), scale=32)
+  enc = encode(codec, x)
+  # Oracle: the smallest power of two p with amax / p <= 57344 per block
+  # of 32 (the last block holds 6), values e5m2(x / p) * p.
+  pad = np.pad(np.abs(x), [(0, 0), (0, 26)]).reshape(3, 3, 32).max(-1)
+  p = 2.0 ** np.ceil(np.log2(pad / 57344.0))
+  per = np.repeat(p, 32, axis=-1)[:, :70].astype(np.float32)
+  import ml_dtypes
+
+  q = (x / per).astype(ml_dtypes.float8_e5m2)
+  assert np.array_equal(np.asarray(enc.scales), p.astype(np.float32))
+  assert np.array_equal(np.asarray(enc.code), q)
+  want = q.astype(np.float32) * per
+  assert np.array_equal(np.asarray(enc.value), want)
+  assert np.array_equal(np.asarray(decode(codec, enc.code, enc.scales)), want)
+
+
+def test_deadzone_is_stochastic_only_where_nearest_gives_the_old_value_back():
+  fmt = lowprec.get_format("bfloat16")
+  old = jnp.ones(4096, jnp.float32)
+  x = old + jnp.float32(2.0**-10)  # an eighth of a gap: nearest keeps 1
+  bits = rng.random_bits(jax.random.key(1), x.shape)
+  dz = encode(Codec(fmt, "deadzone"), x, old, bits).value
+  sr = encode(Codec(fmt, "stochastic"), x, old, bits).value
+  assert np.array_equal(dz, sr)
+  y = old + jnp.float32(2.0**-7 * 0.75)  # nearest moves: dead zone agrees
+  dz = encode(Codec(fmt, "deadzone"), y, old, bits).value
+  rn = encode(Codec(fmt, "nearest"), y, old).value
+  assert np.array_equal(dz, rn)
+  assert float(jnp.mean(sr != 1.0)) == pytest.approx(1 / 8, abs=0.02)
+
+
+def test_layout_gives_totals_a_fraction_and_the_same_per_path():
+  per = {"a": {"x": jnp.int32(3), "y": jnp.int32(4)}, "b": {"x": 1, "y": 0}}
+  got = counting.layout(
+    jnp.int32(7), per, ("x", "y"), ("r", "x", "y"), host=True
+  )
+  assert got == {
+    "steps": 7,
+    "x": 4,
+    "y": 4,
+    "r": 1.0,
+    "x/a": 3,
+    "y/a": 4,
+    "r/a": 0.75,
+    "x/b": 1,
+    "y/b": 0,
+    "r/b": got["r/b"],
+  }
+  assert np.isnan(got["r/b"])
+  arrays = counting.layout(jnp.int32(7), per, ("x", "y"), ("r", "x", "y"))
+  assert list(arrays) == list(got)
+  assert arrays["r"].dtype == jnp.float32
+
+
+def test_the_documented_toy_recipe_is_under_40_lines():
+  text = open(os.path.join(ROOT, "docs", "engine.md"), encoding="utf-8").read()
+  code = text.split("```python\n")[1].split("```")[0].splitlines()
+  start = next(i for i, s in enumerate(code) if s.startswith("class "))
+  end = next(
+    i for i, s in enumerate(code) if "return optax.GradientTransformation" in s
+  )
+  assert end - start + 1 < 40
