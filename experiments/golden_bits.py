@@ -126,19 +126,24 @@ def _fixed_moments(seed: int):
   return optax.GradientTransformation(init, update)
 
 
-def _run_state(rules, seed: int = 3) -> dict:
+def _run_state(tx, params) -> dict:
   import jax
-  import jax.numpy as jnp
 
-  import lowprec
-
-  tx = lowprec.store_state(_fixed_moments(seed), rules, key=_key())
-  params = {"w": jnp.zeros(SHAPE, jnp.float32)}
   state = tx.init(params)
   step = jax.jit(tx.update)
   for _ in range(STEPS):
     _, state = step(params, state, params)
   return _record(None, state)
+
+
+def _stored(rules, seed: int = 3):
+  """`store_state` of `rules` around the fixed moments, and its params."""
+  import jax.numpy as jnp
+
+  import lowprec
+
+  tx = lowprec.store_state(_fixed_moments(seed), rules, key=_key())
+  return tx, {"w": jnp.zeros(SHAPE, jnp.float32)}
 
 
 def _bf16_params():
@@ -159,43 +164,42 @@ def _on_grid(fmt):
   return lowprec.to_grid({"w": jnp.asarray(_weights())}, fmt)
 
 
-def _recipes() -> dict[str, Callable[[], dict]]:
+def transforms() -> dict[str, Callable[[], tuple]]:
+  """`{recipe: make}`, `make() -> (kind, transform, params)`, kind
+  "weights" (fed the fixed proposals) or "state" (a store around the
+  fixed moments)."""
   import lowprec
 
   wb = lowprec.writeback
   out = {}
   for rounding in ("nearest", "stochastic", "deadzone"):
-    out[f"writeback/bfloat16/{rounding}"] = lambda r=rounding: _run_writeback(
+    out[f"writeback/bfloat16/{rounding}"] = lambda r=rounding: _as_weights(
       wb("bfloat16", r, key=_key()), _bf16_params()
     )
-    out[f"writeback/float8_e4m3fn/{rounding}"] = lambda r=rounding: (
-      _run_writeback(
-        wb("float8_e4m3fn", r, key=_key()), _on_grid("float8_e4m3fn")
-      )
+    out[f"writeback/float8_e4m3fn/{rounding}"] = lambda r=rounding: _as_weights(
+      wb("float8_e4m3fn", r, key=_key()), _on_grid("float8_e4m3fn")
     )
   for fmt in ("mxfp8_e4m3", "mxfp4_e2m1"):
     for rounding in ("nearest", "stochastic"):
       out[f"writeback/{fmt}/{rounding}"] = lambda f=fmt, r=rounding: (
-        _run_writeback(wb(f, r, key=_key()), _on_grid(f))
+        _as_weights(wb(f, r, key=_key()), _on_grid(f))
       )
-  out["writeback/mxfp8_e4m3/keep_scales"] = lambda: _run_writeback(
+  out["writeback/mxfp8_e4m3/keep_scales"] = lambda: _as_weights(
     wb("mxfp8_e4m3", "nearest", scales="keep"), _on_grid("mxfp8_e4m3")
   )
   for rounding in ("nearest", "stochastic"):
     for buf in ("bfloat16", "float8_e5m2"):
       out[f"kahan/bfloat16/{buf}/{rounding}"] = lambda r=rounding, b=buf: (
-        _run_writeback(
+        _as_weights(
           lowprec.kahan_writeback("bfloat16", r, buffer=b, key=_key()),
           _bf16_params(),
         )
       )
-    out[f"two_component/bfloat16/{rounding}"] = lambda r=rounding: (
-      _run_writeback(
-        lowprec.two_component_writeback("bfloat16", r, key=_key()),
-        _bf16_params(),
-      )
+    out[f"two_component/bfloat16/{rounding}"] = lambda r=rounding: _as_weights(
+      lowprec.two_component_writeback("bfloat16", r, key=_key()),
+      _bf16_params(),
     )
-  out["remainder/bfloat16"] = lambda: _run_writeback(
+  out["remainder/bfloat16"] = lambda: _as_weights(
     lowprec.remainder_writeback(), _bf16_params()
   )
   states = {
@@ -216,8 +220,21 @@ def _recipes() -> dict[str, Callable[[], dict]]:
     "int8/stochastic/block64": {"mu": "int8:stochastic:block64"},
   }
   for name, rules in states.items():
-    out[f"state/{name}"] = lambda r=rules: _run_state(r)
+    out[f"state/{name}"] = lambda r=rules: ("state", *_stored(r))
   return out
+
+
+def _as_weights(tx, params):
+  return ("weights", tx, params)
+
+
+def _run(make) -> dict:
+  kind, tx, params = make()
+  return {"weights": _run_writeback, "state": _run_state}[kind](tx, params)
+
+
+def _recipes() -> dict[str, Callable[[], dict]]:
+  return {name: (lambda m=make: _run(m)) for name, make in transforms().items()}
 
 
 # ---- recording and comparing -------------------------------------------------

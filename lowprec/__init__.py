@@ -13,7 +13,7 @@ and Flax modules (`nn`; `nnx.Optimizer` for Flax NNX).
 
 __version__ = "0.2.0"
 
-from lowprec import audit, freeze, nn, nnx, ops, policy, scaled  # noqa: E402
+from lowprec import audit, contract, freeze, nn, nnx, ops, policy, scaled  # noqa: E402
 from lowprec.compensated import (
   CompensatedState,
   kahan_writeback,
