@@ -27,6 +27,7 @@ from experiments import (
 )
 from experiments import data as data_lib
 from lowprec import names
+from lowprec.formats import check_writeback_format
 from lowprec.ops import rounding as op_rounding
 from lowprec.rounding import OVERFLOW_MODES, ROUNDINGS
 from lowprec.writeback import SCALE_MODES
@@ -157,18 +158,6 @@ def resolve(
 _SCALED_FIELDS = ("lowprec.writeback", "lowprec.trace_targets")
 
 
-def _check_scaled(field: str, name: str) -> None:
-  """A scaled name where write-back and its prediction take it: MX only."""
-  fmt = lowprec.get_scaled_format(name)
-  if fmt.scale_type != "e8m0":
-    raise ValueError(
-      f"{field}: {name!r} has float32 scales (not powers of two), which "
-      "write-back and its prediction refuse (lowprec.writeback says why); "
-      "use an MX format, e.g. 'mxfp4_e2m1' for nvfp4's elements or "
-      "'mxfp8_e4m3'"
-    )
-
-
 def validate(c) -> None:
   """Clear errors (naming the fix) for values the code would reject later."""
   check_choices(c)
@@ -195,7 +184,8 @@ def validate(c) -> None:
     formats.append(("lowprec.buffer", lp.buffer))
   for field, name in formats:
     if field in _SCALED_FIELDS and lowprec.scaled.is_scaled(name):
-      _check_scaled(field, name)
+      # Write-back and its prediction take MX formats only.
+      check_writeback_format(name, field)
       continue
     try:
       scale = lp.int_scale if name.startswith("int") else None

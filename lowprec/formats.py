@@ -16,6 +16,12 @@ values behave. Three families:
 Every grid value is exactly representable in float32, so values may be stored
 in float32 (always possible) or in the native dtype where one exists.
 
+Scaled formats (`ScaledFormat`, the registry `SCALED`, `get_scaled_format`)
+put the elements of one of these grids under per-block or per-tensor
+scales: MX, NVFP4 and per-tensor fp8. Their data live here, the rounding
+onto them in `lowprec.scaled`; `writeback_refusal` says which of them a
+write-back refuses, and why.
+
 Example:
   >>> fmt = get_format("float8_e4m3fn")
   >>> fmt.max_finite, fmt.min_subnormal
@@ -336,9 +342,8 @@ def get_format(
     scale: the grid step of an `intK` format (required there, refused
       elsewhere).
     also_valid: other names the caller takes where it asks for this
-      format (e.g. the MX names of `lowprec.scaled.SCALED`, which this
-      module does not know): an unknown name's error suggests and lists
-      them too.
+      format (e.g. the MX names of `SCALED`, which are not grids): an
+      unknown name's error suggests and lists them too.
 
   Raises:
     ValueError: unknown name (the message lists the valid ones and
@@ -360,15 +365,13 @@ def get_format(
     return NAMED[name]
   if m := _GENERIC.match(name):
     return ieee_format(int(m.group(1)), int(m.group(2)))
-  from lowprec import scaled  # noqa: PLC0415 (scaled imports this module)
-
-  if name in scaled.SCALED:
+  if name in SCALED:
     raise ValueError(
       f"{name!r} is a scaled format (elements under per-block or per-tensor "
       "scales), not a grid: use it where scaled formats are taken "
       "(lowprec.scaled.quantize / fake_quantize, lowprec.ops.Rounding, "
       "lowprec.writeback), or name its element format here, e.g. "
-      f"{scaled.SCALED[name].element.name!r}"
+      f"{SCALED[name].element.name!r}"
     )
   also = [n for n in also_valid if n not in NAMED]
   also_text = f"; also valid here: {', '.join(also)}" if also else ""
@@ -376,3 +379,229 @@ def get_format(
     f"unknown format {name!r}.{names.suggest(name, [*NAMED, *also])} Valid "
     f"formats: {', '.join(format_names())}{also_text}"
   )
+
+
+# ---- scaled formats --------------------------------------------------------
+# Element grids under per-block or per-tensor scales: the formats' data.
+# Computing the scales and rounding onto them is `lowprec.scaled`.
+
+SCALE_RULES = ("ocp", "noclip")  # the power-of-two (E8M0) rules
+_TENSOR = ("float8_e4m3fn", "float8_e5m2")  # the elements of "<fp8>:tensor"
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaledFormat:
+  """A scaled format: element format, block, scale type and scale rule.
+
+  Hashable, so it can be a static argument under jit. Build one with
+  `get_scaled_format`.
+
+  Attributes:
+    name: the base name, e.g. `"mxfp8_e4m3"`, `"nvfp4"`,
+      `"float8_e4m3fn:tensor"`.
+    element: the element `Format`.
+    block: elements per block, or None for one scale per tensor.
+    scale_type: `"e8m0"` (power of two), `"e4m3"` (NVFP4's block scale,
+      times a float32 tensor scale) or `"float32"`.
+    rule: `"ocp"`, `"noclip"`, `"nvfp4"` or `"amax"` (the rules are
+      defined in `lowprec.scaled`).
+    axis: the axis cut into blocks (default the last).
+  """
+
+  name: str
+  element: Format
+  block: int | None
+  scale_type: str
+  rule: str
+  axis: int = -1
+
+  def __str__(self) -> str:
+    return self.name
+
+  @property
+  def max_finite(self) -> float:
+    """The element format's largest value."""
+    return self.element.max_finite
+
+  # What lowprec.storage asks of a format: a scaled grid has no dtype of
+  # its own (its values are elements times scales) and no inf.
+  native_dtype = None
+  has_inf = False
+
+  @property
+  def element_dtype(self) -> np.dtype:
+    """How `quantize` stores elements: the native dtype of one-byte
+    elements, float32 (holding grid values) for FP6 and FP4, whose
+    conversions XLA does not support on every backend."""
+    native = self.element.native_dtype
+    if native is not None and self.element.bits == 8:
+      return native
+    return np.dtype(np.float32)
+
+
+def _mx(name, element) -> ScaledFormat:
+  return ScaledFormat(name, NAMED[element], 32, "e8m0", "ocp")
+
+
+SCALED: dict[str, ScaledFormat] = {
+  f.name: f
+  for f in (
+    _mx("mxfp8_e4m3", "float8_e4m3fn"),
+    _mx("mxfp8_e5m2", "float8_e5m2"),
+    _mx("mxfp6_e3m2", "float6_e3m2fn"),
+    _mx("mxfp6_e2m3", "float6_e2m3fn"),
+    _mx("mxfp4_e2m1", "float4_e2m1fn"),
+    ScaledFormat("nvfp4", NAMED["float4_e2m1fn"], 16, "e4m3", "nvfp4"),
+    *(
+      ScaledFormat(f"{e}:tensor", NAMED[e], None, "float32", "amax")
+      for e in _TENSOR
+    ),
+  )
+}
+
+
+def is_scaled(fmt) -> bool:
+  """Whether `fmt` is a `ScaledFormat` or the name of one."""
+  if isinstance(fmt, ScaledFormat):
+    return True
+  return isinstance(fmt, str) and fmt.strip() in SCALED
+
+
+def get_scaled_format(
+  fmt: str | ScaledFormat,
+  *,
+  rule: str | None = None,
+  block: int | None = None,
+  axis: int | None = None,
+) -> ScaledFormat:
+  """Returns the `ScaledFormat` for a name, with optional changes.
+
+  Args:
+    fmt: a name from `SCALED` (`"mxfp8_e4m3"`, `"nvfp4"`,
+      `"float8_e4m3fn:tensor"`, ...) or a `ScaledFormat`.
+    rule: for MX formats, `"ocp"` (default) or `"noclip"`.
+    block: elements per block (MX default 32, NVFP4 16); a block size
+      other than the standard one leaves the OCP / NVFP4 definition but
+      keeps its rule. Not for per-tensor formats.
+    axis: the axis cut into blocks (default -1).
+
+  Raises:
+    ValueError: an unknown name (the message lists the valid ones and
+      points an unscaled name to `get_format`), a rule the format does not
+      have, or a block size that is not a positive integer.
+  """
+  if not isinstance(fmt, ScaledFormat):
+    if not isinstance(fmt, str):
+      raise TypeError(f"expected a scaled format name, got {fmt!r}")
+    name = fmt.strip()
+    if name not in SCALED:
+      hint = (
+        f" {name!r} is an unscaled format: use lowprec.get_format, or "
+        f"scale it per tensor as '{name}:tensor' (fp8) or per block as an "
+        "MX name."
+        if name in NAMED
+        else names.suggest(name, SCALED)
+      )
+      raise ValueError(
+        f"unknown scaled format {name!r}.{hint} Valid scaled formats: "
+        + ", ".join(SCALED)
+      )
+    fmt = SCALED[name]
+  changes = {}
+  if rule is not None:
+    valid = SCALE_RULES if fmt.scale_type == "e8m0" else (fmt.rule,)
+    names.check_choice(f"scale rule for {fmt.name}", rule, valid)
+    changes["rule"] = rule
+  if block is not None:
+    if fmt.block is None:
+      raise ValueError(
+        f"{fmt.name} has one scale per tensor and no block size; for "
+        "blocks use an MX format, e.g. get_scaled_format('mxfp8_e4m3', "
+        f"block={block})"
+      )
+    ok = isinstance(block, int | np.integer) and not isinstance(block, bool)
+    if not ok or block < 1:
+      raise ValueError(f"block must be a positive integer, got {block!r}")
+    changes["block"] = int(block)
+  if axis is not None:
+    changes["axis"] = int(axis)
+  return dataclasses.replace(fmt, **changes) if changes else fmt
+
+
+# ---- which scaled formats a write-back takes -------------------------------
+
+# Why a scaled format with float32 (not power-of-two) scales takes no
+# write-back, and what to use instead, by scale rule.
+_WRITEBACK_REFUSALS = {
+  "nvfp4": (
+    "Its scale s_b * s_t is a float32 product recomputed from the "
+    "tensor's amax, and the grid is not a fixed point of its own "
+    "rounding: rounding a tensor already on it recomputes s_t from the "
+    "rounded amax and moves most values by a float32 rounding, so no "
+    "parameter stays on the grid of its own scales (there is no "
+    "state-free grid to write back onto), a step that moves the tensor "
+    "amax moves every value (w' == w, 'erased', loses its meaning), and "
+    "the float32 delta between two products e * s need not land exactly. "
+    "Use 'mxfp4_e2m1' (the same E2M1 elements under power-of-two E8M0 "
+    "scales), or lowprec.get_scaled_format('mxfp4_e2m1', block=16) for "
+    "NVFP4's block size (docs/scaled.md)"
+  ),
+  "amax": (
+    "Its one float32 scale amax / max_E follows the tensor's largest "
+    "|w|, so a step that moves that value moves every value of the "
+    "tensor by a float32 rounding (w' == w, 'erased', loses its "
+    "meaning), and the float32 delta between two products e * s of a "
+    "scale that is not a power of two need not land exactly. Use the "
+    "element format itself (e.g. 'float8_e4m3fn', scale 1) or an MX "
+    "format with power-of-two block scales (e.g. 'mxfp8_e4m3') "
+    "(docs/scaled.md)"
+  ),
+}
+
+
+def writeback_refusal(fmt) -> str | None:
+  """Why a write-back refuses the scaled format `fmt`, and what to use.
+
+  A write-back (`lowprec.writeback` and the predictions of it) takes every
+  unscaled format and the scaled formats with power-of-two (E8M0) block
+  scales, the MX formats; it refuses those whose scales are float32
+  products (`nvfp4`, `<fp8>:tensor`).
+
+  Args:
+    fmt: a format or scaled format, or the name of one.
+
+  Returns:
+    None where a write-back takes `fmt`; else the reason, ending with the
+      format to use instead.
+
+  Example:
+    >>> writeback_refusal("mxfp8_e4m3") is None
+    True
+    >>> writeback_refusal("nvfp4").startswith("Its scale s_b * s_t")
+    True
+  """
+  if not is_scaled(fmt):
+    return None
+  fmt = get_scaled_format(fmt)
+  if fmt.scale_type == "e8m0":
+    return None
+  return _WRITEBACK_REFUSALS[fmt.rule]
+
+
+def check_writeback_format(fmt, where: str) -> None:
+  """Raises where a write-back refuses `fmt` (see `writeback_refusal`).
+
+  Args:
+    fmt: a format or scaled format, or the name of one.
+    where: what asks, the start of the message (e.g. "parameter 'w'").
+
+  Raises:
+    ValueError: `"{where}: write-back onto {fmt} is not supported.
+      {reason}"` for a scaled format with float32 scales.
+  """
+  reason = writeback_refusal(fmt)
+  if reason is not None:
+    name = get_scaled_format(fmt).name
+    raise ValueError(
+      f"{where}: write-back onto {name} is not supported. {reason}"
+    )

@@ -60,6 +60,11 @@ unbiased for power-of-two scales (`x / scale` is exact); for `amax` and
 `nvfp4` it is unbiased for the float32 quotient `x / s`, within a float32
 rounding (`2^-24` relative) of `x / s`.
 
+The formats themselves (`ScaledFormat`, the registry `SCALED`,
+`get_scaled_format`, `is_scaled`, `SCALE_RULES`) are data of
+`lowprec.formats`, documented there and importable from here too; this
+module computes scales and rounds onto them.
+
 Example:
   >>> x = jnp.linspace(-1.0, 1.0, 64).reshape(2, 32)
   >>> q = quantize(x, "mxfp8_e4m3")
@@ -72,7 +77,6 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -82,7 +86,15 @@ import numpy as np
 
 from lowprec import names
 from lowprec import rng as rng_lib
-from lowprec.formats import NAMED, Format
+from lowprec.formats import NAMED
+
+# The scaled formats' data, re-exported: `lowprec.scaled.ScaledFormat` is
+# `lowprec.formats.ScaledFormat`.
+from lowprec.formats import SCALE_RULES as SCALE_RULES
+from lowprec.formats import SCALED as SCALED
+from lowprec.formats import ScaledFormat as ScaledFormat
+from lowprec.formats import get_scaled_format as get_scaled_format
+from lowprec.formats import is_scaled as is_scaled
 from lowprec.rounding import (
   OVERFLOW_MODES,
   round_and_flag,
@@ -91,152 +103,12 @@ from lowprec.rounding import (
 )
 
 MODES = ("nearest", "stochastic")
-SCALE_RULES = ("ocp", "noclip")  # the power-of-two (E8M0) rules
 _RULES = (*SCALE_RULES, "nvfp4", "amax")
 
 E8M0_MIN_EXP, E8M0_MAX_EXP = -127, 127
 NVFP4_TENSOR_SCALE_MIN = 2.0**-117  # keeps s_b * s_t a normal float32
 TENSOR_SCALE_MIN = 2.0**-126
 _E4M3 = NAMED["float8_e4m3fn"]
-_TENSOR = ("float8_e4m3fn", "float8_e5m2")
-
-
-@dataclasses.dataclass(frozen=True)
-class ScaledFormat:
-  """A scaled format: element format, block, scale type and scale rule.
-
-  Hashable, so it can be a static argument under jit. Build one with
-  `get_scaled_format`.
-
-  Attributes:
-    name: the base name, e.g. `"mxfp8_e4m3"`, `"nvfp4"`,
-      `"float8_e4m3fn:tensor"`.
-    element: the element `Format`.
-    block: elements per block, or None for one scale per tensor.
-    scale_type: `"e8m0"` (power of two), `"e4m3"` (NVFP4's block scale,
-      times a float32 tensor scale) or `"float32"`.
-    rule: `"ocp"`, `"noclip"`, `"nvfp4"` or `"amax"` (module docstring).
-    axis: the axis cut into blocks (default the last).
-  """
-
-  name: str
-  element: Format
-  block: int | None
-  scale_type: str
-  rule: str
-  axis: int = -1
-
-  def __str__(self) -> str:
-    return self.name
-
-  @property
-  def max_finite(self) -> float:
-    """The element format's largest value."""
-    return self.element.max_finite
-
-  # What lowprec.storage asks of a format: a scaled grid has no dtype of
-  # its own (its values are elements times scales) and no inf.
-  native_dtype = None
-  has_inf = False
-
-  @property
-  def element_dtype(self) -> np.dtype:
-    """How `quantize` stores elements: the native dtype of one-byte
-    elements, float32 (holding grid values) for FP6 and FP4, whose
-    conversions XLA does not support on every backend."""
-    native = self.element.native_dtype
-    if native is not None and self.element.bits == 8:
-      return native
-    return np.dtype(np.float32)
-
-
-def _mx(name, element) -> ScaledFormat:
-  return ScaledFormat(name, NAMED[element], 32, "e8m0", "ocp")
-
-
-SCALED: dict[str, ScaledFormat] = {
-  f.name: f
-  for f in (
-    _mx("mxfp8_e4m3", "float8_e4m3fn"),
-    _mx("mxfp8_e5m2", "float8_e5m2"),
-    _mx("mxfp6_e3m2", "float6_e3m2fn"),
-    _mx("mxfp6_e2m3", "float6_e2m3fn"),
-    _mx("mxfp4_e2m1", "float4_e2m1fn"),
-    ScaledFormat("nvfp4", NAMED["float4_e2m1fn"], 16, "e4m3", "nvfp4"),
-    *(
-      ScaledFormat(f"{e}:tensor", NAMED[e], None, "float32", "amax")
-      for e in _TENSOR
-    ),
-  )
-}
-
-
-def is_scaled(fmt) -> bool:
-  """Whether `fmt` is a `ScaledFormat` or the name of one."""
-  if isinstance(fmt, ScaledFormat):
-    return True
-  return isinstance(fmt, str) and fmt.strip() in SCALED
-
-
-def get_scaled_format(
-  fmt: str | ScaledFormat,
-  *,
-  rule: str | None = None,
-  block: int | None = None,
-  axis: int | None = None,
-) -> ScaledFormat:
-  """Returns the `ScaledFormat` for a name, with optional changes.
-
-  Args:
-    fmt: a name from `SCALED` (`"mxfp8_e4m3"`, `"nvfp4"`,
-      `"float8_e4m3fn:tensor"`, ...) or a `ScaledFormat`.
-    rule: for MX formats, `"ocp"` (default) or `"noclip"`.
-    block: elements per block (MX default 32, NVFP4 16); a block size
-      other than the standard one leaves the OCP / NVFP4 definition but
-      keeps its rule. Not for per-tensor formats.
-    axis: the axis cut into blocks (default -1).
-
-  Raises:
-    ValueError: an unknown name (the message lists the valid ones and
-      points an unscaled name to `get_format`), a rule the format does not
-      have, or a block size that is not a positive integer.
-  """
-  if not isinstance(fmt, ScaledFormat):
-    if not isinstance(fmt, str):
-      raise TypeError(f"expected a scaled format name, got {fmt!r}")
-    name = fmt.strip()
-    if name not in SCALED:
-      hint = (
-        f" {name!r} is an unscaled format: use lowprec.get_format, or "
-        f"scale it per tensor as '{name}:tensor' (fp8) or per block as an "
-        "MX name."
-        if name in NAMED
-        else names.suggest(name, SCALED)
-      )
-      raise ValueError(
-        f"unknown scaled format {name!r}.{hint} Valid scaled formats: "
-        + ", ".join(SCALED)
-      )
-    fmt = SCALED[name]
-  changes = {}
-  if rule is not None:
-    valid = SCALE_RULES if fmt.scale_type == "e8m0" else (fmt.rule,)
-    names.check_choice(f"scale rule for {fmt.name}", rule, valid)
-    changes["rule"] = rule
-  if block is not None:
-    if fmt.block is None:
-      raise ValueError(
-        f"{fmt.name} has one scale per tensor and no block size; for "
-        "blocks use an MX format, e.g. get_scaled_format('mxfp8_e4m3', "
-        f"block={block})"
-      )
-    ok = isinstance(block, int | np.integer) and not isinstance(block, bool)
-    if not ok or block < 1:
-      raise ValueError(f"block must be a positive integer, got {block!r}")
-    changes["block"] = int(block)
-  if axis is not None:
-    changes["axis"] = int(axis)
-  return dataclasses.replace(fmt, **changes) if changes else fmt
 
 
 class Scales(NamedTuple):

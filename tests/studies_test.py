@@ -176,8 +176,18 @@ def test_unknown_int_scale_scope_is_refused_with_a_suggestion():
 @pytest.mark.parametrize(
   "key, value, match",
   [
-    ("writeback", "nvfp4", "lowprec.writeback: 'nvfp4' has float32 scales"),
-    ("trace_targets", ("float8_e4m3fn:tensor",), "use an MX format"),
+    (
+      "writeback",
+      "nvfp4",
+      "lowprec.writeback: write-back onto nvfp4 is not supported.*"
+      "Use 'mxfp4_e2m1'",
+    ),
+    (
+      "trace_targets",
+      ("float8_e4m3fn:tensor",),
+      "lowprec.trace_targets: write-back onto float8_e4m3fn:tensor is not "
+      "supported.*Use the element format itself",
+    ),
     ("writeback", "mxfp8_e4m", "Did you mean 'mxfp8_e4m3'"),
   ],
   ids=["nvfp4", "tensor", "typo"],

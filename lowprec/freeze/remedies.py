@@ -20,12 +20,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from lowprec import compensated, storage
+from lowprec import compensated, counting, storage
 from lowprec.compensated import _as_emitted, _buffer_dtype, _buffer_format
-from lowprec.formats import Format, get_format
+from lowprec.formats import Format, ScaledFormat, get_format
+from lowprec.freeze import reports
 from lowprec.freeze.trace import named_specs
 from lowprec.rounding import round_and_flag
-from lowprec.writeback import _count, _is_scaled
 
 KINDS = ("kahan", "two_component")
 
@@ -211,26 +211,20 @@ class CompensatedTraceState(NamedTuple):
     `drained/<leaf>`. Counts are exact integers, fractions and masses
     floats (NaN fractions without a denominator).
     """
-    host = jax.device_get(self._replace(buffer=(), flags=()))
-    return self._collect(host, np, _host_ratio, _host_value)
+    return reports.host(self._collect, self._replace(buffer=(), flags=()))
 
   def arrays(self) -> dict[str, jax.Array]:
     """The values of `report()` as arrays (int32 counts, float32 ratios
     and masses), traceable inside jit, stacked by `scan`."""
-    return self._collect(self, jnp, _ratio_array, lambda x: x)
+    return reports.traced(self._collect, self)
 
   @staticmethod
   def _collect(st, xp, ratio, value) -> dict[str, Any]:
     lay = st.layout
-    wide = np.int64 if xp is np else jnp.int32
-    counts = xp.asarray(st.counts).astype(wide)
-    masses = xp.asarray(st.masses)
-    if xp is np:
-      masses = masses.astype(np.float64)
+    counts = reports.counts(xp, st.counts)
+    masses = reports.sums(xp, st.masses)
     out: dict[str, Any] = {}
-    for j, name in enumerate(lay.targets):
-      pre = f"pred/{name}/"
-      on = [i for i, f in enumerate(lay.formats[j]) if f is not None]
+    for j, pre, on in reports.targets(lay):
       c = {f: counts[..., j, on, k].sum(axis=-1) for k, f in enumerate(_COUNTS)}
       m = {f: masses[..., j, on, k].sum(axis=-1) for k, f in enumerate(_MASSES)}
       for f in _STEP:
@@ -254,38 +248,12 @@ class CompensatedTraceState(NamedTuple):
     return out
 
 
-def _host_value(a):
-  a = np.asarray(a)
-  return a.tolist() if a.ndim else a.item()
-
-
-def _host_ratio(num, den):
-  num, den = np.asarray(num), np.asarray(den)
-  if not num.ndim:
-    return float(num) / float(den) if den else float("nan")
-  with np.errstate(invalid="ignore", divide="ignore"):
-    return np.where(den > 0, num / np.maximum(den, 1), np.nan).tolist()
-
-
-def _ratio_array(num, den) -> jax.Array:
-  den_f = jnp.maximum(den, 1).astype(jnp.float32)
-  return jnp.where(den > 0, num.astype(jnp.float32) / den_f, jnp.nan)
-
-
-def _is_float(x) -> bool:
-  return jnp.issubdtype(jnp.result_type(x), jnp.floating)
-
-
-def _float_leaves(tree) -> list:
-  return [x for x in jax.tree_util.tree_leaves(tree) if _is_float(x)]
-
-
 def _weight_format(r: Remedy, path) -> Format | None:
   f = r.leaf_format(path)
   if f is None:
     return None
-  name = storage.path_name(path) or "params"
-  if _is_scaled(f):
+  name = reports.leaf_name(path)
+  if isinstance(f, ScaledFormat):
     raise ValueError(
       f"compensated_trace: parameter {name!r} is on the scaled grid {f}, "
       "whose gap moves with its block's maximum; the prediction covers "
@@ -383,14 +351,13 @@ def compensated_trace(remedies) -> optax.GradientTransformation:
   parsed = _parse(remedies)
 
   def make_layout(params) -> RemedyLayout:
-    flat, _ = jax.tree_util.tree_flatten_with_path(params)
-    flat = [(p, x) for p, x in flat if _is_float(x)]
+    flat = reports.float_paths(params)
     formats = tuple(
       tuple(_weight_format(r, p) for p, _ in flat) for _, r in parsed
     )
     return RemedyLayout(
       targets=tuple(n for n, _ in parsed),
-      leaves=tuple(storage.path_name(p) or "params" for p, _ in flat),
+      leaves=tuple(reports.leaf_name(p) for p, _ in flat),
       formats=formats,
       buffers=tuple(
         tuple(None if f is None else r.buffer_format(f) for f in row)
@@ -402,7 +369,7 @@ def compensated_trace(remedies) -> optax.GradientTransformation:
 
   def init_fn(params):
     lay = make_layout(params)
-    ws = _float_leaves(params)
+    ws = reports.float_leaves(params)
     n_t, n_l = len(lay.targets), len(lay.leaves)
     buffers, flags = [], []
     for j in range(n_t):
@@ -424,18 +391,10 @@ def compensated_trace(remedies) -> optax.GradientTransformation:
     )
 
   def update_fn(updates, state, params=None):
-    if params is None:
-      raise ValueError(
-        "compensated_trace needs params: call opt.update(updates, state, "
-        "params)"
-      )
     lay = state.layout
-    ws, us = _float_leaves(params), _float_leaves(updates)
-    if len(ws) != len(lay.leaves) or len(us) != len(ws):
-      raise ValueError(
-        "params/updates do not match the tree the compensated trace was "
-        "initialised with"
-      )
+    ws, us = reports.step_leaves(
+      "compensated_trace", params, updates, len(lay.leaves)
+    )
     buffers, flags, counts, masses = [], [], [], []
     for j in range(len(lay.targets)):
       row = _target_step(state, j, ws, us)
@@ -516,12 +475,8 @@ def _predict_leaf(w, u, c, flag, fmt: Format, buf: Format, two_sum: bool):
   masses = (new_c, jnp.where(written, r - new_c, 0.0), drift)
   # As the compensated write-back counts: one variadic reduction of the
   # masks, then a float32 sum per mass.
-  return new_c, flag, _count(*bits), [_mass(m) for m in masses]
+  return new_c, flag, counting.count(*bits), [counting.mass(m) for m in masses]
 
 
 def _bit(mask, value: int) -> jax.Array:
   return jnp.where(mask, jnp.uint8(value), jnp.uint8(0))
-
-
-def _mass(x):
-  return jnp.sum(jnp.abs(x), dtype=jnp.float32)

@@ -20,7 +20,13 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from lowprec import names, rounding, scaled, storage
-from lowprec.formats import Format, get_format
+from lowprec.formats import (
+  Format,
+  check_writeback_format,
+  get_format,
+  writeback_refusal,
+)
+from lowprec.freeze import reports
 from lowprec.rounding import ROUNDINGS
 
 _SUFFIX = {"nearest": "", "stochastic": "_sr", "deadzone": "_dzsr"}
@@ -62,13 +68,13 @@ class Target:
   def leaf_format(self, path) -> Format | scaled.ScaledFormat | None:
     """The format of the parameter at key path `path` (None: left out)."""
     fmt = self._lookup(path)
-    return _checked(fmt) if scaled.is_scaled(fmt) else fmt
+    if not scaled.is_scaled(fmt):
+      return fmt
+    return _checked(fmt, f"parameter {storage.path_name(path)!r}")
 
 
 # The scaled formats a target takes (`_checked`): MX, power-of-two scales.
-_MX_TARGETS = tuple(
-  n for n, f in scaled.SCALED.items() if f.scale_type == "e8m0"
-)
+_MX_TARGETS = tuple(n for n in scaled.SCALED if writeback_refusal(n) is None)
 
 
 def _grid(fmt) -> Format:
@@ -97,17 +103,12 @@ def _known(name: str) -> bool:
   return True
 
 
-def _checked(fmt) -> scaled.ScaledFormat:
-  """An MX format; the others, refused by the write-back, are refused."""
-  fmt = scaled.get_scaled_format(fmt)
-  if fmt.scale_type != "e8m0":
-    raise ValueError(
-      f"reference_trace predicts the write-back, which refuses {fmt}: its "
-      "scales are float32 products, not powers of two (lowprec.writeback "
-      "says why). Predict for an MX format instead, e.g. 'mxfp4_e2m1' for "
-      "nvfp4's elements or 'mxfp8_e4m3' for per-tensor float8_e4m3fn"
-    )
-  return fmt
+def _checked(fmt, what: str = "") -> scaled.ScaledFormat:
+  """A scaled format the write-back takes (MX); the others are refused
+  with the write-back's reason and fix (`what` names the parameter)."""
+  where = "reference_trace (which predicts the write-back)"
+  check_writeback_format(fmt, f"{where}, {what}" if what else where)
+  return scaled.get_scaled_format(fmt)
 
 
 def named_specs(specs, *, single, convert, what: str, example: str) -> tuple:
@@ -219,27 +220,21 @@ class ReferenceTraceState(NamedTuple):
     state with leading (ensemble) axes gives nested lists.
     """
     # The O(params) tracking arrays stay on the device: only counts move.
-    host = jax.device_get(self._replace(init_q=None, still=None))
-    return self._collect(host, np, _host_ratio, _host_value)
+    return reports.host(self._collect, self._replace(init_q=None, still=None))
 
   def arrays(self) -> dict[str, jax.Array]:
     """The values of `report()` as arrays (int32 counts, float32 ratios),
     traceable inside jit, stacked by `scan`, batched by `vmap`."""
-    return self._collect(self, jnp, _ratio_array, lambda x: x)
+    return reports.traced(self._collect, self)
 
   @staticmethod
   def _collect(st, xp, ratio, value) -> dict[str, Any]:
     lay = st.layout
-    wide = np.int64 if xp is np else jnp.int32
-    props = xp.asarray(st.proposals).astype(wide)
-    erased = xp.asarray(st.erased).astype(wide)
-    move = xp.asarray(st.move_prob)
-    if xp is np:
-      move = move.astype(np.float64)
+    props = reports.counts(xp, st.proposals)
+    erased = reports.counts(xp, st.erased)
+    move = reports.sums(xp, st.move_prob)
     out: dict[str, Any] = {}
-    for j, name in enumerate(lay.targets):
-      pre = f"pred/{name}/"
-      counted = [i for i, f in enumerate(lay.formats[j]) if f is not None]
+    for j, pre, counted in reports.targets(lay):
       n = props[..., counted].sum(axis=-1)
       out[pre + "proposals"] = value(n)
       nearest = lay.roundings[j] == "nearest"
@@ -252,11 +247,11 @@ class ReferenceTraceState(NamedTuple):
       for i in counted:
         out[f"{pre}{key}/{lay.leaves[i]}"] = ratio(num[..., i], props[..., i])
       if nearest and st.at_init is not None:
-        kept = xp.asarray(st.at_init).astype(wide)[..., j, :]
+        kept = reports.counts(xp, st.at_init)[..., j, :]
         total = sum(lay.sizes[i] for i in counted)
         out[pre + "at_init"] = value(kept[..., counted].sum(axis=-1))
         out[pre + "at_init_fraction"] = ratio(
-          kept[..., counted].sum(axis=-1), xp.asarray(total, wide)
+          kept[..., counted].sum(axis=-1), reports.counts(xp, total)
         )
         for i in counted:
           out[f"{pre}at_init/{lay.leaves[i]}"] = value(kept[..., i])
@@ -277,36 +272,10 @@ class ReferenceTraceState(NamedTuple):
     return out
 
 
-def _ratio(num, den) -> float:
-  return float(num) / float(den) if den else float("nan")
-
-
-def _host_value(a):
-  a = np.asarray(a)
-  return a.tolist() if a.ndim else a.item()
-
-
-def _host_ratio(num, den):
-  num, den = np.asarray(num), np.asarray(den)
-  if not num.ndim:
-    return _ratio(num, den)
-  with np.errstate(invalid="ignore", divide="ignore"):
-    return np.where(den > 0, num / np.maximum(den, 1), np.nan).tolist()
-
-
-def _ratio_array(num, den) -> jax.Array:
-  den_f = jnp.maximum(den, 1).astype(jnp.float32)
-  return jnp.where(den > 0, num.astype(jnp.float32) / den_f, jnp.nan)
-
-
 def leaf_paths(tree) -> list[str]:
   """Leaf paths as `"a/b/c"` strings, in `jax.tree_util` leaf order."""
   flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-  return [storage.path_name(p) or "params" for p, _ in flat]
-
-
-def _is_float(x) -> bool:
-  return jnp.issubdtype(jnp.result_type(x), jnp.floating)
+  return [reports.leaf_name(p) for p, _ in flat]
 
 
 def reference_trace(
@@ -421,12 +390,11 @@ def reference_trace(
     raise ValueError(f"theta must lie in [0, 1], got {theta}")
 
   def make_layout(params) -> TraceLayout:
-    flat, _ = jax.tree_util.tree_flatten_with_path(params)
-    flat = [(p, x) for p, x in flat if _is_float(x)]
+    flat = reports.float_paths(params)
     return TraceLayout(
       targets=tuple(n for n, _ in parsed),
       roundings=tuple(t.rounding for _, t in parsed),
-      leaves=tuple(storage.path_name(p) or "params" for p, _ in flat),
+      leaves=tuple(reports.leaf_name(p) for p, _ in flat),
       formats=tuple(
         tuple(t.leaf_format(p) for p, _ in flat) for _, t in parsed
       ),
@@ -434,12 +402,10 @@ def reference_trace(
       theta=float(theta),
     )
 
-  def float_leaves(tree) -> list[jax.Array]:
-    return [x for x in jax.tree_util.tree_leaves(tree) if _is_float(x)]
-
   def init_fn(params):
     lay = make_layout(params)
-    _check_blocks(float_leaves(params), lay)
+    ws = reports.float_leaves(params)
+    _check_blocks(ws, lay)
     n_t, n_l = len(lay.targets), len(lay.leaves)
     total = sum(lay.sizes)
     if sample > total:
@@ -455,7 +421,7 @@ def reference_trace(
     else:
       index = None
     empty = None if not sample else jnp.zeros([sample], jnp.float32)
-    tracked = _init_tracking(float_leaves(params), lay) if at_init else {}
+    tracked = _init_tracking(ws, lay) if at_init else {}
     return ReferenceTraceState(
       count=jnp.zeros([], jnp.int32),
       proposals=jnp.zeros([n_l], jnp.int32),
@@ -470,16 +436,10 @@ def reference_trace(
     )
 
   def update_fn(updates, state, params=None):
-    if params is None:
-      raise ValueError(
-        "reference_trace needs params: call opt.update(updates, state, params)"
-      )
     lay = state.layout
-    ws, us = float_leaves(params), float_leaves(updates)
-    if len(ws) != len(lay.leaves) or len(us) != len(ws):
-      raise ValueError(
-        "params/updates do not match the tree the trace was initialised with"
-      )
+    ws, us = reports.step_leaves(
+      "reference_trace", params, updates, len(lay.leaves)
+    )
     ws = [jnp.asarray(w, jnp.float32) for w in ws]
     us = [jnp.asarray(u, jnp.float32) for u in us]
     per_leaf = [
