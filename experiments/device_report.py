@@ -134,7 +134,26 @@ def collect(parts_dir: str, dry_run: bool = False) -> dict:
     "parts": parts(parts_dir),
     "configs": configs,
     "bench": _bench(parts_dir),
+    "golden_bits": _golden_bits(parts_dir),
   }
+
+
+GOLDEN_RUNS = {
+  "golden_bits": "default flags",
+  "golden_bits_no_excess": "--xla_allow_excess_precision=false",
+}
+
+
+def _golden_bits(parts_dir: str) -> dict:
+  """`{run: {recipe: "equal" or the first difference}}` of the golden-bits
+  parts that left their comparison."""
+  out = {}
+  for name in GOLDEN_RUNS:
+    path = os.path.join(parts_dir, f"{name}.json")
+    if os.path.exists(path):
+      with open(path) as f:
+        out[name] = json.load(f)
+  return out
 
 
 def _cell(key: str, value) -> str:
@@ -178,6 +197,7 @@ def markdown(report: dict) -> str:
       r["peak_device_bytes"] = r.get("peak_rss_bytes")
     cells = " | ".join(_cell(k, r.get(k)) for k, _ in _COLUMNS)
     lines.append(f"| {name} | {cells} |")
+  lines += _golden_lines(report.get("golden_bits", {}))
   lines += ["", "| benchmark | case | ratio to | median (range) |"]
   lines.append("|---|---|---|---:|")
   for section, data in report["bench"].items():
@@ -190,6 +210,32 @@ def markdown(report: dict) -> str:
           f"({r['min']:.2f}-{r['max']:.2f}) |"
         )
   return "\n".join(lines) + "\n"
+
+
+def _golden_lines(golden: dict) -> list[str]:
+  """Golden bits per recipe under each flag setting: `equal`, or the
+  first differing element with both values; AdamW records are marked as
+  information."""
+  if not golden:
+    return ["", "Golden bits: not run (see the parts above)."]
+  runs = [r for r in GOLDEN_RUNS if r in golden]
+  lines = [
+    "",
+    "| golden bits: recipe | "
+    + " | ".join(GOLDEN_RUNS[r] for r in runs)
+    + " |",
+  ]
+  lines.append("|---|" + "---|" * len(runs))
+  recipes = sorted({n for r in runs for n in golden[r]})
+  for n in recipes:
+    cells = []
+    for r in runs:
+      v = golden[r].get(n, "not run")
+      if v != "equal" and n.startswith("adamw/"):
+        v = f"information: {v}"
+      cells.append(v.replace("|", "\\|"))
+    lines.append(f"| {n} | " + " | ".join(cells) + " |")
+  return lines
 
 
 def write(parts_dir: str, out_dir: str, dry_run: bool = False) -> dict:

@@ -50,6 +50,7 @@ __all__ = [
   "audit",
   "bytes_per_param",
   "check_on_grid",
+  "contract",
   "freeze",
   "get_format",
   "get_scaled_format",

@@ -57,7 +57,6 @@ _COUNTS += ("nonfinite", "lost")
 _MASSES = ("carried", "lost_mass")
 _FIELDS = _COUNTS + _MASSES
 _BF16 = get_format("bfloat16")
-_buffer_dtype = stored_dtype  # TEMPORARY
 
 
 class CompensatedState(NamedTuple):
@@ -399,7 +398,7 @@ def remainder_writeback(
 _WIDER = ("float64", "double", "f8", "complex64", "complex128")
 
 
-def _buffer_format(f) -> Format:
+def buffer_format(f) -> Format:
   name = np.dtype(f).name if isinstance(f, np.dtype | type) else f
   if isinstance(name, str):
     name = name.strip()
@@ -462,7 +461,7 @@ def _buffer_lookup(spec):
   def parse(f):
     if f is None:
       return None
-    return _buffer_format(f)
+    return buffer_format(f)
 
   lookup = format_lookup(_parsed_spec(spec, parse))
 
@@ -613,7 +612,7 @@ class _Compensated(NamedTuple):
     u32 = jnp.uint32
     # A plain float32 add of the proposal as it arrives, as a master run
     # that applies its updates with optax.apply_updates does.
-    u = _as_emitted(u)
+    u = as_emitted(u)
     top = jax.lax.bitcast_convert_type(w, u32)
     master = jax.lax.bitcast_convert_type(top | rem.astype(u32), jnp.float32)
     finite = jnp.isfinite(u) & ~jnp.isnan(master)
@@ -684,7 +683,7 @@ def step(
   `lowprec.freeze.compensated_trace` (at the reference weight's grid
   value) compute with it, so a prediction is the same arithmetic.
   """
-  u = _as_emitted(u)
+  u = as_emitted(u)
   y = u + c
   finite = jnp.isfinite(y) & ~jnp.isnan(w)
   if two_sum:
@@ -707,7 +706,7 @@ def step(
   return Step(delta, new_c, r, written, finite, over, lands)
 
 
-def _as_emitted(u):
+def as_emitted(u):
   """`u` as the optimizer emitted it: rounded to float32 before any add.
 
   XLA:CPU contracts a multiply that feeds an add in the same fusion into

@@ -21,7 +21,7 @@ import numpy as np
 
 from lowprec import rng as rng_lib
 from lowprec import scaled
-from lowprec.formats import Format
+from lowprec.formats import Format, check_writeback_format
 from lowprec.storage import (
   check_on_grid,
   check_shape,
@@ -132,42 +132,6 @@ def _check_proposal(name: str, u) -> None:
       "dtype, so their state (e.g. Adam's moments) is that narrow too and "
       "under- or overflows. Run them in float32: optax.chain("
       "lowprec.in_float32(optax.adam(...)), lowprec.writeback(...))"
-    )
-
-
-# Why a scaled format with float32 (not power-of-two) scales takes no
-# write-back, and what to use instead, by scale rule.
-_WHY_NOT = {
-  "nvfp4": (
-    "Its scale s_b * s_t is a float32 product recomputed from the "
-    "tensor's amax, and the grid is not a fixed point of its own "
-    "rounding: rounding a tensor already on it recomputes s_t from the "
-    "rounded amax and moves most values by a float32 rounding, so no "
-    "parameter stays on the grid of its own scales (there is no "
-    "state-free grid to write back onto), a step that moves the tensor "
-    "amax moves every value (w' == w, 'erased', loses its meaning), and "
-    "the float32 delta between two products e * s need not land exactly. "
-    "Use 'mxfp4_e2m1' (the same E2M1 elements under power-of-two E8M0 "
-    "scales), or lowprec.get_scaled_format('mxfp4_e2m1', block=16) for "
-    "NVFP4's block size (docs/scaled.md)"
-  ),
-  "amax": (
-    "Its one float32 scale amax / max_E follows the tensor's largest "
-    "|w|, so a step that moves that value moves every value of the "
-    "tensor by a float32 rounding (w' == w, 'erased', loses its "
-    "meaning), and the float32 delta between two products e * s of a "
-    "scale that is not a power of two need not land exactly. Use the "
-    "element format itself (e.g. 'float8_e4m3fn', scale 1) or an MX "
-    "format with power-of-two block scales (e.g. 'mxfp8_e4m3') "
-    "(docs/scaled.md)"
-  ),
-}
-
-
-def check_writeback_format(fmt, where):  # TEMPORARY until formats has it
-  if fmt.scale_type != "e8m0":
-    raise ValueError(
-      f"{where}: write-back onto {fmt} is not supported. {_WHY_NOT[fmt.rule]}"
     )
 
 

@@ -29,8 +29,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowprec.formats import Format, get_format
-from lowprec.scaled import ScaledFormat, get_scaled_format, is_scaled
+from lowprec.formats import (
+  Format,
+  ScaledFormat,
+  get_format,
+  get_scaled_format,
+  is_scaled,
+)
 
 
 def path_name(path) -> str:

@@ -31,7 +31,6 @@ from lowprec.storage import format_lookup
 from lowprec.store import Codec, encode, land, tally
 
 NONFINITE_MODES = ("keep", "propagate")
-_count = tally  # TEMPORARY alias for older importers
 SCALE_MODES = ("recompute", "keep")  # block scales of a scaled write-back
 
 _COUNTS = ("proposals", "moved", "saturated", "unreachable", "nonfinite")

@@ -6,7 +6,9 @@
 #   bash scripts/device_check.sh    # there (OUT=DIR: where results go)
 #
 # Installs the wheels of .whl/ into a target folder (what the machine's
-# image lacks), prints the versions and devices, runs each full-scale
+# image lacks), prints the versions and devices, checks the golden bits of
+# every storage recipe (tests/golden_bits.json) with XLA's default flags
+# and with --xla_allow_excess_precision=false, runs each full-scale
 # config (GPT-2 124M of freeze_gpt2_fp8; the 390M GPT of attention_reuse
 # with its probe) for $STEPS steps of a reduced batch on synthetic token
 # files, then each section of scripts/bench.py. Each part runs under its own
@@ -87,6 +89,13 @@ export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 
 part env 60 python3 -m scripts.device_report --env
 cat "$PARTS/env.out"
+# Golden bits: every recipe's stored outputs on fixed float32 inputs must
+# equal the CPU's bit for bit, with XLA's default flags and with excess
+# precision off; the AdamW records are information.
+part golden_bits 90 python3 -m experiments.golden_bits \
+  --json "$PARTS/golden_bits.json"
+part golden_bits_no_excess 90 python3 -m experiments.golden_bits \
+  --no_excess_precision --json "$PARTS/golden_bits_no_excess.json"
 step() {  # config name, time limit (s), plan_full_scale --step arguments
   local name=$1 limit=$2
   shift 2

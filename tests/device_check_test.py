@@ -21,7 +21,7 @@ import warnings
 import pytest
 from packaging.requirements import Requirement
 
-from experiments import device_report, xla_flags
+from experiments import device_report, golden_bits, xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OURS = ("lowprec", "experiments", "configs", "scripts")
@@ -147,6 +147,8 @@ def test_dry_run_of_device_check_on_the_cpu(tmp_path):
   names = [p["name"] for p in report["parts"]]
   assert names == [
     "env",
+    "golden_bits",
+    "golden_bits_no_excess",
     "step_freeze_gpt2_fp8",
     "step_attention_reuse",
     "bench_rounding",
@@ -166,6 +168,27 @@ def test_dry_run_of_device_check_on_the_cpu(tmp_path):
   assert md.startswith("# Device check (dry run)")
   assert "| freeze_gpt2_fp8 | 21,984 |" in md
   assert "| bench_rounding | ok |" in md
+  # The golden bits, on the CPU, equal the file under both flag settings.
+  for run_name in device_report.GOLDEN_RUNS:
+    verdicts = report["golden_bits"][run_name]
+    assert set(verdicts) == set(golden_bits.transforms())
+    assert all(v == "equal" for v in verdicts.values()), verdicts
+  assert "| writeback/bfloat16/stochastic | equal | equal |" in md
+
+
+def test_golden_bits_table_shows_the_first_difference_and_information(
+  tmp_path,
+):
+  d = _parts_dir(tmp_path, [("env", "0", "3", "60")])
+  diff = "params['w'][1, 3]: expected 0.5, got 0.625 (1 of 256 elements differ)"
+  (d / "golden_bits.json").write_text(
+    json.dumps({"kahan/bfloat16/bfloat16/nearest": diff, "adamw/x": diff})
+  )
+  report = device_report.write(str(d), str(tmp_path / "out"))
+  assert set(report["golden_bits"]) == {"golden_bits"}
+  md = (tmp_path / "out" / "device_check.md").read_text()
+  assert f"| kahan/bfloat16/bfloat16/nearest | {diff} |" in md
+  assert f"| adamw/x | information: {diff} |" in md
 
 
 def _parts_dir(tmp_path, rows):

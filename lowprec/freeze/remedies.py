@@ -21,11 +21,12 @@ import numpy as np
 import optax
 
 from lowprec import compensated, counting, storage
-from lowprec.compensated import _as_emitted, _buffer_dtype, _buffer_format
+from lowprec.compensated import as_emitted, buffer_format
 from lowprec.formats import Format, ScaledFormat, get_format
 from lowprec.freeze import reports
 from lowprec.freeze.trace import named_specs
 from lowprec.rounding import round_and_flag
+from lowprec.store import stored_dtype
 
 KINDS = ("kahan", "two_component")
 
@@ -76,7 +77,7 @@ class Remedy:
           "a 'kahan' remedy needs a buffer format, e.g. ('bfloat16', "
           "'kahan', 'bfloat16') or ('bfloat16', 'kahan', 'float8_e5m2')"
         )
-      object.__setattr__(self, "buffer", _buffer_format(self.buffer))
+      object.__setattr__(self, "buffer", buffer_format(self.buffer))
     else:
       object.__setattr__(self, "buffer", None)
     object.__setattr__(self, "_lookup", storage.format_lookup(self.fmt))
@@ -377,7 +378,7 @@ def compensated_trace(remedies) -> optax.GradientTransformation:
       for i, w in enumerate(ws):
         b = lay.buffers[j][i]
         on = b is not None
-        bs.append(jnp.zeros_like(w, _buffer_dtype(b)) if on else None)
+        bs.append(jnp.zeros_like(w, stored_dtype(b)) if on else None)
         fs.append(jnp.full_like(w, _FROZEN, jnp.uint8) if on else None)
       buffers.append(tuple(bs))
       flags.append(tuple(fs))
@@ -451,7 +452,7 @@ def _predict_leaf(w, u, c, flag, fmt: Format, buf: Format, two_sum: bool):
   """
   w = jnp.asarray(w).astype(jnp.float32)
   # Rounded as emitted, also for `q + u` below (see compensated.step).
-  u = _as_emitted(jnp.asarray(u).astype(jnp.float32))
+  u = as_emitted(jnp.asarray(u).astype(jnp.float32))
   c = jnp.asarray(c).astype(jnp.float32)
   q = round_and_flag(w, fmt)[0]
   drift = jnp.where(jnp.isfinite(w) & jnp.isfinite(c), w - (q + c), 0.0)
