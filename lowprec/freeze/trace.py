@@ -378,16 +378,7 @@ def reference_trace(
     ```
   """
   parsed = _parse_targets(targets)
-  sample = int(sample)
-  if sample < 0:
-    raise ValueError(f"sample must be >= 0, got {sample}")
-  if sample and key is None:
-    raise ValueError(
-      "sample > 0 needs a key: reference_trace(..., sample=N, "
-      "key=jax.random.key(0))"
-    )
-  if not 0.0 <= theta <= 1.0:
-    raise ValueError(f"theta must lie in [0, 1], got {theta}")
+  sample = _checked_sample(sample, key, theta)
 
   def make_layout(params) -> TraceLayout:
     flat = reports.float_paths(params)
@@ -407,19 +398,7 @@ def reference_trace(
     ws = reports.float_leaves(params)
     _check_blocks(ws, lay)
     n_t, n_l = len(lay.targets), len(lay.leaves)
-    total = sum(lay.sizes)
-    if sample > total:
-      raise ValueError(f"sample={sample} exceeds the {total} coordinates")
-    if sample and total >= 2**31:
-      raise ValueError("sample= supports up to 2**31 - 1 coordinates")
-    if sample:
-      # One uniform draw per equal slice: distinct, spread over all leaves.
-      edges = np.arange(sample + 1, dtype=np.int64) * total // sample
-      widths = jnp.asarray(np.diff(edges), jnp.int32)
-      r = jax.random.randint(key, (sample,), 0, widths, dtype=jnp.int32)
-      index = jnp.asarray(edges[:-1], jnp.int32) + r
-    else:
-      index = None
+    index = _sample_index(key, sample, sum(lay.sizes))
     empty = None if not sample else jnp.zeros([sample], jnp.float32)
     tracked = _init_tracking(ws, lay) if at_init else {}
     return ReferenceTraceState(
@@ -446,16 +425,7 @@ def reference_trace(
       _leaf_counts(w, u, [f[i] for f in lay.formats], lay.roundings)
       for i, (w, u) in enumerate(zip(ws, us, strict=True))
     ]
-    if per_leaf:
-      proposals = jnp.stack([p for p, _, _ in per_leaf])
-      erased_a = jnp.stack([e for _, e, _ in per_leaf], axis=1)
-      move_a = jnp.stack([m for _, _, m in per_leaf], axis=1)
-    else:
-      proposals, erased_a, move_a = (
-        state.proposals,
-        state.erased,
-        state.move_prob,
-      )
+    proposals, erased_a, move_a = _stacked(per_leaf, state)
     run_start = _online_crossing(state, proposals, erased_a, lay)
     sample_w, sample_u = _gather(ws, us, state.sample_index, lay)
     new = ReferenceTraceState(
@@ -473,6 +443,47 @@ def reference_trace(
     return updates, new
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _checked_sample(sample, key, theta) -> int:
+  sample = int(sample)
+  if sample < 0:
+    raise ValueError(f"sample must be >= 0, got {sample}")
+  if sample and key is None:
+    raise ValueError(
+      "sample > 0 needs a key: reference_trace(..., sample=N, "
+      "key=jax.random.key(0))"
+    )
+  if not 0.0 <= theta <= 1.0:
+    raise ValueError(f"theta must lie in [0, 1], got {theta}")
+  return sample
+
+
+def _sample_index(key, sample: int, total: int):
+  """`sample` distinct coordinates of `total`: one uniform draw per equal
+  slice, spread over all leaves (None without a sample)."""
+  if sample > total:
+    raise ValueError(f"sample={sample} exceeds the {total} coordinates")
+  if sample and total >= 2**31:
+    raise ValueError("sample= supports up to 2**31 - 1 coordinates")
+  if not sample:
+    return None
+  edges = np.arange(sample + 1, dtype=np.int64) * total // sample
+  widths = jnp.asarray(np.diff(edges), jnp.int32)
+  r = jax.random.randint(key, (sample,), 0, widths, dtype=jnp.int32)
+  return jnp.asarray(edges[:-1], jnp.int32) + r
+
+
+def _stacked(per_leaf, state):
+  """Proposals `[leaves]`, erased and move probabilities `[targets,
+  leaves]` from the per-leaf counts (the state's own without leaves)."""
+  if not per_leaf:
+    return state.proposals, state.erased, state.move_prob
+  return (
+    jnp.stack([p for p, _, _ in per_leaf]),
+    jnp.stack([e for _, e, _ in per_leaf], axis=1),
+    jnp.stack([m for _, _, m in per_leaf], axis=1),
+  )
 
 
 def _check_blocks(ws, lay: TraceLayout) -> None:
