@@ -26,6 +26,7 @@ from lowprec.memory import BytesPerParam, bytes_per_param
 from lowprec.policy import Policy
 from lowprec.rounding import round_nearest, round_stochastic
 from lowprec.scaled import ScaledFormat, get_scaled_format
+from lowprec.split import SplitState, split_writeback
 from lowprec.state_storage import (
   StateCounts,
   StateFormat,
@@ -42,6 +43,7 @@ __all__ = [
   "Format",
   "Policy",
   "ScaledFormat",
+  "SplitState",
   "StateCounts",
   "StateFormat",
   "StoredState",
@@ -67,6 +69,7 @@ __all__ = [
   "round_nearest",
   "round_stochastic",
   "scaled",
+  "split_writeback",
   "store_state",
   "telemetry",
   "telemetry_arrays",

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from lowprec.split import SplitState
 from lowprec.state_storage import StoredState
 from lowprec.storage import is_array, path_name
 
@@ -53,7 +54,9 @@ def bytes_per_param(params, opt_state=None) -> BytesPerParam:
     shapes, as Adam's `mu` is): the moments of a 0-d parameter;
   - it is a scale of `lowprec.store_state` (per block or per tensor) of a
     stored leaf that counts per parameter: scales count with the leaf
-    they scale, whatever their shape.
+    they scale, whatever their shape;
+  - it is the correction of a parameter in a `lowprec.split_writeback`
+    state (a scalar parameter's too, where other parameters have none).
 
   The rest is `fixed`.
 
@@ -114,6 +117,7 @@ def _state_leaves(params: dict, state):
     if is_array(x)
   }
   served = _served(state, leaves)
+  corrections = _corrections(state, wanted)
   copies = {}  # prefix -> whether the leaves under it copy the params
 
   def is_copy(prefix: str) -> bool:
@@ -127,6 +131,8 @@ def _state_leaves(params: dict, state):
     return copies[prefix]
 
   def per_param(name: str, x) -> bool:
+    if name in corrections:
+      return True
     if x.ndim:
       return tuple(x.shape) in shapes
     for p in scalars:
@@ -162,6 +168,32 @@ def _served(state, leaves: dict) -> dict[str, str]:
     for name in leaves:
       if name.startswith(pre + "scales/"):
         out[name] = pre + "inner/" + name[len(pre + "scales/") :]
+  return out
+
+
+def _corrections(state, wanted: dict) -> set[str]:
+  """Names of the leaves that are a parameter's correction in a
+  `split_writeback` state (typed, or a dict view of one)."""
+
+  def split(x) -> bool:
+    return isinstance(x, SplitState) or (
+      isinstance(x, Mapping)
+      and {"count", "correction"} <= {str(k) for k in x}
+      and {str(k) for k in x} <= set(SplitState._fields)
+    )
+
+  out = set()
+  nodes = jax.tree_util.tree_flatten_with_path(state, is_leaf=split)[0]
+  for path, node in nodes:
+    if not split(node):
+      continue
+    pre = path_name(path)
+    codes = (
+      node.correction if isinstance(node, SplitState) else node["correction"]
+    )
+    for name, x in codes.items():
+      if is_array(x) and wanted.get(str(name)) == tuple(x.shape):
+        out.add(f"{pre}/correction/{name}" if pre else f"correction/{name}")
   return out
 
 

@@ -42,6 +42,7 @@ from lowprec.compensated import CompensatedState
 from lowprec.freeze.decay import DecayErasureState
 from lowprec.freeze.remedies import CompensatedTraceState
 from lowprec.freeze.trace import ReferenceTraceState
+from lowprec.split import SplitState
 from lowprec.state_storage import StateCounts
 from lowprec.writeback import WritebackState
 
@@ -117,6 +118,7 @@ _REBUILT = {
     set(CompensatedState._fields) - {"key"},
     "the compensated write-backs",
   ),
+  SplitState: (set(SplitState._fields), "lowprec.split_writeback"),
 }
 _NAMED_BY_LAYOUT = {
   ReferenceTraceState: (
