@@ -20,6 +20,7 @@ from lowprec.compensated import (
   remainder_writeback,
   two_component_writeback,
 )
+from lowprec.eco import EcoState, eco
 from lowprec.float32_views import in_float32
 from lowprec.formats import Format, get_format, ieee_format, int_format
 from lowprec.memory import BytesPerParam, bytes_per_param
@@ -40,6 +41,7 @@ from lowprec.writeback import WritebackState, writeback
 __all__ = [
   "BytesPerParam",
   "CompensatedState",
+  "EcoState",
   "Format",
   "Policy",
   "ScaledFormat",
@@ -52,6 +54,7 @@ __all__ = [
   "audit",
   "bytes_per_param",
   "check_on_grid",
+  "eco",
   "contract",
   "freeze",
   "get_format",

@@ -39,6 +39,7 @@ from flax import nnx
 
 from lowprec import rng as rng_lib
 from lowprec.compensated import CompensatedState
+from lowprec.eco import EcoState
 from lowprec.freeze.decay import DecayErasureState
 from lowprec.freeze.remedies import CompensatedTraceState
 from lowprec.freeze.trace import ReferenceTraceState
@@ -119,6 +120,7 @@ _REBUILT = {
     "the compensated write-backs",
   ),
   SplitState: (set(SplitState._fields), "lowprec.split_writeback"),
+  EcoState: (set(EcoState._fields) - {"key"}, "lowprec.eco"),
 }
 _NAMED_BY_LAYOUT = {
   ReferenceTraceState: (
