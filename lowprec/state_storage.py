@@ -9,10 +9,12 @@ transform there, and rounds the new state back,
   stored = Q(s / scale) * scale,
 
 with `Q` nearest, stochastic or dead-zone stochastic rounding into the
-leaf's format and `scale` a float32 power of two per block of elements, per
-tensor, or 1. Where the format has a dtype (`bfloat16`, `float16`,
-`float8_*`) the stored arrays are of that dtype, in memory and in
-checkpoints.
+leaf's format and `scale` per block of elements, per tensor, or 1: a
+float32 power of two, or `amax / max_E` (`"...:block256:amax"`). Where the
+format has a dtype (`bfloat16`, `float16`, `float8_*`) the stored arrays
+are of that dtype, in memory and in checkpoints. The 8- and 4-bit states
+of PyTorch's optimizers are code maps (`lowprec.codemaps`): a byte per
+element and one scale per block, e.g. `"dynamic8:block256"`.
 
 A small update of a state leaf can be rounded away just as a small
 write-back of a weight is. For Adam's second moment `nu' - nu =
@@ -33,45 +35,67 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from lowprec import names
+from lowprec import codemaps, counting, names
 from lowprec import rng as rng_lib
 from lowprec import rules as rules_lib
-from lowprec.counting import layout
 from lowprec.float32_views import _widen as float32_view
 from lowprec.formats import Format, get_format
 from lowprec.rounding import OVERFLOW_MODES, ROUNDINGS
 from lowprec.storage import path_name
-from lowprec.store import Codec, Encoded, decode, encode, tally
+from lowprec.store import (
+  SCALE_DTYPES,
+  SCALE_RULES,
+  Codec,
+  Encoded,
+  decode,
+  encode,
+  tally,
+)
 
 STORAGES = ("native", "float32")
 
 _COUNTS = ("changed", "erased", "flushed", "saturated", "nonfinite")
+_RATIO = ("erased_fraction", "erased", "changed")
 
 
 @dataclasses.dataclass(frozen=True)
 class StateFormat:
-  """How one state leaf is stored: grid, rounding and scale.
+  """How one state leaf is stored: grid or code map, rounding and scale.
 
-  Written as a string `"<format>[:<rounding>][:<scale>]"`, e.g.
-  `"bfloat16"` (nearest, no scale), `"bfloat16:stochastic"`,
-  `"float8_e4m3fn:stochastic:block128"`, `"float8_e5m2:nearest:tensor"`.
+  Written as a string `"<format>[:<rounding>][:<scale>][:<rule>][:<dtype>]"`,
+  e.g. `"bfloat16"` (nearest, no scale), `"bfloat16:stochastic"`,
+  `"float8_e4m3fn:stochastic:block128"` (power-of-two scales),
+  `"float8_e4m3fn:nearest:block256:amax"` (scales `amax / 448`, torchao's
+  AdamWFp8), `"dynamic8:block256"` (bitsandbytes' dynamic map),
+  `"companded8:block32"` and `"sqrt8:block32"` (FlashOptim's moments),
+  `"dynamic4:block128"` and `"uint4nz:block128"` (4-bit moments).
 
   Attributes:
     fmt: the format (a name as `lowprec.get_format` takes it, or a
-      `Format`).
+      `Format`), or a code map (a name of `lowprec.codemaps.MAPS`, or a
+      `CodeMap`).
     rounding: "nearest" (default), "stochastic" or "deadzone" (stochastic
       only where nearest would round the update away).
-    scale: None (values stored as they are), "tensor" (one float32 scale
-      per tensor) or a block size such as 128 or 256 (one float32 scale
-      per block of that many consecutive elements along the last axis).
+    scale: None (values stored as they are), "tensor" (one scale per
+      tensor) or a block size such as 128 or 256 (one scale per block of
+      that many consecutive elements along the last axis). A code map
+      needs one.
+    scale_rule: "pow2" (a power of two, the default for a format) or
+      "amax" (`amax / max_E`; a code map's, and its only one).
+    scale_dtype: "float32" or "float16" (amax only); None: float32, or the
+      code map's own (float16 for `companded8` and `sqrt8`).
   """
 
   fmt: Any
   rounding: str = "nearest"
   scale: str | int | None = None
+  scale_rule: str | None = None
+  scale_dtype: str | None = None
 
   def __post_init__(self):
-    object.__setattr__(self, "fmt", get_format(self.fmt))
+    mapped = codemaps.is_map(self.fmt)
+    fmt = codemaps.get_map(self.fmt) if mapped else get_format(self.fmt)
+    object.__setattr__(self, "fmt", fmt)
     names.check_choice("rounding", self.rounding, ROUNDINGS)
     s = self.scale
     if isinstance(s, str) and s.startswith("block") and s[5:].isdigit():
@@ -82,15 +106,59 @@ class StateFormat:
         f"unknown state scale {s!r}; valid: None, 'tensor', or a block "
         "size such as 128 (written 'block128' in a string spec)"
       )
+    rule = self.scale_rule or ("amax" if mapped else "pow2")
+    names.check_choice("scale rule", rule, SCALE_RULES)
+    dtype = self.scale_dtype or (fmt.scale_dtype if mapped else "float32")
+    names.check_choice("scale dtype", dtype, SCALE_DTYPES)
+    object.__setattr__(self, "scale_rule", rule)
+    object.__setattr__(self, "scale_dtype", dtype)
+    if mapped and (s is None or rule != "amax"):
+      where = "tensor" if s == "tensor" else f"block{s}"
+      raise ValueError(
+        f"code map {fmt.name!r} is normalized by the largest magnitude of "
+        f"each block (or tensor): give a scale, e.g. '{fmt.name}:block256' "
+        f"or '{fmt.name}:tensor'; its scale rule is amax"
+        if s is None
+        else f"code map {fmt.name!r} takes amax scales only (the block's "
+        f"largest magnitude), not {rule!r}: '{fmt.name}:{where}'"
+      )
+    if rule == "amax" and s is None:
+      raise ValueError(
+        f"the amax scale rule needs a scale: e.g. '{fmt.name}:nearest:"
+        "block256:amax' or ':tensor:amax'"
+      )
+    if dtype == "float16" and rule != "amax":
+      raise ValueError(
+        "float16 scales are rounded-up amax scales: add ':amax' (power-of-"
+        "two scales are float32)"
+      )
+
+  @property
+  def mapped(self) -> bool:
+    """Whether the leaf is stored as the codes of a code map."""
+    return isinstance(self.fmt, codemaps.CodeMap)
 
   def codec(self, storage: str = "native", overflow: str = "saturate") -> Codec:
     """The `lowprec.store.Codec` of a leaf stored this way."""
-    return Codec(self.fmt, self.rounding, self.scale, overflow, storage)
+    return Codec(
+      self.fmt,
+      self.rounding,
+      self.scale,
+      overflow,
+      storage,
+      scale_rule=self.scale_rule,
+      scale_dtype=self.scale_dtype,
+    )
 
   def __str__(self) -> str:
     parts = [self.fmt.name, self.rounding]
     if self.scale is not None:
       parts.append("tensor" if self.scale == "tensor" else f"block{self.scale}")
+    if self.scale_rule == "amax" and not self.mapped:
+      parts.append("amax")
+    default = self.fmt.scale_dtype if self.mapped else "float32"
+    if self.scale_dtype != default:
+      parts.append(self.scale_dtype)
     return ":".join(parts)
 
 
@@ -102,17 +170,23 @@ def parse_state_format(spec) -> StateFormat | None:
   """A rule's value as a `StateFormat` (None stays None: left as it is).
 
   Takes a `StateFormat`, a `Format` (nearest, no scale) or a string
-  `"<format>[:<rounding>][:<scale>]"` (see `StateFormat`). An `intK`
+  `"<format>[:<rounding>][:<scale>][:<rule>][:<dtype>]"` (see
+  `StateFormat`), the parts after the format in any order. An `intK`
   format with a scale, e.g. `"int8:stochastic:block128"`, is the unit grid
-  `{-(2^(K-1) - 1), ..., 2^(K-1) - 1}` under that scale.
+  `{-(2^(K-1) - 1), ..., 2^(K-1) - 1}` under that scale (stored as int8
+  codes under an amax scale, `"int4:nearest:block128:amax"`). The format
+  may be a code map of `lowprec.codemaps`: `"dynamic8:block256"`,
+  `"dynamic4:block128"`, `"companded8:block32"`, `"sqrt8:block32"`,
+  `"uint4nz:block128"`.
 
   Raises:
     TypeError: `spec` is none of these.
-    ValueError: an unknown format, rounding or scale, with the valid ones.
+    ValueError: an unknown format, code map, rounding, scale, scale rule
+      or scale dtype, with the valid ones.
   """
   if spec is None or isinstance(spec, StateFormat):
     return spec
-  if isinstance(spec, Format):
+  if isinstance(spec, Format | codemaps.CodeMap):
     return StateFormat(spec)
   if not isinstance(spec, str):
     raise TypeError(
@@ -120,24 +194,61 @@ def parse_state_format(spec) -> StateFormat | None:
       f"StateFormat or None, got {type(spec).__name__} {spec!r}"
     )
   name, *rest = spec.strip().split(":")
-  rounding, scale = "nearest", None
+  rounding, scale, rule, dtype = "nearest", None, None, None
   for part in rest:
     if part in ROUNDINGS:
       rounding = part
     elif part == "tensor" or part.startswith("block"):
       scale = part
+    elif part in SCALE_RULES:
+      rule = part
+    elif part in SCALE_DTYPES:
+      dtype = part
     else:
       valid = [*ROUNDINGS, "tensor", "block128", "block256"]
+      valid += [*SCALE_RULES, *SCALE_DTYPES]
       raise ValueError(
         f"unknown part {part!r} in state spec {spec!r}; after the format "
-        f"come a rounding and a scale: {', '.join(valid)}."
-        f"{names.suggest(part, valid)} E.g. 'bfloat16:stochastic' or "
-        "'float8_e4m3fn:stochastic:block128'"
+        f"come a rounding, a scale, a scale rule and a scale dtype: "
+        f"{', '.join(valid)}.{names.suggest(part, valid)} E.g. "
+        "'bfloat16:stochastic', 'float8_e4m3fn:stochastic:block128' or "
+        "'float8_e4m3fn:nearest:block256:amax'"
       )
+  if codemaps.is_map(name):
+    return StateFormat(name, rounding, scale, rule, dtype)
   # An integer grid under a scale is the unit grid {-K'..K'} (int8: the
   # values -127..127), times the block's or tensor's scale.
   unit = 1.0 if scale is not None and name.startswith("int") else None
-  return StateFormat(get_format(name, scale=unit), rounding, scale)
+  fmt = get_format(name, scale=unit, also_valid=codemaps.MAPS)
+  return StateFormat(fmt, rounding, scale, rule, dtype)
+
+
+# State path components of signed moments, which an unsigned code map
+# (sqrt8, uint4nz) would clip at 0: Adam's and Lion's `mu`, a momentum
+# `trace`.
+_SIGNED_STATES = ("mu", "trace", "momentum")
+
+
+def check_moments(plan: dict) -> None:
+  """Raises for a rule that gives an unsigned code map to a leaf that
+  is a signed moment by its name (`mu`, `trace`, `momentum`).
+
+  Raises:
+    ValueError: naming the leaf, the map and a signed map for it.
+  """
+  for name, sf in plan.items():
+    if not sf.mapped or sf.fmt.signed:
+      continue
+    hit = [c for c in name.split("/") if c in _SIGNED_STATES]
+    if hit:
+      raise ValueError(
+        f"state leaf {name!r} is a first moment ({hit[0]!r}), which takes "
+        f"negative values, but its rule stores it with {sf.fmt.name!r}, a "
+        "map of nonnegative values (second moments such as nu): use a "
+        "signed map for it, e.g. 'companded8:block32', 'dynamic8:block256' "
+        "or 'dynamic4:block128', and keep "
+        f"{sf.fmt.name!r} for nu"
+      )
 
 
 class StateCounts(NamedTuple):
@@ -159,7 +270,9 @@ class StateCounts(NamedTuple):
 
   def arrays(self) -> dict[str, jax.Array]:
     """`report()`'s keys as arrays: int32 counts, float32 fractions."""
-    return _telemetry(self, host=False)
+    return counting.of_state(
+      self, _COUNTS, ratio=_RATIO, prefix="state/", host=False
+    )
 
   def report(self) -> dict[str, int | float]:
     """The counts as plain numbers, prefixed `state/`.
@@ -173,15 +286,13 @@ class StateCounts(NamedTuple):
     changes); and each of them per state path, `state/erased/<path>`.
     Exact integers and float64 fractions, computed on the host.
     """
-    return _telemetry(jax.device_get(self._replace(key=None)), host=True)
-
-
-def _telemetry(st: StateCounts, host: bool) -> dict:
-  per = {}
-  if st.changed is not None:
-    per = {n: {c: getattr(st, c)[n] for c in _COUNTS} for n in st.changed}
-  ratio = ("erased_fraction", "erased", "changed") if per else None
-  return layout(st.count, per, _COUNTS, ratio, prefix="state/", host=host)
+    return counting.of_state(
+      jax.device_get(self._replace(key=None)),
+      _COUNTS,
+      ratio=_RATIO,
+      prefix="state/",
+      host=True,
+    )
 
 
 class StoredState(NamedTuple):
@@ -216,7 +327,12 @@ def store_state(
   where `amax` is the largest finite `|s'|` of the tensor or block and
   `max_E` the format's largest value: the smallest power of two that needs
   no clipping, so `s' / scale'` is exact (in float32's normal range) and a
-  scaled leaf never saturates. `Q` is the leaf's rounding:
+  scaled leaf never saturates. Under the `amax` rule `scale' = amax /
+  max_E` (float32, or rounded up to a float16), torchao's fp8 states. A
+  code map (`dynamic8`, `dynamic8u`, `dynamic4`, `companded8`, `sqrt8`,
+  `uint4nz`: the 8- and 4-bit states of bitsandbytes, torchao and
+  FlashOptim, `lowprec.codemaps`) stores a uint8 or int8 code per element
+  and the block's largest magnitude. `Q` is the leaf's rounding:
 
     nearest:     round to nearest, ties to even (the ml_dtypes cast);
     stochastic:  up with probability (x - lo) / (hi - lo), so E[Q(x)] = x;
@@ -245,10 +361,12 @@ def store_state(
   `.value` of Flax boxes, e.g. `0/mu/dense/kernel` for `optax.adam` or
   `inner_state/0/nu/w` under `optax.inject_hyperparams`: so `"mu"`
   matches all of Adam's first moment, `"nu/.*bias"` the second moment of
-  every bias. A spec is `"<format>[:<rounding>][:<scale>]"` (rounding
-  nearest by default; scale `tensor` or `block<N>`; an `intK` format under
-  a scale is the unit grid, e.g. `"int8:stochastic:block128"`), a
-  `StateFormat`, or
+  every bias. A spec is `"<format>[:<rounding>][:<scale>][:<rule>]
+  [:<dtype>]"` (rounding nearest by default; scale `tensor` or
+  `block<N>`; rule `pow2` or `amax`; scale dtype `float32` or `float16`;
+  an `intK` format under a scale is the unit grid, e.g.
+  `"int8:stochastic:block128"`; a code map in place of the format, e.g.
+  `"dynamic8:block256"`, see `StateFormat`), a `StateFormat`, or
   None to keep matching leaves as they are (an exception before a broader
   rule). Leaves that no rule matches are kept as they are: step counts,
   hyperparameters, Muon's `ns_coeffs`.
@@ -256,9 +374,10 @@ def store_state(
   Storage. With `storage="native"` (default) a leaf whose format has a
   dtype of its own width (`bfloat16`, `float16`, `float8_*`) is stored in
   that dtype; others (`eXmY`, `intK`, float6 and float4, which XLA cannot
-  convert on every backend) as float32 holding grid values. With
-  `"float32"` every leaf is float32 holding grid values. A scaled leaf
-  stores `Q(s' / scale')` and its float32 scales beside it.
+  convert on every backend) as float32 holding grid values; a code map's
+  codes and an `intK` grid under `amax` scales as uint8 or int8. With
+  `"float32"` every leaf is float32 holding grid values (or codes). A
+  scaled leaf stores `Q(s' / scale')` and its scales beside it.
 
   Non-finite values of `s'` are counted and stored as the rounding gives
   them: NaN stays NaN; infinities saturate under `overflow="saturate"`, or
@@ -291,11 +410,13 @@ def store_state(
   Raises:
     TypeError: `inner` is not an optax transform (e.g. `optax.adam`, the
       function, rather than `optax.adam(1e-3)`).
-    ValueError: bad rules (a bad regex, format, rounding or scale), a
-      random rounding without `key`, unknown storage or overflow mode; at
-      `init`, a rule that matches no state leaf, or a rule that stores a
-      leaf that is not a floating-point array (a step count, a Python
-      number). Each names the rule or leaf and the fix.
+    ValueError: bad rules (a bad regex, format, code map, rounding,
+      scale, scale rule or scale dtype), a random rounding without `key`,
+      unknown storage or overflow mode; at `init`, a rule that matches no
+      state leaf, a rule that stores a leaf that is not a floating-point
+      array (a step count, a Python number), or a map of nonnegative
+      values (`sqrt8`, `uint4nz`, `dynamic8u`) on a first moment (`mu`,
+      `trace`, `momentum`). Each names the rule or leaf and the fix.
 
   Example:
     ```python
@@ -327,6 +448,8 @@ def store_state(
 
   def codecs(state, check):
     plan = rules_lib.plan(parsed, state, check=check)
+    if check:
+      check_moments(plan)
     return {n: sf.codec(storage, overflow) for n, sf in plan.items()}
 
   def init_fn(params):

@@ -11,7 +11,9 @@ reference update `d = s' - s`, and round again:
   stochastic:  P(erased) = P(SR(q + d) == q), the share of the gap at q
                that q + d did not cross (1 where d does not change q + d).
 
-Scaled targets round `x / scale(x)` with the same rule as the storage.
+Scaled targets round `x / scale(x)` with the same rule as the storage,
+and code maps (`lowprec.codemaps`) encode with the store's own codec, so
+under nearest rounding the prediction of one step is exact.
 `state_erasure` takes the float32 states before and after one step;
 `state_trace` wraps an optimizer and evaluates it at every update of a
 float32 run, for several targets; `state_at_init` takes a whole sequence
@@ -48,7 +50,9 @@ def _leaves(tree) -> dict[str, jax.Array]:
 
 
 def _plan(rules, state) -> dict[str, ss.StateFormat]:
-  return rules_lib.plan(ss.parse_rules(rules), state, check=True)
+  plan = rules_lib.plan(ss.parse_rules(rules), state, check=True)
+  ss.check_moments(plan)
+  return plan
 
 
 def _erased_probability(q, x, sf: ss.StateFormat):
