@@ -38,9 +38,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from lowprec import leafwise, names, scaled
+from lowprec import counting, leafwise, names, scaled
 from lowprec import rng as rng_lib
-from lowprec.counting import layout, mass
+from lowprec.counting import mass
 from lowprec.formats import Format, get_format
 from lowprec.rounding import OVERFLOW_MODES
 from lowprec.storage import format_lookup, path_name
@@ -89,7 +89,7 @@ class CompensatedState(NamedTuple):
     Counts are int32, `carried` and `lost_mass` float32 sums over tensors,
     `erased_fraction` float32 (NaN without proposals).
     """
-    return _telemetry(self, host=False)
+    return counting.of_state(self, _COUNTS, masses=_MASSES, host=False)
 
   def report(self) -> dict[str, int | float]:
     """The telemetry as plain numbers: totals, then `<word>/<path>`.
@@ -106,17 +106,12 @@ class CompensatedState(NamedTuple):
     and each per parameter path. Counts are exact integers, masses and
     fractions floats.
     """
-    return _telemetry(
-      jax.device_get(self._replace(key=None, buffer={})), host=True
+    return counting.of_state(
+      jax.device_get(self._replace(key=None, buffer={})),
+      _COUNTS,
+      masses=_MASSES,
+      host=True,
     )
-
-
-def _telemetry(st: CompensatedState, host: bool) -> dict:
-  per = {}
-  if st.proposals is not None:
-    per = {n: {f: getattr(st, f)[n] for f in _FIELDS} for n in st.proposals}
-  ratio = ("erased_fraction", "erased", "proposals") if per else None
-  return layout(st.count, per, _COUNTS, ratio, masses=_MASSES, host=host)
 
 
 def kahan_writeback(

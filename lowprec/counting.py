@@ -127,3 +127,34 @@ def layout(
     if ratio is not None:
       out[f"{p}{name}/{n}"] = frac(d[num], d[den])
   return out
+
+
+ERASED = ("erased_fraction", "erased", "proposals")
+
+
+def of_state(
+  st,
+  counts: Sequence[str],
+  *,
+  masses: Sequence[str] = (),
+  ratio: tuple[str, str, str] = ERASED,
+  prefix: str = "",
+  host: bool = False,
+) -> dict[str, Any]:
+  """`layout` of a store's state: a NamedTuple with a step `count` and,
+  per field of `counts` and `masses`, a dict `{path: value}` (None with
+  telemetry off: then only `steps`). The paths are those of the ratio's
+  denominator field; `erased`, where the state keeps no such field, is
+  `proposals - moved`."""
+  paths = getattr(st, ratio[2])
+  if paths is None:
+    return layout(st.count, {}, (), None, prefix=prefix, host=host)
+  per = {}
+  for n in paths:
+    p = {f: getattr(st, f)[n] for f in (*counts, *masses) if f in st._fields}
+    if "erased" in counts and "erased" not in p:
+      p["erased"] = p["proposals"] - p["moved"]
+    per[n] = p
+  return layout(
+    st.count, per, counts, ratio, masses=masses, prefix=prefix, host=host
+  )

@@ -35,9 +35,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from lowprec import leafwise, names, scaled
+from lowprec import counting, leafwise, names, scaled
 from lowprec import rng as rng_lib
-from lowprec.counting import layout, mass
+from lowprec.compensated import as_emitted
+from lowprec.counting import mass
 from lowprec.float32_views import _widen as float32_view
 from lowprec.rounding import OVERFLOW_MODES
 from lowprec.storage import format_lookup, path_name
@@ -77,7 +78,7 @@ class EcoState(NamedTuple):
 
   def arrays(self) -> dict[str, jax.Array]:
     """The telemetry as arrays, traceable: keys as in `report()`."""
-    return _telemetry(self, host=False)
+    return counting.of_state(self, _REPORTED, masses=_MASSES, host=False)
 
   def report(self) -> dict[str, int | float]:
     """The telemetry as plain numbers: totals, then `<count>/<path>`.
@@ -90,20 +91,12 @@ class EcoState(NamedTuple):
     `carried` (the float32 sum of `|e|` folded into the momentum this
     step), and each of them per parameter path.
     """
-    return _telemetry(
-      jax.device_get(self._replace(key=None, inner=None)), host=True
+    return counting.of_state(
+      jax.device_get(self._replace(key=None, inner=None)),
+      _REPORTED,
+      masses=_MASSES,
+      host=True,
     )
-
-
-def _telemetry(st: EcoState, host: bool) -> dict:
-  if st.proposals is None:
-    return layout(st.count, {}, (), None, host=host)
-  fields = _COUNTS + _MASSES
-  per = {n: {c: getattr(st, c)[n] for c in fields} for n in st.proposals}
-  for p in per.values():
-    p["erased"] = p["proposals"] - p["moved"]
-  ratio = ("erased_fraction", "erased", "proposals")
-  return layout(st.count, per, _REPORTED, ratio, masses=_MASSES, host=host)
 
 
 def eco(
@@ -278,7 +271,7 @@ def eco(
     u, new_inner, d_u, d_inner, moments = _run_inner(
       inner, lookup, float32_view(updates), state.inner, params, extra
     )
-    u = jax.tree.map(_as_emitted, u)
+    u = jax.tree.map(as_emitted, u)
     ks = (state.key, key_state[1]) if random else None
     deltas, new_key, kept = leafwise.step("eco", lookup, u, params, ks, leaf)
     new_inner, carried = _fold(new_inner, d_u, d_inner, moments, kept)
@@ -297,20 +290,6 @@ def eco(
     return deltas, new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def _as_emitted(u):
-  """`u` as the optimizer emitted it, rounded to float32 before `W^ + u`.
-
-  XLA:CPU contracts a multiply that feeds an add in the same fusion into
-  an FMA (here the optimizer's last multiply by `-lr` and `W^ + u`), which
-  skips the multiply's rounding. An add fuses only with a multiply that is
-  its operand, so a select in between, which returns every value of `u`
-  (NaN as NaN), keeps the rounding.
-  """
-  if u is None:
-    return u
-  return jnp.where(jnp.isnan(u), jnp.float32(jnp.nan), u)
 
 
 class _Leaf(NamedTuple):

@@ -62,8 +62,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from lowprec import leafwise, names, scaled
-from lowprec.counting import layout, mass
+from lowprec import counting, leafwise, names, scaled
+from lowprec.counting import mass
 from lowprec.formats import Format, get_format
 from lowprec.rules import format_lookup, map_spec, path_name
 from lowprec.store import Codec, encode, land, tally
@@ -108,7 +108,7 @@ class SplitState(NamedTuple):
     Counts are int32, `carried` and `lost_mass` float32 sums over tensors,
     `erased_fraction` float32 (NaN without proposals).
     """
-    return _telemetry(self, host=False)
+    return counting.of_state(self, _COUNTS, masses=_MASSES, host=False)
 
   def report(self) -> dict[str, int | float]:
     """The telemetry as plain numbers: totals, then `<word>/<path>`.
@@ -123,15 +123,12 @@ class SplitState(NamedTuple):
     the split dropped from the value); `erased_fraction`; and each per
     parameter path. Counts are exact integers, masses and fractions floats.
     """
-    return _telemetry(jax.device_get(self._replace(correction={})), host=True)
-
-
-def _telemetry(st: SplitState, host: bool) -> dict:
-  per = {}
-  if st.proposals is not None:
-    per = {n: {f: getattr(st, f)[n] for f in _FIELDS} for n in st.proposals}
-  ratio = ("erased_fraction", "erased", "proposals") if per else None
-  return layout(st.count, per, _COUNTS, ratio, masses=_MASSES, host=host)
+    return counting.of_state(
+      jax.device_get(self._replace(correction={})),
+      _COUNTS,
+      masses=_MASSES,
+      host=True,
+    )
 
 
 def split_writeback(

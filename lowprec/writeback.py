@@ -23,9 +23,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from lowprec import leafwise, names, scaled
+from lowprec import counting, leafwise, names, scaled
 from lowprec import rng as rng_lib
-from lowprec.counting import layout
 from lowprec.rounding import OVERFLOW_MODES, ROUNDINGS
 from lowprec.storage import format_lookup
 from lowprec.store import Codec, encode, land, tally
@@ -87,19 +86,15 @@ class WritebackState(NamedTuple):
 
 
 def _telemetry(st: WritebackState, host: bool) -> dict:
-  if st.proposals is None:
-    return layout(st.count, {}, (), None, host=host)
-  per = {n: {c: getattr(st, c)[n] for c in _COUNTS} for n in st.proposals}
-  for p in per.values():
-    p["erased"] = p["proposals"] - p["moved"]
-  ratio = ("erased_fraction", "erased", "proposals")
-  out = layout(st.count, per, _REPORTED, ratio, host=host)
-  if st.blocks:
+  out = counting.of_state(st, _REPORTED, host=host)
+  if st.proposals is not None and st.blocks:
     per = {
       n: {"blocks": b, "rescaled": st.rescaled[n]} for n, b in st.blocks.items()
     }
     ratio = ("rescaled_fraction", "rescaled", "blocks")
-    out.update(layout(None, per, ("blocks", "rescaled"), ratio, host=host))
+    out.update(
+      counting.layout(None, per, ("blocks", "rescaled"), ratio, host=host)
+    )
   return out
 
 

@@ -129,3 +129,27 @@ def test_the_documented_toy_recipe_is_under_40_lines():
     i for i, s in enumerate(code) if "return optax.GradientTransformation" in s
   )
   assert end - start + 1 < 40
+
+
+@pytest.mark.parametrize(
+  "make",
+  [
+    lambda: lowprec.writeback("bfloat16", telemetry=False),
+    lambda: lowprec.kahan_writeback("bfloat16", telemetry=False),
+    lambda: lowprec.remainder_writeback(telemetry=False),
+    lambda: lowprec.split_writeback(telemetry=False),
+    lambda: lowprec.eco(optax.sgd(0.1, 0.9), "bfloat16", telemetry=False),
+    lambda: lowprec.store_state(
+      optax.adam(1e-3), {"mu": "bfloat16"}, telemetry=False
+    ),
+  ],
+  ids=["writeback", "kahan", "remainder", "split", "eco", "store_state"],
+)
+def test_a_store_without_telemetry_reports_only_its_steps(make):
+  params = lowprec.to_grid({"w": jnp.linspace(-1, 1, 64)}, "bfloat16")
+  tx = make()
+  state = tx.init(params)
+  _, state = tx.update(params, state, params)
+  got = lowprec.telemetry(state)
+  assert got in ({"steps": 1}, {"state/steps": 1}), got
+  assert list(lowprec.telemetry_arrays(state)) == list(got)
