@@ -190,6 +190,8 @@ def transforms() -> dict[str, Callable[[], tuple]]:
   """`{recipe: make}`, `make() -> (kind, transform, params)`, kind
   "weights" (fed the fixed proposals) or "state" (a store around the
   fixed moments)."""
+  import optax
+
   import lowprec
 
   wb = lowprec.writeback
@@ -224,6 +226,17 @@ def transforms() -> dict[str, Callable[[], tuple]]:
   out["remainder/bfloat16"] = lambda: _as_weights(
     lowprec.remainder_writeback(), _bf16_params()
   )
+  for bits in (8, 16):
+    out[f"split/bfloat16/{bits}"] = lambda b=bits: _as_weights(
+      lowprec.split_writeback(correction_bits=b), _bf16_params()
+    )
+  for rounding in ("nearest", "stochastic"):
+    # Momentum 1/2 and a step of 2^-10: the inner optimizer's products and
+    # the fold's factor are powers of two, exact on every backend.
+    out[f"eco/bfloat16/{rounding}"] = lambda r=rounding: _as_weights(
+      lowprec.eco(optax.sgd(2.0**-10, 0.5), "bfloat16", r, key=_key()),
+      _bf16_params(),
+    )
   states = {
     "bfloat16/nearest": {"mu": "bfloat16", "nu": "bfloat16"},
     "bfloat16/stochastic": {
@@ -240,6 +253,26 @@ def transforms() -> dict[str, Callable[[], tuple]]:
       "nu": "float8_e5m2:nearest:tensor",
     },
     "int8/stochastic/block64": {"mu": "int8:stochastic:block64"},
+    "fp8/nearest/block32_amax": {
+      "mu": "float8_e4m3fn:nearest:block32:amax",
+      "nu": "float8_e4m3fn:nearest:block32:amax:float16",
+    },
+    "dynamic8/nearest/block32": {
+      "mu": "dynamic8:block32",
+      "nu": "dynamic8u:block32",
+    },
+    "dynamic8/stochastic/block32": {
+      "mu": "dynamic8:stochastic:block32",
+      "nu": "dynamic8u:stochastic:block32",
+    },
+    "companded8_sqrt8/block32": {
+      "mu": "companded8:block32",
+      "nu": "sqrt8:block32",
+    },
+    "4bit/block32": {
+      "mu": "dynamic4:block32",
+      "nu": "uint4nz:block32",
+    },
   }
   for name, rules in states.items():
     out[f"state/{name}"] = lambda r=rules: ("state", *_stored(r))

@@ -28,6 +28,8 @@ def test_the_file_covers_every_recipe():
     "two_component",
     "remainder",
     "state",
+    "split",
+    "eco",
   }
 
 
