@@ -53,6 +53,11 @@ def _transforms(fmt):
     ),
     "two_component": (lowprec.two_component_writeback(fmt), False),
     "remainder": (lowprec.remainder_writeback(), False),
+    "split": (lowprec.split_writeback(), False),
+    "eco": (
+      lowprec.eco(optax.adamw(1e-2), fmt, "stochastic", key=KEY),
+      True,
+    ),
     "in_float32+writeback": (
       optax.chain(
         lowprec.in_float32(optax.adamw(1e-2)),
@@ -67,12 +72,13 @@ NAMES = list(_transforms("bfloat16"))
 # The remainder splits a float32 master into bfloat16 and 16 bits: its
 # params are bfloat16 values (e4m3fn's grid is part of bfloat16's), never
 # float16.
-GRID = {"remainder": "bfloat16"}
+# So does the split weight with its correction.
+GRID = {"remainder": "bfloat16", "split": "bfloat16"}
 CASES = [
   pytest.param(name, dtype, id=f"{name}-{dtype}")
   for name in NAMES
   for dtype in DTYPES
-  if (name, dtype) != ("remainder", "float16")
+  if not (name in GRID and dtype == "float16")
 ]
 
 
@@ -112,6 +118,8 @@ DEFAULT = {
   "kahan": "float32",
   "two_component": "bfloat16",
   "remainder": "bfloat16",
+  "split": "bfloat16",
+  "eco": "bfloat16",
 }
 
 
