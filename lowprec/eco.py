@@ -35,14 +35,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from lowprec import counting, leafwise, names, scaled
+from lowprec import counting, leafwise, names
 from lowprec import rng as rng_lib
 from lowprec.compensated import as_emitted
 from lowprec.counting import mass
 from lowprec.float32_views import _widen as float32_view
 from lowprec.rounding import OVERFLOW_MODES
 from lowprec.storage import format_lookup, path_name
-from lowprec.store import Codec, encode, land, tally
 
 # Dead-zone rounding is left out: it exists to move weights that nearest
 # rounding freezes, and the momentum already carries what nearest drops.
@@ -244,7 +243,9 @@ def eco(
   if random:
     key_state = rng_lib.state_key(key, f"eco(rounding={rounding!r})")
   inner = optax.with_extra_args_support(inner)
-  leaf = _Leaf(rounding, overflow, telemetry)
+  leaf = _Leaf(
+    leafwise.Plain(rounding, overflow, "keep", telemetry, "recompute")
+  )
 
   def init_fn(params):
     weights = leafwise.weights(lookup, params, fmt)
@@ -293,34 +294,19 @@ def eco(
 
 
 class _Leaf(NamedTuple):
-  """The write-back of one tensor: the delta, `e` and the counts."""
+  """The plain write-back of one tensor and its error `e = W~ - W^'`."""
 
-  rounding: str
-  overflow: str
-  telemetry: bool
+  plain: leafwise.Plain
 
   def __call__(self, path, w, u, fmt, bits):
-    """`(delta, (e, *counts))`: `e = W~ - W^'` where it is folded (0
-    elsewhere), then `_COUNTS` with telemetry."""
-    del path
-    x = w + u
-    enc = encode(Codec(fmt, self.rounding, overflow=self.overflow), x, w, bits)
-    finite = jnp.isfinite(u) & ~jnp.isnan(w)
-    proposed = (u != 0) & finite
-    # New block scales move the grid under every coordinate of the block:
-    # those with u == 0 are rounded onto it too.
-    written = finite if isinstance(fmt, scaled.ScaledFormat) else proposed
-    # Keeping w itself (not an equal value) preserves the sign of zero.
-    q = jnp.where(written & (enc.value != w), enc.value, w)
-    delta, lands = land(w, q, fmt)
-    new = w + delta  # what apply_updates writes: q, or its neighbour
-    e = x - new
-    e = jnp.where(written & jnp.isfinite(e), e, jnp.float32(0))
-    if not self.telemetry:
-      return delta, (e,)
-    moved = proposed & (delta != 0)
-    counts = tally(proposed, moved, enc.over & proposed, ~lands, ~finite)
-    return delta, (e, *counts)
+    """`(delta, (e, *counts))`: `e` where it is folded (0 where the weight
+    was not written or `e` is not finite), then `_COUNTS` with
+    telemetry."""
+    delta, counts = self.plain(path, w, u, fmt, bits)
+    # What apply_updates writes is w + delta: q, or its neighbour.
+    e = (w + u) - (w + delta)
+    e = jnp.where(jnp.isfinite(e), e, jnp.float32(0))
+    return delta, (e, *counts[: len(_COUNTS)])
 
 
 def _moment_name(key) -> str | None:

@@ -13,7 +13,7 @@ step, `(path, w, u, fmt, bits) -> (delta, kept)`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +29,7 @@ from lowprec.storage import (
   leaf_format,
   path_name,
 )
+from lowprec.store import Codec, encode, land, tally
 
 # (key path, w, u float32 arrays, fmt, bits or None) -> (delta, kept)
 LeafStep = Callable[[str, Any, Any, Any, Any], tuple[Any, Any]]
@@ -138,3 +139,55 @@ def _check_proposal(name: str, u) -> None:
 def _concrete(tree) -> bool:
   abstract = (jax.core.Tracer, jax.ShapeDtypeStruct)
   return not any(isinstance(x, abstract) for x in jax.tree.leaves(tree))
+
+
+class Plain(NamedTuple):
+  """The plain write-back of one tensor, `w' = Q(w + u)`: a `LeafStep`
+  giving the delta that lands `w'` and, with telemetry, the counts
+  `(proposals, moved, saturated, unreachable, nonfinite)` (then, on a
+  scaled format, its block count and the blocks whose scale changed).
+  `writeback` is this step over the tree; `eco` adds a fold."""
+
+  rounding: str
+  overflow: str
+  nonfinite: str
+  telemetry: bool
+  scales: str
+
+  def __call__(self, path, w, u, fmt, bits):
+    """Delta and, with telemetry, the `_COUNTS` of one tensor (then, for a
+    scaled format, its block count and the blocks whose scale changed)."""
+    del path
+    on_scaled = isinstance(fmt, scaled.ScaledFormat)
+    codec = Codec(
+      fmt,
+      self.rounding,
+      overflow=self.overflow,
+      keep_scales=self.scales == "keep",
+    )
+    enc = encode(codec, w + u, w, bits)
+    q = enc.value
+    finite = jnp.isfinite(u) & ~jnp.isnan(w)
+    proposed = (u != 0) & finite
+    written = proposed if self.nonfinite == "keep" else (u != 0) | ~finite
+    if on_scaled:
+      # New scales move the grid under every coordinate of a block: those
+      # with u == 0 are rounded onto it too.
+      written = finite if self.nonfinite == "keep" else jnp.ones_like(finite)
+    # Keeping w itself (not an equal value) preserves the sign of zero.
+    q = jnp.where(written & (q != w), q, w)
+    delta, lands = land(w, q, fmt)
+    if not self.telemetry:
+      return delta, ()
+    # The delta is -0 exactly where the weight stays, nonzero where it moves.
+    moved = proposed & (delta != 0)
+    counts = tally(proposed, moved, enc.over & proposed, ~lands, ~finite)
+    if not on_scaled:
+      return delta, counts
+    new = enc.block_scales.block
+    if self.scales == "keep":  # rounded with w's scales, by construction
+      return delta, (*counts, jnp.int32(new.size), jnp.int32(0))
+    old = scaled.compute_scales(w, fmt).block
+    code = lambda s: jax.lax.bitcast_convert_type(s, jnp.uint8)  # noqa: E731
+    changed = jnp.sum(code(old) != code(new), dtype=jnp.int32)
+    return delta, (*counts, jnp.int32(old.size), changed)

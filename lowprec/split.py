@@ -103,11 +103,9 @@ class SplitState(NamedTuple):
   lost_mass: dict[str, jax.Array] | None  # float32 []: sum |v' - v|.
 
   def arrays(self) -> dict[str, jax.Array]:
-    """The telemetry as arrays, traceable: keys as in `report()`.
-
-    Counts are int32, `carried` and `lost_mass` float32 sums over tensors,
-    `erased_fraction` float32 (NaN without proposals).
-    """
+    """`report()`'s keys as arrays (under jit, scan and vmap): int32
+    counts, float32 masses summed over tensors, and a float32
+    `erased_fraction`, NaN at a step without proposals."""
     return counting.of_state(self, _COUNTS, masses=_MASSES, host=False)
 
   def report(self) -> dict[str, int | float]:

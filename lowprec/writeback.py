@@ -27,7 +27,6 @@ from lowprec import counting, leafwise, names, scaled
 from lowprec import rng as rng_lib
 from lowprec.rounding import OVERFLOW_MODES, ROUNDINGS
 from lowprec.storage import format_lookup
-from lowprec.store import Codec, encode, land, tally
 
 NONFINITE_MODES = ("keep", "propagate")
 SCALE_MODES = ("recompute", "keep")  # block scales of a scaled write-back
@@ -206,7 +205,7 @@ def writeback(
   key_state = None
   if random:
     key_state = rng_lib.state_key(key, f"writeback(rounding={rounding!r})")
-  leaf = _Plain(rounding, overflow, nonfinite, telemetry, scales)
+  leaf = leafwise.Plain(rounding, overflow, nonfinite, telemetry, scales)
 
   def init_fn(params):
     fmts = {
@@ -248,51 +247,3 @@ def writeback(
 
 def _is_scaled(fmt) -> bool:
   return isinstance(fmt, scaled.ScaledFormat)
-
-
-class _Plain(NamedTuple):
-  """The write-back of one tensor: `w' = Q(w + u)`, the delta, the counts."""
-
-  rounding: str
-  overflow: str
-  nonfinite: str
-  telemetry: bool
-  scales: str
-
-  def __call__(self, path, w, u, fmt, bits):
-    """Delta and, with telemetry, the `_COUNTS` of one tensor (then, for a
-    scaled format, its block count and the blocks whose scale changed)."""
-    del path
-    on_scaled = _is_scaled(fmt)
-    codec = Codec(
-      fmt,
-      self.rounding,
-      overflow=self.overflow,
-      keep_scales=self.scales == "keep",
-    )
-    enc = encode(codec, w + u, w, bits)
-    q = enc.value
-    finite = jnp.isfinite(u) & ~jnp.isnan(w)
-    proposed = (u != 0) & finite
-    written = proposed if self.nonfinite == "keep" else (u != 0) | ~finite
-    if on_scaled:
-      # New scales move the grid under every coordinate of a block: those
-      # with u == 0 are rounded onto it too.
-      written = finite if self.nonfinite == "keep" else jnp.ones_like(finite)
-    # Keeping w itself (not an equal value) preserves the sign of zero.
-    q = jnp.where(written & (q != w), q, w)
-    delta, lands = land(w, q, fmt)
-    if not self.telemetry:
-      return delta, ()
-    # The delta is -0 exactly where the weight stays, nonzero where it moves.
-    moved = proposed & (delta != 0)
-    counts = tally(proposed, moved, enc.over & proposed, ~lands, ~finite)
-    if not on_scaled:
-      return delta, counts
-    new = enc.block_scales.block
-    if self.scales == "keep":  # rounded with w's scales, by construction
-      return delta, (*counts, jnp.int32(new.size), jnp.int32(0))
-    old = scaled.compute_scales(w, fmt).block
-    code = lambda s: jax.lax.bitcast_convert_type(s, jnp.uint8)  # noqa: E731
-    changed = jnp.sum(code(old) != code(new), dtype=jnp.int32)
-    return delta, (*counts, jnp.int32(old.size), changed)
