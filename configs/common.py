@@ -117,9 +117,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.lowprec = ml_collections.ConfigDict()
   c.lowprec.writeback = ""  # weight grid format; "" trains in float32
   c.lowprec.rounding = "nearest"  # nearest | stochastic | deadzone
-  # Keep what the write-back drops: none | kahan | two_component | remainder
+  # Keep what the write-back drops: none | kahan | two_component |
+  # remainder | split (bfloat16 weights and an int8/int16 correction) | eco
+  # (the error folded into the optimizer's first moment; it wraps AdamW/SGD,
+  # which then needs momentum, and a lowprec.state rule for mu must round
+  # stochastically; nearest or stochastic rounding)
   c.lowprec.compensation = "none"
   c.lowprec.buffer = "bfloat16"  # the Kahan buffer's format
+  c.lowprec.correction_bits = 8  # split's correction: 8 (int8) | 16 (int16)
   c.lowprec.overflow = "saturate"
   # Block scales of an MX write-back: "recompute" (from w + u) | "keep"
   # (those of w; values past a block's top saturate)
@@ -138,7 +143,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.lowprec.decay_erasure = False  # count erased proposals of decay alone
   # Optimizer state stored in low precision (lowprec.store_state around the
   # optimizer): "regex=spec" rules over its state paths, in order, e.g.
-  # ("mu=bfloat16:stochastic", "nu=float8_e5m2:stochastic:block128")
+  # ("mu=bfloat16:stochastic", "nu=float8_e5m2:stochastic:block128"); the
+  # 8- and 4-bit states of docs/state.md too, e.g. ("mu=dynamic8:block256",
+  # "nu=dynamic8u:block256") or "float8_e4m3fn:nearest:block256:amax"
   c.lowprec.state = ()
   # Predicted stored-state erasures in a float32-state run
   # (lowprec.freeze.state_trace): "name: regex=spec; regex=spec" entries.

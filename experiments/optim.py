@@ -12,7 +12,9 @@ import optax
 
 import lowprec
 from lowprec import names
-from lowprec.state_storage import parse_state_format
+from lowprec.eco import FIRST_MOMENTS
+from lowprec.rules import plan
+from lowprec.state_storage import parse_rules, parse_state_format
 from lowprec.storage import path_name
 
 
@@ -388,14 +390,47 @@ def _remainder(lp, target, key):
   return lowprec.remainder_writeback(target)
 
 
+DEFAULT_CORRECTION_BITS = 8  # lowprec.correction_bits where left out
+CORRECTION_BITS = (8, 16)  # lowprec.correction_bits: int8 or int16 codes
+
+
+def _split(lp, target, key):
+  del key
+  if lp.rounding != "nearest":
+    raise ValueError(
+      "lowprec.compensation='split' keeps the value a bfloat16 weight and "
+      "its correction stand for, and rounds it to nearest: set "
+      f"lowprec.rounding='nearest' (got {lp.rounding!r})"
+    )
+  bits = lp.get("correction_bits", DEFAULT_CORRECTION_BITS)
+  return lowprec.split_writeback(target, correction_bits=bits)
+
+
 # lowprec.compensation -> (lowprec section, grid target, key) -> the
-# write-back. A config.json written before the key existed reads "none".
+# write-back, placed after the optimizer. A config.json written before the
+# key existed reads "none".
 WRITEBACKS = {
   "none": _plain,
   "kahan": _kahan,
   "two_component": _two_component,
   "remainder": _remainder,
+  "split": _split,
 }
+
+
+def _eco(lp, target, key, optimizer):
+  return lowprec.eco(
+    optimizer, target, lp.rounding, key=key, overflow=lp.overflow
+  )
+
+
+# lowprec.compensation -> (lowprec section, grid target, key, optimizer) ->
+# the optimizer and its write-back in one transform: the compensations
+# that fold the rounding error into the optimizer's own state.
+WRAPPERS = {"eco": _eco}
+
+# Every lowprec.compensation.
+COMPENSATIONS = {**WRITEBACKS, **WRAPPERS}
 
 
 def compensation(lp) -> str:
@@ -410,9 +445,25 @@ def build(config, key: jax.Array, params=None) -> optax.GradientTransformation:
   (`lowprec.store_state` around AdamW/SGD; state paths such as `0/mu/...`).
   The write-back is `lowprec.writeback`, or a compensated one picked by
   `lowprec.compensation` ("kahan" with `lowprec.buffer`, "two_component",
-  "remainder"; see `WRITEBACKS`). A float32 run predicts nearest
-  write-back with `lowprec.trace_targets` (`reference_trace`) and the
-  compensated ones with `lowprec.trace_remedies` (`compensated_trace`).
+  "remainder", "split" with `lowprec.correction_bits`; see `WRITEBACKS`).
+  "eco" (`WRAPPERS`) takes the optimizer inside instead:
+
+    clip -> [store_state] eco(AdamW/SGD, grid) -> traces
+
+  `lowprec.eco` runs the optimizer (its schedule, bias correction and
+  decoupled weight decay included) in float32, writes the update onto the
+  grid and folds the rounding error into the first moment. Clipping acts
+  on the gradients before the optimizer, so the update stays elementwise
+  in the moment, as the fold assumes. A stored state wraps eco, so the
+  moment is stored after the fold (state paths `inner/0/mu/...`): the
+  store rounds the fold with the moment, which stochastic rounding keeps
+  in expectation and nearest rounding drops where it is below half the
+  moment's gap, so a rule that stores a first moment under eco must round
+  stochastically (`eco_stored_moments`).
+
+  A float32 run predicts nearest write-back with `lowprec.trace_targets`
+  (`reference_trace`) and the compensated ones with
+  `lowprec.trace_remedies` (`compensated_trace`).
 
   `params` (the initial parameters) are needed only for per-tensor `intK`
   scales (`needs_params`). The config's names (`opt.name`, `opt.schedule`,
@@ -431,29 +482,19 @@ def parts(config, key: jax.Array, params=None) -> list:
   out = []
   if opt.clip_norm > 0:
     out.append(("opt.clip_norm", clip_by_global_norm(opt.clip_norm)))
-  where = "opt.name"
-  optimizer = OPTIMIZERS[opt.name](opt, lr)
-  if lp.get("state", ()):
-    # A key of its own, so that the write-back's and the trace's keys stay
-    # those of runs without stored state.
-    state_key = jax.random.fold_in(key, 3)
-    optimizer = lowprec.store_state(optimizer, state_rules(lp), key=state_key)
-    where = "lowprec.state"
-  if lp.get("state_targets", ()):
-    optimizer = lowprec.freeze.state_trace(optimizer, state_targets(lp))
-    where = "lowprec.state_targets"
-  out.append((where, optimizer))
   target = writeback_target(lp, params)
-  if lp.get("decay_erasure", False):
-    out.append(("lowprec.decay_erasure", _decay_erasure(config, lr, target)))
   wb_key, trace_key = jax.random.split(key)
-  if target is not None:
-    needs_key = lp.rounding != "nearest"
+  write_key = wb_key if lp.rounding != "nearest" else None
+  wrapped = target is not None and compensation(lp) in WRAPPERS
+  out.append(_optimizer(config, lr, target, write_key, key))
+  if lp.get("decay_erasure", False) and not wrapped:
+    out.append(("lowprec.decay_erasure", _decay_erasure(config, lr, target)))
+  if target is not None and not wrapped:
     write = WRITEBACKS[compensation(lp)]
     where = "lowprec.writeback"
     if compensation(lp) != "none":
       where = "lowprec.compensation"
-    out.append((where, write(lp, target, wb_key if needs_key else None)))
+    out.append((where, write(lp, target, write_key)))
   if lp.trace_targets:
     trace = lowprec.freeze.reference_trace(
       trace_targets(lp),
@@ -466,6 +507,76 @@ def parts(config, key: jax.Array, params=None) -> list:
     remedies = lowprec.freeze.compensated_trace(trace_remedies(lp))
     out.append(("lowprec.trace_remedies", remedies))
   return out
+
+
+def _optimizer(config, lr, target, write_key, key) -> tuple:
+  """`(config key, transform)`: AdamW/SGD, inside an eco write-back where
+  the config has one, inside its state store or state trace."""
+  opt, lp = config.opt, config.lowprec
+  where, optimizer = "opt.name", OPTIMIZERS[opt.name](opt, lr)
+  wrap = WRAPPERS.get(compensation(lp)) if target is not None else None
+  if wrap is not None:
+    if lp.get("decay_erasure", False):
+      # It would count inside eco, whose own telemetry hides it.
+      raise ValueError(
+        "lowprec.decay_erasure counts the proposals inside eco, where its "
+        "telemetry is not read: set it in an arm with "
+        "lowprec.compensation='none'"
+      )
+    optimizer = wrap(lp, target, write_key, optimizer)
+    where = "lowprec.compensation"
+  if lp.get("state", ()):
+    # A key of its own, so that the write-back's and the trace's keys stay
+    # those of runs without stored state.
+    state_key = jax.random.fold_in(key, 3)
+    rules = state_rules(lp)
+    optimizer = lowprec.store_state(optimizer, rules, key=state_key)
+    if wrap is not None:
+      optimizer = eco_stored_moments(optimizer, rules)
+    where = "lowprec.state"
+  if lp.get("state_targets", ()):
+    optimizer = lowprec.freeze.state_trace(optimizer, state_targets(lp))
+    where = "lowprec.state_targets"
+  return where, optimizer
+
+
+def eco_stored_moments(store, rules):
+  """`store` (a state store around eco), refusing at `init` a rule that
+  stores a first moment (`mu`, `trace`) other than stochastically.
+
+  The store rounds the moment after eco's fold, and the fold with it:
+  stochastic rounding keeps the fold in expectation, while nearest (or
+  dead-zone, nearest wherever the moment moves) rounding drops every fold
+  below half the moment's gap, and with an 8- or 4-bit moment nearly all
+  of them: the run would be a nearest write-back, silently.
+
+  Raises:
+    ValueError: at `init`, naming the leaf, its spec and the fix.
+  """
+  compiled = parse_rules(rules)
+
+  def init(params):
+    state = store.init(params)
+    for name, sf in plan(compiled, state.inner, check=False).items():
+      moment = [c for c in name.split("/") if c in FIRST_MOMENTS]
+      if moment and sf.rounding != "stochastic":
+        raise ValueError(
+          "lowprec.compensation='eco' folds the rounding error into the "
+          f"first moment, and lowprec.state stores {name!r} as '{sf}', "
+          f"whose {sf.rounding} rounding drops folds below half the "
+          "moment's gap (eco would degrade to nearest write-back): store "
+          f"it with stochastic rounding, e.g. '{moment[0]}="
+          f"{_stochastic(sf)}', or leave it float32 (a rule for the "
+          "second moment only)"
+        )
+    return state
+
+  return store._replace(init=init)
+
+
+def _stochastic(sf) -> str:
+  """`sf`'s spec with stochastic rounding."""
+  return str(sf).replace(f":{sf.rounding}", ":stochastic", 1)
 
 
 def _decay_erasure(config, lr, target):

@@ -62,7 +62,7 @@ def choices() -> dict:
     "opt.name": optim.OPTIMIZERS,
     "opt.schedule": optim.SCHEDULES,
     "lowprec.rounding": ROUNDINGS,
-    "lowprec.compensation": optim.WRITEBACKS,
+    "lowprec.compensation": optim.COMPENSATIONS,
     "lowprec.overflow": OVERFLOW_MODES,
     "lowprec.writeback_scales": SCALE_MODES,
     "lowprec.fwd_rounding": op_rounding.MODES,
@@ -180,6 +180,7 @@ def validate(c) -> None:
   optim.state_rules(lp)  # raises for a bad lowprec.state entry
   _check_float32_predictions(lp)
   _check_compensation(lp)
+  _check_eco(c)
   if optim.compensation(lp) == "kahan":
     formats.append(("lowprec.buffer", lp.buffer))
   for field, name in formats:
@@ -226,16 +227,9 @@ def validate(c) -> None:
 
 def _check_compensation(lp) -> None:
   """`lowprec.compensation` with the write-back it compensates, its
-  rounding and `lowprec.buffer` (which only Kahan reads)."""
+  rounding, and the keys only one kind reads."""
   kind = optim.compensation(lp)
-  buffer = lp.get("buffer", optim.DEFAULT_BUFFER)
-  if kind != "kahan" and buffer != optim.DEFAULT_BUFFER:
-    raise ValueError(
-      f"lowprec.buffer={buffer!r} is the Kahan buffer's format and only "
-      f"applies with lowprec.compensation='kahan' (this run has {kind!r}): "
-      "set --config.lowprec.compensation=kahan to use it, or leave "
-      f"lowprec.buffer at {optim.DEFAULT_BUFFER!r}"
-    )
+  _check_kind_keys(lp, kind)
   if kind == "none":
     return
   if not lp.writeback:
@@ -244,13 +238,22 @@ def _check_compensation(lp) -> None:
       "lowprec.writeback to the weights' grid (e.g. 'bfloat16'), or "
       "lowprec.compensation='none'"
     )
-  if lowprec.scaled.is_scaled(lp.writeback):
+  if kind == "eco" and lp.get("writeback_scales", "recompute") != "recompute":
+    raise ValueError(
+      "lowprec.compensation='eco' rounds onto block scales recomputed from "
+      "the new weights: set --config.lowprec.writeback_scales=recompute, "
+      "or --config.lowprec.compensation=none for a write-back that keeps "
+      "the old scales"
+    )
+  if kind != "eco" and lowprec.scaled.is_scaled(lp.writeback):
     raise ValueError(
       f"lowprec.compensation={kind!r} takes weights on a grid, and "
       f"lowprec.writeback={lp.writeback!r} is a scaled (MX) format: set "
       "--config.lowprec.compensation=none for its plain write-back, or a "
       "grid, e.g. --config.lowprec.writeback=float8_e4m3fn"
     )
+  if kind == "split":
+    _check_split(lp)
   if lp.rounding == "deadzone":
     raise ValueError(
       f"lowprec.compensation={kind!r} does not take lowprec.rounding="
@@ -259,19 +262,102 @@ def _check_compensation(lp) -> None:
       "--config.lowprec.compensation=none for dead-zone rounding alone"
     )
   if kind == "remainder":
-    if lp.rounding != "nearest":
+    _check_remainder(lp)
+
+
+def _check_kind_keys(lp, kind: str) -> None:
+  """`lowprec.buffer` (Kahan's) and `lowprec.correction_bits` (split's):
+  left at their defaults unless their compensation reads them."""
+  buffer = lp.get("buffer", optim.DEFAULT_BUFFER)
+  if kind != "kahan" and buffer != optim.DEFAULT_BUFFER:
+    raise ValueError(
+      f"lowprec.buffer={buffer!r} is the Kahan buffer's format and only "
+      f"applies with lowprec.compensation='kahan' (this run has {kind!r}): "
+      "set --config.lowprec.compensation=kahan to use it, or leave "
+      f"lowprec.buffer at {optim.DEFAULT_BUFFER!r}"
+    )
+  bits = lp.get("correction_bits", optim.DEFAULT_CORRECTION_BITS)
+  if bits not in optim.CORRECTION_BITS:
+    raise ValueError(
+      f"lowprec.correction_bits={bits!r} is not a correction's width: set "
+      "--config.lowprec.correction_bits=8 (an int8 code, 3 bytes per "
+      "parameter with the bfloat16 weight) or 16 (int16, 4 bytes)"
+    )
+  if kind != "split" and bits != optim.DEFAULT_CORRECTION_BITS:
+    raise ValueError(
+      f"lowprec.correction_bits={bits!r} is the split weights' correction "
+      f"and only applies with lowprec.compensation='split' (this run has "
+      f"{kind!r}): set --config.lowprec.compensation=split to use it, or "
+      f"leave lowprec.correction_bits at {optim.DEFAULT_CORRECTION_BITS}"
+    )
+
+
+def _check_remainder(lp) -> None:
+  """`remainder` rebuilds a float32 master from a bfloat16 weight."""
+  if lp.rounding != "nearest":
+    raise ValueError(
+      "lowprec.compensation='remainder' rebuilds an exact float32 master "
+      f"and rounds nothing: set --config.lowprec.rounding=nearest (got "
+      f"{lp.rounding!r})"
+    )
+  if not _on_bfloat16_grid(lp.writeback):
+    raise ValueError(
+      "lowprec.compensation='remainder' splits a float32 master into a "
+      "bfloat16 weight and its low 16 bits, so it needs lowprec.writeback="
+      f"'bfloat16' (got {lp.writeback!r}): for another grid use "
+      "--config.lowprec.compensation=kahan (its buffer: lowprec.buffer)"
+    )
+
+
+def _check_split(lp) -> None:
+  """`split` rebuilds a bfloat16 weight and its correction, rounds to
+  nearest and saturates."""
+  if not _on_bfloat16_grid(lp.writeback):
+    raise ValueError(
+      "lowprec.compensation='split' keeps a bfloat16 weight and a "
+      "correction in units of its ulp, so it needs lowprec.writeback="
+      f"'bfloat16' (got {lp.writeback!r}): set "
+      "--config.lowprec.writeback=bfloat16, or for another grid use "
+      "--config.lowprec.compensation=kahan (its buffer: lowprec.buffer)"
+    )
+  if lp.rounding != "nearest":
+    raise ValueError(
+      "lowprec.compensation='split' keeps the value the weight and its "
+      "correction stand for and rounds it to nearest: set "
+      f"--config.lowprec.rounding=nearest (got {lp.rounding!r})"
+    )
+  if lp.overflow != "saturate":
+    raise ValueError(
+      "lowprec.compensation='split' saturates at the largest bfloat16 (and "
+      "keeps non-finite proposals out): set "
+      f"--config.lowprec.overflow=saturate (got {lp.overflow!r})"
+    )
+
+
+def _check_eco(c) -> None:
+  """`eco` folds into a first moment (SGD needs momentum) and wraps the
+  optimizer, hiding the telemetry of what runs inside it or wraps it."""
+  lp = c.lowprec
+  if optim.compensation(lp) != "eco" or not lp.writeback:
+    return
+  for key, what in (
+    ("decay_erasure", "counts the proposals inside eco"),
+    ("state_targets", "wraps eco"),
+  ):
+    if lp.get(key, ()):
       raise ValueError(
-        "lowprec.compensation='remainder' rebuilds an exact float32 master "
-        f"and rounds nothing: set --config.lowprec.rounding=nearest (got "
-        f"{lp.rounding!r})"
+        f"lowprec.{key} {what}, and the telemetry of one transform wrapped "
+        "in another is not read (eco's own, or the wrapped one's): set it "
+        "in an arm with --config.lowprec.compensation=none, or leave "
+        f"lowprec.{key} out of this one"
       )
-    if not _on_bfloat16_grid(lp.writeback):
-      raise ValueError(
-        "lowprec.compensation='remainder' splits a float32 master into a "
-        "bfloat16 weight and its low 16 bits, so it needs lowprec.writeback="
-        f"'bfloat16' (got {lp.writeback!r}): for another grid use "
-        "--config.lowprec.compensation=kahan (its buffer: lowprec.buffer)"
-      )
+  if c.opt.name == "sgd" and not c.opt.momentum:
+    raise ValueError(
+      "lowprec.compensation='eco' folds the rounding error into the "
+      "optimizer's first moment, and opt.name='sgd' with opt.momentum=0 "
+      "keeps none: set --config.opt.momentum=0.9 (or "
+      "--config.opt.name=adamw), or --config.lowprec.compensation=none"
+    )
 
 
 def _on_bfloat16_grid(name: str) -> bool:

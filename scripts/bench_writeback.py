@@ -5,11 +5,18 @@ One jitted optimizer step (update and `optax.apply_updates`) on a pytree of
 biases. Write-back params are float32 holding bfloat16 grid values. Rows:
 nearest, stochastic and dead-zone write-back, each with telemetry on and
 off; the compensated write-backs (Kahan with a bfloat16 buffer,
-two-component, remainder) without telemetry; and AdamW with its moments
-stored in bfloat16 by stochastic rounding (`lowprec.store_state`). Targets:
-stochastic with telemetry at most 1.3x the plain adamw step; Kahan and
-two-component at most 1.25x nearest write-back without telemetry; bf16
-stochastic moments at most 1.3x plain adamw.
+two-component, remainder, split weights with an int8 correction) and ECO
+(`lowprec.eco` around adamw, nearest) without telemetry; and AdamW with
+its moments stored (`lowprec.store_state`, no telemetry) in bfloat16 by
+stochastic rounding, and as PyTorch's 8- and 4-bit optimizers store them
+(docs/state.md): bitsandbytes' dynamic maps and torchao's amax e4m3 with
+a scale per 256, FlashOptim's companded and square-root maps per 32, and
+torchao's 4-bit maps per 128. Ratios are to plain adamw and to nearest
+write-back without telemetry (`+ nearest`), the row ECO and the
+compensated write-backs replace. Targets: stochastic with telemetry at
+most 1.3x the plain adamw step; Kahan and two-component at most 1.25x
+nearest write-back without telemetry; bf16 stochastic moments at most
+1.3x plain adamw.
 
 The cases run in interleaved rounds; ratios are medians of same-round
 ratios, with their range, so load from other processes on a shared machine
@@ -24,6 +31,16 @@ import optax
 
 import lowprec
 from scripts.benchlib import Result, interleave
+
+E4M3_AMAX = "float8_e4m3fn:nearest:block256:amax"
+# row name -> (mu, nu) as lowprec.store_state stores them
+MOMENTS = {
+  "bf16 stochastic": ("bfloat16:stochastic", "bfloat16:stochastic"),
+  "dynamic8/dynamic8u block256": ("dynamic8:block256", "dynamic8u:block256"),
+  "amax e4m3 block256": (E4M3_AMAX, E4M3_AMAX),
+  "companded8/sqrt8 block32": ("companded8:block32", "sqrt8:block32"),
+  "4-bit": ("dynamic4:block128", "uint4nz:block128"),
+}
 
 
 def _params(n_params: int) -> dict:
@@ -71,10 +88,17 @@ def run(quick: bool) -> Result:
   cases["+ remainder"] = optax.chain(
     adamw, lowprec.remainder_writeback("bfloat16", telemetry=False)
   )
-  moments = {"mu": "bfloat16:stochastic", "nu": "bfloat16:stochastic"}
-  cases["adamw, bf16 stochastic moments"] = lowprec.store_state(
-    adamw, moments, key=key, telemetry=False
+  cases["+ split (8-bit correction)"] = optax.chain(
+    adamw, lowprec.split_writeback("bfloat16", 8, telemetry=False)
   )
+  # In place of the chain: adamw inside, as `+ nearest` has it before.
+  cases["+ eco (nearest)"] = lowprec.eco(
+    adamw, "bfloat16", "nearest", telemetry=False
+  )
+  for name, (mu, nu) in MOMENTS.items():
+    cases[f"adamw, {name} moments"] = lowprec.store_state(
+      adamw, {"mu": mu, "nu": nu}, key=key, telemetry=False
+    )
   calls = {
     name: (_step(opt), (params, opt.init(params), grads))
     for name, opt in cases.items()
@@ -84,4 +108,4 @@ def run(quick: bool) -> Result:
     f"write-back step, {count / 1e6:.1f}M params, "
     f"{jax.devices()[0].platform} x{jax.device_count()}"
   )
-  return Result(title, times, ("adamw",))
+  return Result(title, times, ("adamw", "+ nearest"))

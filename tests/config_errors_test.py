@@ -89,6 +89,48 @@ REFUSED = [
     ],
     ["mxfp8_e4m3", "--config.lowprec.compensation=none"],
   ),
+  (
+    "unknown-compensation",
+    "rn_bf16",
+    ["--config.lowprec.compensation=ecco"],
+    ["lowprec.compensation", "split, eco", "Did you mean 'eco'"],
+  ),
+  (
+    "split-on-fp8",
+    "rn_bf16",
+    [
+      "--config.lowprec.writeback=float8_e4m3fn",
+      "--config.lowprec.compensation=split",
+    ],
+    ["split", "--config.lowprec.writeback=bfloat16"],
+  ),
+  (
+    "correction-bits-12",
+    "rn_bf16",
+    [
+      "--config.lowprec.compensation=split",
+      "--config.lowprec.correction_bits=12",
+    ],
+    ["lowprec.correction_bits=12", "--config.lowprec.correction_bits=8"],
+  ),
+  (
+    "eco-with-deadzone",
+    "rn_bf16",
+    [
+      "--config.lowprec.compensation=eco",
+      "--config.lowprec.rounding=deadzone",
+    ],
+    ["'eco'", "--config.lowprec.rounding=nearest"],
+  ),
+  (
+    "eco-nearest-stored-mu",
+    "rn_bf16",
+    [
+      "--config.lowprec.compensation=eco",
+      "--config.lowprec.state=('mu=dynamic8:block256',)",
+    ],
+    ["lowprec.state", "'eco'", "'mu=dynamic8:stochastic:block256'"],
+  ),
 ]
 
 

@@ -1,6 +1,11 @@
-"""Clipping by a gradient norm summed in a fixed order."""
+"""The optimizer chain a config builds: clipping by a gradient norm summed
+in a fixed order, stored state, the compensated write-backs (eco and split
+among them) and their checks, and runs of them through the entry point."""
 
+import json
 import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -234,3 +239,261 @@ def test_state_targets_build_a_state_trace_and_bad_ones_are_rejected():
   stored = _fp32_config(state_targets=good, state=("mu=bfloat16",))
   with pytest.raises(ValueError, match="arm without lowprec.state"):
     study.validate(stored)
+
+
+# ---- eco and split weights ---------------------------------------------------
+
+
+def test_eco_wraps_the_clipped_adamw_with_its_schedule_and_decay():
+  # The chain is clip -> eco(AdamW): the same bits as built by hand, with
+  # the config's schedule (warmup, cosine), betas and decoupled decay.
+  import lowprec
+  from experiments import study
+
+  c = _config(compensation="eco", rounding="stochastic")
+  c.opt.warmup_steps, c.opt.clip_norm = 2, 0.5
+  study.validate(c)
+  key = jax.random.key(0)
+  tx = optim.build(c, key)
+  lr = optim.schedule(c.opt, c.train.steps)
+  adamw = optax.adamw(
+    lr, b1=c.opt.b1, b2=c.opt.b2, eps=c.opt.eps, weight_decay=0.1
+  )
+  wb_key = jax.random.split(key)[0]
+  eco = lowprec.eco(adamw, "bfloat16", "stochastic", key=wb_key)
+  by_hand = optax.chain(optim.clip_by_global_norm(0.5), eco)
+  params = lowprec.to_grid(_tree(3), "bfloat16")
+  states = [tx.init(params), by_hand.init(params)]
+  for step in range(3):
+    grads = _tree(4 + step)
+    outs = [
+      t.update(grads, s, params)
+      for t, s in zip((tx, by_hand), states, strict=True)
+    ]
+    for a, b in zip(*(jax.tree.leaves(o[0]) for o in outs), strict=True):
+      np.testing.assert_array_equal(a, b)
+    params = optax.apply_updates(params, outs[0][0])
+    states = [o[1] for o in outs]
+  (state,) = [s for s in states[0] if isinstance(s, lowprec.EcoState)]
+  assert state.inner[0].mu["a"].dtype == jnp.float32
+  lowprec.check_on_grid(params, "bfloat16")
+  tel = lowprec.telemetry(states[0])
+  assert tel["carried"] > 0 and tel["moved"] > 0
+
+
+@pytest.mark.parametrize("bits, dtype", [(8, jnp.int8), (16, jnp.int16)])
+def test_split_keeps_a_correction_of_the_configured_width(bits, dtype):
+  import lowprec
+  from experiments import study
+
+  c = _config(compensation="split", correction_bits=bits)
+  study.validate(c)
+  params = lowprec.to_grid(_tree(3), "bfloat16")
+  tx = optim.build(c, jax.random.key(0))
+  updates, state = tx.update(_tree(4), tx.init(params), params)
+  (split,) = [s for s in state if isinstance(s, lowprec.SplitState)]
+  assert split.correction["a"].dtype == dtype
+  lowprec.check_on_grid(optax.apply_updates(params, updates), "bfloat16")
+  assert {"lost", "carried", "moved"} <= set(lowprec.telemetry(state))
+
+
+def test_eco_takes_a_stored_first_moment_only_with_stochastic_rounding():
+  # The store wraps eco and rounds the moment after the fold: nearest
+  # rounding would drop the folds, so it is refused when the chain is
+  # built on the params (the dry build), naming the stochastic spec.
+  import lowprec
+
+  params = lowprec.to_grid(_tree(3), "bfloat16")
+  ok = ("mu=dynamic8:stochastic:block256", "nu=dynamic8u:block256")
+  c = _config(compensation="eco", state=ok)
+  tx = optim.build(c, jax.random.key(0))
+  state = tx.init(params)
+  assert state[1].inner.inner[0].mu["a"].dtype == jnp.uint8
+  updates, state = tx.update(_tree(4), state, params)
+  tel = lowprec.telemetry(state)
+  assert tel["carried"] > 0 and tel["state/changed"] > 0
+  for spec, fix in [
+    ("mu=dynamic8:block256", "'mu=dynamic8:stochastic:block256'"),
+    ("mu=bfloat16", "'mu=bfloat16:stochastic'"),
+    ("mu=bfloat16:deadzone", "'mu=bfloat16:stochastic'"),
+  ]:
+    tx = optim.build(
+      _config(compensation="eco", state=(spec,)), jax.random.key(0)
+    )
+    with pytest.raises(ValueError, match="inner/0/mu/a") as e:
+      jax.eval_shape(tx.init, params)
+    assert fix in str(e.value)
+
+
+SPLIT, ECO = {"compensation": "split"}, {"compensation": "eco"}
+MX = {"writeback": "mxfp8_e4m3"}
+# id -> (lowprec overrides of a bfloat16 write-back, what the error says)
+BAD_COMPENSATIONS = {
+  "unknown": (
+    {"compensation": "ecoo"},
+    "valid: none, kahan, two_component, remainder, split, eco",
+  ),
+  "split-fp8": (
+    {**SPLIT, "writeback": "float8_e4m3fn"},
+    "--config.lowprec.writeback=bfloat16",
+  ),
+  "split-int8": ({**SPLIT, "writeback": "int8"}, "writeback='bfloat16'"),
+  "split-mx": ({**SPLIT, **MX}, "--config.lowprec.compensation=none"),
+  "split-sr": (
+    {**SPLIT, "rounding": "stochastic"},
+    "--config.lowprec.rounding=nearest",
+  ),
+  "split-deadzone": (
+    {**SPLIT, "rounding": "deadzone"},
+    "--config.lowprec.rounding=nearest",
+  ),
+  "split-ieee": (
+    {**SPLIT, "overflow": "ieee"},
+    "--config.lowprec.overflow=saturate",
+  ),
+  "bits-12": (
+    {**SPLIT, "correction_bits": 12},
+    "--config.lowprec.correction_bits=8",
+  ),
+  "bits-without-split": (
+    {"correction_bits": 16},
+    "--config.lowprec.compensation=split",
+  ),
+  "eco-deadzone": (
+    {**ECO, "rounding": "deadzone"},
+    "--config.lowprec.rounding=nearest",
+  ),
+  "eco-float32": ({**ECO, "writeback": ""}, "set lowprec.writeback"),
+  "eco-keep-scales": (
+    {**ECO, **MX, "writeback_scales": "keep"},
+    "--config.lowprec.writeback_scales=recompute",
+  ),
+  "eco-decay-erasure": (
+    {**ECO, "decay_erasure": True},
+    "lowprec.decay_erasure counts",
+  ),
+  "eco-state-targets": (
+    {**ECO, "state_targets": ("rn: mu=bfloat16",)},
+    "lowprec.state_targets wraps eco",
+  ),
+}
+
+
+@pytest.mark.parametrize(
+  "lp, needle",
+  BAD_COMPENSATIONS.values(),
+  ids=BAD_COMPENSATIONS,
+)
+def test_eco_and_split_combinations_are_refused_naming_the_fix(lp, needle):
+  from experiments import study
+
+  with pytest.raises(ValueError) as e:
+    study.validate(_config(**lp))
+  assert needle in str(e.value)
+
+
+def test_eco_on_sgd_needs_momentum():
+  from experiments import study
+
+  c = _config(compensation="eco")
+  c.opt.name = "sgd"
+  with pytest.raises(ValueError, match="--config.opt.momentum=0.9"):
+    study.validate(c)
+  c.opt.momentum = 0.9
+  study.validate(c)
+  tx = optim.build(c, jax.random.key(0))
+  params = {"w": jax.ShapeDtypeStruct((4, 8), jnp.float32)}
+  jax.eval_shape(tx.init, params)  # the trace is the moment eco folds into
+
+
+def test_eco_takes_mx_weights_with_recomputed_scales():
+  from experiments import study
+
+  study.validate(_config(compensation="eco", writeback="mxfp8_e4m3"))
+
+
+E4M3_AMAX = "float8_e4m3fn:nearest:block256:amax"
+NEW_STATE_SPECS = [
+  (f"mu={E4M3_AMAX}", f"nu={E4M3_AMAX}"),
+  ("mu=dynamic8:block256", "nu=dynamic8u:block256"),
+  ("mu=dynamic8:block2048", "nu=dynamic8u:block256"),
+  ("mu=companded8:block32", "nu=sqrt8:block32"),
+  ("mu=dynamic4:block128", "nu=uint4nz:block128"),
+  ("mu=int4:nearest:block128:amax", "nu=uint4nz:block128"),
+  (f"mu={E4M3_AMAX}:float16", "nu=dynamic8u:block256"),
+]
+
+
+@pytest.mark.parametrize(
+  "state", NEW_STATE_SPECS, ids=[s[0][3:] for s in NEW_STATE_SPECS]
+)
+def test_the_8_and_4_bit_state_specs_pass_the_checks_and_the_dry_build(state):
+  from configs import smoke
+  from experiments import study
+
+  c = smoke.get_config()
+  c.study.arm = "rn_bf16"
+  c.lowprec.state = state
+  (run,) = study.resolve_all(c)
+  assert tuple(run.lowprec.state) == state
+
+
+def test_an_unsigned_map_on_the_first_moment_is_refused_by_the_dry_build():
+  from configs import smoke
+  from experiments import study
+
+  c = smoke.get_config()
+  c.study.arm = "rn_bf16"
+  c.lowprec.state = ("mu=sqrt8:block32",)
+  with pytest.raises(study.ConfigError, match="lowprec.state.*'companded8"):
+    study.resolve_all(c)
+
+
+# ---- through the entry point ------------------------------------------------
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(results_dir, *args):
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+  env["JAX_PLATFORMS"] = "cpu"
+  cmd = [sys.executable, "-m", "experiments.run", *args]
+  cmd.append(f"--config.log.results_dir={results_dir}")
+  return subprocess.run(
+    cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+  )
+
+
+# id -> (overrides, telemetry the last metrics line must hold)
+LP = "--config.lowprec."
+RECIPES = {
+  "eco": ([f"{LP}compensation=eco"], ["carried", "moved", "erased"]),
+  "split": (
+    [f"{LP}compensation=split", f"{LP}correction_bits=16"],
+    ["lost", "lost_mass", "carried"],
+  ),
+  "dynamic8u-nu": (
+    [f"{LP}state=('nu=dynamic8u:block256',)"],
+    ["state/changed", "state/erased", "moved"],
+  ),
+}
+
+
+@pytest.mark.parametrize("overrides, keys", RECIPES.values(), ids=RECIPES)
+def test_a_recipe_trains_through_the_entry_point_and_logs_its_telemetry(
+  overrides, keys, tmp_path
+):
+  # About 20 s each on 2 CPU cores, most of it compiling.
+  args = ["--config=configs/smoke.py:arm=rn_bf16", "--config.train.steps=4"]
+  out = _run(tmp_path, *args, *overrides)
+  assert out.returncode == 0, out.stdout + out.stderr
+  d = tmp_path / "smoke" / "rn_bf16" / "seed0"
+  summary = json.loads((d / "summary.json").read_text())
+  assert np.isfinite(summary["final_loss"])
+  lines = (d / "metrics.jsonl").read_text().splitlines()
+  last = json.loads(lines[-1])
+  assert last["step"] == 4
+  for key in keys:
+    assert key in last, (key, sorted(last)[:20])
+  assert last["proposals"] > 0 and last["erased"] + last["moved"] > 0

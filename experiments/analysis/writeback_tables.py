@@ -23,7 +23,7 @@ import numpy as np
 from experiments.analysis.freeze_tables import val_at
 from lowprec.formats import get_format
 from lowprec.freeze import remedy_name
-from lowprec.state_storage import parse_state_format
+from lowprec.state_storage import parse_rules, parse_state_format
 
 KINDS = ("fp32", "nearest", "stochastic", "deadzone")
 SR_ARMS = (("stochastic", "full_sr"), ("deadzone", "deadzone_sr"))
@@ -113,7 +113,47 @@ def remedy_kind(config: dict) -> str:
   comp = lp.get("compensation", "none")
   if comp == "kahan":
     return f"kahan ({lp.get('buffer', 'bfloat16')} buffer)"
+  if comp == "split":
+    return f"split (int{lp.get('correction_bits', 8)} correction)"
+  if comp == "eco" and lp["rounding"] != "nearest":
+    return f"eco ({lp['rounding']})"
   return lp["rounding"] if comp == "none" else comp
+
+
+# A leaf shape for the bytes per element of a stored state: its scales
+# (per tensor or per block of up to 2048) are those of a 4096-wide row.
+_STATE_SHAPE = (4096,)
+
+
+def state_bytes(spec) -> float:
+  """Bytes per element of a state leaf stored as `spec` (a
+  `lowprec.state` spec or a `StateFormat`): its code and its share of the
+  scales, as `Codec.nbytes` counts them, except that a grid the runner
+  holds in float32 counts its format's width."""
+  sf = parse_state_format(spec)
+  codec = sf.codec()
+  per = codec.nbytes(_STATE_SHAPE) / math.prod(_STATE_SHAPE)
+  code = codec.dtype().itemsize
+  if code == 4 and not sf.mapped:
+    per += sf.fmt.bits / 8 - code
+  return per
+
+
+def _moment_bytes(lp) -> dict[str, float]:
+  """AdamW's `mu` and `nu`: 4 bytes, or as the first `lowprec.state` rule
+  that matches them stores them."""
+  pairs = [e.rpartition("=")[::2] for e in lp.get("state") or ()]
+  rules = (
+    parse_rules([(r.strip(), s.strip()) for r, s in pairs]) if pairs else ()
+  )
+  # eco's state holds AdamW's under `inner`.
+  at = "inner/0" if lp.get("compensation") == "eco" else "0"
+  out = {}
+  for moment in ("mu", "nu"):
+    # Whole "/"-separated components, as lowprec.store_state matches them.
+    hit = [r.value for r in rules if r.regex.fullmatch(f"{at}/{moment}/w")]
+    out[moment] = state_bytes(hit[0]) if hit and hit[0] else 4.0
+  return out
 
 
 def recipe_bytes(config: dict) -> float:
@@ -121,19 +161,13 @@ def recipe_bytes(config: dict) -> float:
   format's width; a float32 master for float32 and mixed precision), the
   buffer of a compensated write-back (Kahan's buffer format, the
   two-component error term on the weights' grid, the remainder's 16
-  bits) and AdamW's two moments (float32, or as `lowprec.state` stores
-  them: the format's width plus a float32 scale per block). Counts
-  formats, not the float32 arrays the runner may hold grid values in;
-  parameters kept in float32 (`keep_float32`, under 2% here) are not
-  counted apart."""
+  bits, the split's 8- or 16-bit correction; eco stores nothing of its
+  own) and AdamW's two moments (float32, or as `lowprec.state` stores
+  them: `state_bytes`, the code and its scales). Counts formats, not the
+  float32 arrays the runner may hold grid values in; parameters kept in
+  float32 (`keep_float32`, under 2% here) are not counted apart."""
   lp = config["lowprec"]
-  moments = {"mu": 4.0, "nu": 4.0}
-  for entry in lp.get("state") or ():
-    regex, _, spec = entry.rpartition("=")
-    sf = parse_state_format(spec)
-    block = 4 / sf.scale if isinstance(sf.scale, int) else 0.0
-    moments[regex] = get_format(sf.fmt).bits / 8 + block
-  state = moments["mu"] + moments["nu"]
+  state = sum(_moment_bytes(lp).values())
   if not lp["writeback"]:
     return 4.0 + state
   weights = get_format(lp["writeback"]).bits / 8
@@ -142,6 +176,8 @@ def recipe_bytes(config: dict) -> float:
     "kahan": get_format(lp.get("buffer", "bfloat16")).bits / 8,
     "two_component": weights,
     "remainder": 2.0,
+    "split": lp.get("correction_bits", 8) / 8,
+    "eco": 0.0,
   }[lp.get("compensation", "none")]
   return weights + buffer + state
 
