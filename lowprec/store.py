@@ -207,10 +207,17 @@ def _divide(a, b):
   """IEEE `a / b`. XLA rewrites a division by a broadcast (of a constant,
   or of a scale per tensor, or per block where a device holds part of
   one) as a product with the rounded reciprocal: 1 ulp off for half the
-  quotients by 448, and on some shardings but not others. The barrier
-  keeps the divisor opaque."""
+  quotients by 448, and on some shardings but not others. A select in
+  between (which returns every value, NaN as NaN) makes a runtime
+  divisor no broadcast, and unlike an optimization barrier it still
+  fuses."""
+  if isinstance(b, int | float | np.ndarray | np.generic):
+    # XLA folds a select of a constant: keep a constant opaque with a
+    # barrier (small arrays: the per-block scales).
+    b = jnp.broadcast_to(jnp.asarray(b, jnp.float32), jnp.shape(a))
+    return a / jax.lax.optimization_barrier(b)
   b = jnp.broadcast_to(jnp.asarray(b, jnp.float32), jnp.shape(a))
-  return a / jax.lax.optimization_barrier(b)
+  return a / jnp.where(jnp.isnan(b), jnp.float32(jnp.nan), b)
 
 
 def _kept(v):
