@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One prepared check of the full-scale configs on a machine with an
-# accelerator (GPU or TPU), in under 9 minutes, without network:
+# accelerator (GPU or TPU), in under 8 minutes, without network:
 #
 #   bash scripts/device_wheels.sh   # here, with network: wheels into .whl/
 #   bash scripts/device_check.sh    # there (OUT=DIR: where results go)
@@ -27,7 +27,7 @@ DRY=${DEVICE_CHECK_DRY:-0}
 RESULTS=${OUT:-$PWD}
 PARTS=$RESULTS/device_check
 SITE=${DEVICE_CHECK_SITE:-/tmp/site}
-BUDGET=${DEVICE_CHECK_BUDGET_S:-530}  # seconds for all parts together
+BUDGET=${DEVICE_CHECK_BUDGET_S:-470}  # seconds for all parts together
 WORK=$(mktemp -d)  # token files: not results
 mkdir -p "$PARTS"
 : >"$PARTS/parts.tsv"
