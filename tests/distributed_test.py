@@ -205,7 +205,13 @@ def test_a_broken_checkpoint_is_set_aside_once_and_both_fall_back(
   every = "--config.ckpt.every_steps=2"
   procs = _launch(tmp_path, 2, 1, every, fault="after_checkpoint:6")
   outs = _finish(procs, TIMEOUT_S)
-  assert [rc for rc, *_ in outs] == [-signal.SIGKILL] * 2, outs[0][2][-2000:]
+  # Each process kills itself after the checkpoint; on a loaded machine
+  # the distributed runtime may see its peer die first and abort it.
+  codes = sorted(rc for rc, *_ in outs)
+  assert codes in (
+    [-signal.SIGKILL] * 2,
+    sorted([-signal.SIGKILL, -signal.SIGABRT]),
+  ), outs[0][2][-2000:]
   ckpts = os.path.join(tmp_path, RUN, "checkpoints")
   files = [
     os.path.join(d, f)
