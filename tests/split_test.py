@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 import lowprec
 from lowprec.storage import path_name
+from tests.compensated_test import _mlp, _mlp_problem
 from tests.telemetry_test import assert_telemetry_equal
 
 BF16 = ml_dtypes.bfloat16
@@ -442,24 +443,6 @@ def _check_step(before, codes, u, after, new_codes, top, tel):
       total[k] += counts[k]
   for k, v in total.items():
     assert int(tel[k]) == v, k
-
-
-def _mlp(p, x):
-  h = jnp.tanh(x @ p["l1"]["kernel"] + p["l1"]["bias"])
-  return h @ p["l2"]["kernel"] + p["l2"]["bias"]
-
-
-def _mlp_problem():
-  ks = jax.random.split(jax.random.key(0), 4)
-  p = {
-    "l1": {"kernel": 0.5 * jax.random.normal(ks[0], (8, 32)),
-           "bias": jnp.zeros(32)},
-    "l2": {"kernel": 0.2 * jax.random.normal(ks[1], (32, 1)),
-           "bias": jnp.zeros(1)},
-  }  # fmt: skip
-  x = jax.random.normal(ks[2], (64, 8))
-  y = jnp.sin(x @ jax.random.normal(ks[3], (8, 1)))
-  return lowprec.to_grid(p, "bfloat16", storage="native"), x, y
 
 
 def _widen(tree):
