@@ -80,3 +80,12 @@ def test_recipe_bytes_take_the_first_rule_that_matches_a_moment():
 )
 def test_remedy_kind_names_the_compensation_and_its_setting(lowprec, kind):
   assert remedy_kind(_config(**lowprec)) == kind
+
+
+@pytest.mark.parametrize(
+  "name, want",
+  [("mxfp8_e4m3", 1 + 1 / 32), ("mxfp4_e2m1", 0.5 + 1 / 32), ("bfloat16", 2.0)],
+)
+def test_recipe_bytes_of_mx_weights_count_elements_and_block_scales(name, want):
+  got = recipe_bytes(_config(writeback=name, compensation="eco"))
+  assert got == pytest.approx(8.0 + want)

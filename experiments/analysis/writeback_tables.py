@@ -21,7 +21,7 @@ import math
 import numpy as np
 
 from experiments.analysis.freeze_tables import val_at
-from lowprec.formats import get_format
+from lowprec.formats import get_format, get_scaled_format, is_scaled
 from lowprec.freeze import remedy_name
 from lowprec.state_storage import parse_rules, parse_state_format
 
@@ -170,7 +170,7 @@ def recipe_bytes(config: dict) -> float:
   state = sum(_moment_bytes(lp).values())
   if not lp["writeback"]:
     return 4.0 + state
-  weights = get_format(lp["writeback"]).bits / 8
+  weights = _weight_bytes(lp["writeback"])
   buffer = {
     "none": 0.0,
     "kahan": get_format(lp.get("buffer", "bfloat16")).bits / 8,
@@ -180,6 +180,15 @@ def recipe_bytes(config: dict) -> float:
     "eco": 0.0,
   }[lp.get("compensation", "none")]
   return weights + buffer + state
+
+
+def _weight_bytes(name: str) -> float:
+  """Bytes per weight of a write-back format: its width, and for an MX
+  format its elements' width plus one E8M0 scale byte per block."""
+  if is_scaled(name):
+    fmt = get_scaled_format(name)
+    return fmt.element.bits / 8 + 1 / fmt.block
+  return get_format(name).bits / 8
 
 
 def remedies_table(runs):
