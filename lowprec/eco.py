@@ -41,6 +41,7 @@ from lowprec.compensated import as_emitted
 from lowprec.counting import mass
 from lowprec.float32_views import _widen as float32_view
 from lowprec.rounding import OVERFLOW_MODES
+from lowprec.state_storage import StoredState
 from lowprec.storage import format_lookup, path_name
 
 # Dead-zone rounding is left out: it exists to move weights that nearest
@@ -250,6 +251,7 @@ def eco(
   def init_fn(params):
     weights = leafwise.weights(lookup, params, fmt)
     inner_state = inner.init(float32_view(params))
+    _refuse_stored(inner_state)
     _first_moments(inner_state, weights)  # raises where one is missing
     zeros = {n: jnp.zeros([], jnp.int32) for n in weights}
     counts = dict.fromkeys(_COUNTS + _MASSES)
@@ -315,6 +317,23 @@ def _moment_name(key) -> str | None:
     if isinstance(v, str):
       return v
   return None
+
+
+def _refuse_stored(state) -> None:
+  """Raises for an inner state that `lowprec.store_state` keeps on a grid:
+  the fold would be added to stored codes and rounded away (or, on a code
+  map, fail). The store goes outside: it then stores the folded moment."""
+  nodes = jax.tree_util.tree_leaves(
+    state, is_leaf=lambda x: isinstance(x, StoredState)
+  )
+  if any(isinstance(x, StoredState) for x in nodes):
+    raise ValueError(
+      "eco wraps an optimizer whose state lowprec.store_state keeps on a "
+      "grid: the fold would be added to the stored moment and rounded "
+      "away. Store the state outside eco instead, with stochastic "
+      "rounding for the first moment: lowprec.store_state(lowprec.eco("
+      "optax.adamw(lr), fmt), {'mu': 'bfloat16:stochastic', ...}, key=...)"
+    )
 
 
 def _first_moments(state, weights) -> dict[str, int]:

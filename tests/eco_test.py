@@ -784,3 +784,19 @@ def test_eight_devices_give_the_bits_of_one():
       assert got[k] == pytest.approx(want[k], rel=1e-6)
     else:
       assert got[k] == want[k], k
+
+
+def test_eco_around_a_stored_state_is_refused_with_the_order_that_works():
+  params = lowprec.to_grid({"w": jnp.linspace(-1.0, 1.0, 64)}, "bfloat16")
+  stored = lowprec.store_state(optax.adam(1e-3), {"mu": "dynamic8:block32"})
+  with pytest.raises(ValueError, match=r"lowprec.store_state\(lowprec.eco\("):
+    lowprec.eco(stored, "bfloat16").init(params)
+  # The other order stores the folded moment, and runs.
+  tx = lowprec.store_state(
+    lowprec.eco(optax.adam(1e-3), "bfloat16"),
+    {"mu": "bfloat16:stochastic"},
+    key=jax.random.key(0),
+  )
+  state = tx.init(params)
+  updates, state = jax.jit(tx.update)(params, state, params)
+  assert np.all(np.isfinite(np.asarray(updates["w"])))
