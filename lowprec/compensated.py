@@ -556,11 +556,8 @@ def _compensated(
     deltas, new_key, kept = leafwise.step(
       caller, lookup, updates, params, ks, leaf
     )
-    counts = dict.fromkeys(_FIELDS)
-    if telemetry:
-      counts = {
-        f: {n: k[1][i] for n, k in kept.items()} for i, f in enumerate(_FIELDS)
-      }
+    per = {n: k[1] for n, k in kept.items()}
+    counts = counting.by_field(per, _FIELDS, telemetry)
     new_state = CompensatedState(
       count=optax.safe_increment(state.count),
       key=new_key,

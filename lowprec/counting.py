@@ -158,3 +158,14 @@ def of_state(
   return layout(
     st.count, per, counts, ratio, masses=masses, prefix=prefix, host=host
   )
+
+
+def by_field(per_path, fields: Sequence[str], telemetry: bool = True) -> dict:
+  """`{field: {path: value}}` from `{path: values in the order of
+  fields}` (values past the fields are left out), as a store's state
+  keeps its counts; every field None with telemetry off."""
+  if not telemetry:
+    return dict.fromkeys(fields)
+  return {
+    f: {n: v[i] for n, v in per_path.items()} for i, f in enumerate(fields)
+  }

@@ -278,12 +278,9 @@ def eco(
     ks = (state.key, key_state[1]) if random else None
     deltas, new_key, kept = leafwise.step("eco", lookup, u, params, ks, leaf)
     new_inner, carried = _fold(new_inner, d_u, d_inner, moments, kept)
-    counts = dict.fromkeys(_COUNTS + _MASSES)
-    if telemetry:
-      counts = {
-        c: {n: k[1 + i] for n, k in kept.items()} for i, c in enumerate(_COUNTS)
-      }
-      counts["carried"] = carried
+    per = {n: k[1:] for n, k in kept.items()}
+    counts = counting.by_field(per, _COUNTS, telemetry)
+    counts["carried"] = carried if telemetry else None
     new_state = EcoState(
       count=optax.safe_increment(state.count),
       key=new_key,

@@ -229,11 +229,8 @@ def split_writeback(
     deltas, _, kept = leafwise.step(
       "split_writeback", lookup, updates, params, None, leaf
     )
-    counts = dict.fromkeys(_FIELDS)
-    if telemetry:
-      counts = {
-        f: {n: k[1][i] for n, k in kept.items()} for i, f in enumerate(_FIELDS)
-      }
+    per = {n: k[1] for n, k in kept.items()}
+    counts = counting.by_field(per, _FIELDS, telemetry)
     new_state = SplitState(
       count=optax.safe_increment(state.count),
       correction={n: k[0] for n, k in kept.items()},

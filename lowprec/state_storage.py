@@ -487,11 +487,7 @@ def store_state(
       return enc, _state_counts(x, old[name], enc) if telemetry else None
 
     new_inner, scales, per = _map_stored(plan, new_inner, store)
-    counts = dict.fromkeys(_COUNTS)
-    if telemetry:
-      counts = {
-        c: {n: k[i] for n, k in per.items()} for i, c in enumerate(_COUNTS)
-      }
+    counts = counting.by_field(per, _COUNTS, telemetry)
     new_counts = StateCounts(
       optax.safe_increment(state.counts.count), new_key, **counts
     )

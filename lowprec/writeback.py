@@ -226,11 +226,7 @@ def writeback(
     deltas, new_key, kept = leafwise.step(
       "writeback", lookup, updates, params, ks, leaf
     )
-    counts = dict.fromkeys(_COUNTS)
-    if telemetry:
-      counts = {
-        c: {n: k[i] for n, k in kept.items()} for i, c in enumerate(_COUNTS)
-      }
+    counts = counting.by_field(kept, _COUNTS, telemetry)
     n = len(_COUNTS)
     scales = {name: k[n:] for name, k in kept.items() if len(k) > n}
     new_state = WritebackState(
