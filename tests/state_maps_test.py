@@ -13,13 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import lowprec
 from lowprec.state_storage import parse_state_format
 from lowprec.store import decode
-from tests.state_storage_test import KEY, _bits, _stored, holder
+from tests.state_storage_test import KEY, _bits, _stored, holder, one_and_eight
 from tests.telemetry_test import assert_telemetry_equal
 
 F32 = np.float32
@@ -437,23 +435,7 @@ def test_eight_devices_split_along_the_blocks_store_the_bits_of_one(spec):
   moment = "nu" if _unsigned(spec) else "mu"
   tx = lowprec.store_state(optax.adam(1e-3), {moment: spec}, key=KEY)
 
-  @jax.jit
-  def run(params, state):
-    def body(carry, t):
-      params, state = carry
-      g = jax.tree.map(lambda p: jnp.sin(p * 7.0 + t), params)
-      updates, state = tx.update(g, state, params)
-      return (optax.apply_updates(params, updates), state), None
-
-    return jax.lax.scan(body, (params, state), jnp.arange(3.0))[0]
-
-  one = run(params, jax.jit(tx.init)(params))
-  mesh = Mesh(np.array(jax.devices()), ("x",))
-  split = {"w": P(None, "x"), "v": P(None, "x"), "b": P("x")}
-  params8 = jax.device_put(
-    params, {k: NamedSharding(mesh, v) for k, v in split.items()}
-  )
-  eight = run(params8, jax.jit(tx.init)(params8))
+  one, eight = one_and_eight(tx, params)
   stored = getattr(eight[1].inner[0], moment)["w"]
   assert len(stored.sharding.device_set) == 8
   leaves = jax.tree_util.tree_leaves_with_path(one)

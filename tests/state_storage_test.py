@@ -623,19 +623,9 @@ SCALE_RULES = {
 }
 
 
-@pytest.mark.parametrize("spec", SCALE_RULES.values(), ids=SCALE_RULES)
-def test_eight_devices_split_along_the_blocks_store_the_bits_of_one(spec):
-  """Adam, three scanned steps, the columns (the blocked axis) of two
-  matrices and a vector split over 8 devices: params, stored state,
-  scales and counts are the single device's bit for bit, whatever the
-  scale rule."""
-  ks = jax.random.split(jax.random.key(3), 3)
-  params = {
-    "w": jax.random.normal(ks[0], (16, 256)),
-    "v": jax.random.normal(ks[1], (8, 128)),
-    "b": jax.random.normal(ks[2], (256,)),
-  }
-  tx = lowprec.store_state(optax.adam(1e-3), {"nu": spec}, key=KEY)
+def one_and_eight(tx, params):
+  """`(params, state)` after three scanned AdamW-like steps of `tx` on
+  one device and with `w` and `v` split by columns, `b` by rows over 8."""
 
   @jax.jit
   def run(params, state):
@@ -654,6 +644,24 @@ def test_eight_devices_split_along_the_blocks_store_the_bits_of_one(spec):
     params, {k: NamedSharding(mesh, v) for k, v in split.items()}
   )
   eight = run(params8, jax.jit(tx.init)(params8))
+  return one, eight
+
+
+@pytest.mark.parametrize("spec", SCALE_RULES.values(), ids=SCALE_RULES)
+def test_eight_devices_split_along_the_blocks_store_the_bits_of_one(spec):
+  """Adam, three scanned steps, the columns (the blocked axis) of two
+  matrices and a vector split over 8 devices: params, stored state,
+  scales and counts are the single device's bit for bit, whatever the
+  scale rule."""
+  ks = jax.random.split(jax.random.key(3), 3)
+  params = {
+    "w": jax.random.normal(ks[0], (16, 256)),
+    "v": jax.random.normal(ks[1], (8, 128)),
+    "b": jax.random.normal(ks[2], (256,)),
+  }
+  tx = lowprec.store_state(optax.adam(1e-3), {"nu": spec}, key=KEY)
+
+  one, eight = one_and_eight(tx, params)
   assert len(eight[1].inner[0].nu["w"].sharding.device_set) == 8
   leaves = jax.tree_util.tree_leaves_with_path(one)
   for (path, a), b in zip(leaves, jax.tree.leaves(eight), strict=True):
