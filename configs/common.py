@@ -150,6 +150,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Predicted stored-state erasures in a float32-state run
   # (lowprec.freeze.state_trace): "name: regex=spec; regex=spec" entries.
   c.lowprec.state_targets = ()
+  # Per-group recipes (lowprec.recipes, lowprec.groups), in place of the
+  # keys above: "group=weights+state" entries, e.g. ("mlp=bf16_kahan+q8",
+  # "norms=float32"), one per group of lowprec.groups ("name=regex",
+  # first match; empty: lowprec.groups.DEFAULT_GROUPS). Written by
+  # `python -m scripts.advise`.
+  c.lowprec.groups = ()
+  c.lowprec.group_recipes = ()
   c.lowprec.policy = ""  # backward-state policy string ("" = reference)
   c.lowprec.fwd_format = "float32"  # rounding of saved forward tensors
   c.lowprec.fwd_rounding = "nearest"

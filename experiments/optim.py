@@ -216,12 +216,80 @@ def needs_params(lp) -> bool:
   return lp.writeback.startswith("int") and not lp.int_scale
 
 
+# lowprec keys a per-group recipe sets for its group; a config with
+# lowprec.group_recipes leaves them at their defaults.
+GROUP_EXCLUSIVE = {
+  "writeback": "",
+  "compensation": "none",
+  "state": (),
+  "weight_format": "float32",
+  "keep_float32": "",
+}
+
+
+def group_recipes(lp) -> list[tuple[str, str, str]]:
+  """`lowprec.group_recipes` as `[(group, regex, recipe name), ...]` in the
+  order of `lowprec.groups` (`lowprec.groups.DEFAULT_GROUPS` where empty);
+  empty when the config has none.
+
+  Raises:
+    ValueError: an entry that is not "group=recipe", an unknown group or
+      recipe, a group without a recipe, or a key that a group recipe sets
+      (`GROUP_EXCLUSIVE`) set as well.
+  """
+  entries = lp.get("group_recipes", ())
+  if not entries:
+    return []
+  groups = lowprec.groups.as_groups(lp.get("groups", ()) or None)
+  known = [g for g, _ in groups]
+  chosen = {}
+  for entry in entries:
+    group, sep, name = entry.partition("=")
+    group = group.strip()
+    if not sep or group not in known:
+      raise ValueError(
+        f"lowprec.group_recipes entry {entry!r} is not 'group=recipe' with "
+        f"a group of lowprec.groups ({', '.join(known)}), e.g. "
+        "'mlp=bf16_kahan+q8'"
+      )
+    try:
+      lowprec.recipes.get(name)
+    except ValueError as e:
+      raise ValueError(f"lowprec.group_recipes entry {entry!r}: {e}") from None
+    chosen[group] = name.strip()
+  missing = [g for g in known if g not in chosen]
+  if missing:
+    raise ValueError(
+      f"lowprec.group_recipes has no recipe for group(s) {missing}: give "
+      "each group of lowprec.groups one (e.g. 'other=float32'), or leave "
+      "those groups out of lowprec.groups"
+    )
+  for key, default in GROUP_EXCLUSIVE.items():
+    value = lp.get(key, default)
+    if (tuple(value) if isinstance(value, (list, tuple)) else value) != default:
+      raise ValueError(
+        f"lowprec.group_recipes sets each group's recipe; lowprec.{key} "
+        f"= {value!r} would set it again: leave lowprec.{key} unset"
+      )
+  return [(g, r.pattern, chosen[g]) for g, r in groups]
+
+
+def _group_target(lp):
+  """The grid rules of a per-group config: each group's regex with its
+  recipe's format (None: float32)."""
+  return [
+    (regex, lowprec.recipes.get(name)[0].fmt)
+    for _, regex, name in group_recipes(lp)
+  ]
+
+
 def has_telemetry(lp) -> bool:
   """Whether `build`'s chain holds a state that `lowprec.telemetry` reads
   (a write-back, a reference or compensated trace, a decay counter or
   stored state)."""
   return bool(
     lp.writeback
+    or lp.get("group_recipes", ())
     or lp.trace_targets
     or lp.get("trace_remedies", ())
     or lp.get("decay_erasure", False)
@@ -282,6 +350,8 @@ def writeback_target(lp, params=None):
   """The write-back's `fmt` argument: a Format, or rules keeping some paths
   in float32, or a pytree of formats scaled to `params` (`needs_params`,
   `int_formats`); None when the run trains in float32."""
+  if lp.get("group_recipes", ()):
+    return _group_target(lp)
   if needs_params(lp):
     if params is None:
       raise ValueError(
@@ -482,6 +552,9 @@ def parts(config, key: jax.Array, params=None) -> list:
   out = []
   if opt.clip_norm > 0:
     out.append(("opt.clip_norm", clip_by_global_norm(opt.clip_norm)))
+  if lp.get("group_recipes", ()):
+    out.append(("lowprec.group_recipes", _per_group(config, lr, key)))
+    return out + _traces(lp, jax.random.split(key)[1])
   target = writeback_target(lp, params)
   wb_key, trace_key = jax.random.split(key)
   write_key = wb_key if lp.rounding != "nearest" else None
@@ -495,6 +568,28 @@ def parts(config, key: jax.Array, params=None) -> list:
     if compensation(lp) != "none":
       where = "lowprec.compensation"
     out.append((where, write(lp, target, write_key)))
+  return out + _traces(lp, trace_key)
+
+
+def _per_group(config, lr, key) -> optax.GradientTransformation:
+  """`optax.multi_transform` over `lowprec.groups`: each group's recipe
+  (`lowprec.recipes.chain`) around its own AdamW/SGD, the write-back's key
+  `fold_in(write-back key, group index)`, as `scripts.advise` writes it
+  for users' code."""
+  wb_key = jax.random.split(key)[0]
+  txs = {}
+  for i, (group, _, name) in enumerate(group_recipes(config.lowprec)):
+    optimizer = OPTIMIZERS[config.opt.name](config.opt, lr)
+    txs[group] = lowprec.recipes.chain(
+      optimizer, name, jax.random.fold_in(wb_key, i)
+    )
+  groups = [(g, regex) for g, regex, _ in group_recipes(config.lowprec)]
+  return optax.multi_transform(txs, lowprec.groups.labels(groups))
+
+
+def _traces(lp, trace_key) -> list:
+  """The reference and compensated traces a (float32) run carries."""
+  out = []
   if lp.trace_targets:
     trace = lowprec.freeze.reference_trace(
       trace_targets(lp),

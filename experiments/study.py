@@ -178,6 +178,7 @@ def validate(c) -> None:
   if lp.writeback:
     formats.append(("lowprec.writeback", lp.writeback))
   optim.state_rules(lp)  # raises for a bad lowprec.state entry
+  optim.group_recipes(lp)  # raises for a bad lowprec.group_recipes entry
   _check_float32_predictions(lp)
   _check_compensation(lp)
   _check_eco(c)

@@ -7,13 +7,25 @@ write-back (`kahan_writeback`, `two_component_writeback`,
 `remainder_writeback`), optimizer state in low precision (`store_state`),
 memory (`bytes_per_param`), block- and tensor-scaled formats (`scaled`:
 MX, NVFP4, per-tensor fp8; `get_scaled_format`), freeze
-prediction (`freeze`), backward-state policies (`Policy`, `ops`, `audit`)
+prediction and per-group advice (`freeze`), named recipes per tensor
+group (`recipes`, `groups`), backward-state policies (`Policy`, `ops`, `audit`)
 and Flax modules (`nn`; `nnx.Optimizer` for Flax NNX).
 """
 
 __version__ = "0.2.0"
 
-from lowprec import audit, contract, freeze, nn, nnx, ops, policy, scaled  # noqa: E402
+from lowprec import (  # noqa: E402
+  audit,
+  contract,
+  freeze,
+  groups,
+  nn,
+  nnx,
+  ops,
+  policy,
+  recipes,
+  scaled,
+)
 from lowprec.compensated import (
   CompensatedState,
   kahan_writeback,
@@ -59,6 +71,7 @@ __all__ = [
   "freeze",
   "get_format",
   "get_scaled_format",
+  "groups",
   "ieee_format",
   "in_float32",
   "int_format",
@@ -67,6 +80,7 @@ __all__ = [
   "nnx",
   "ops",
   "policy",
+  "recipes",
   "remainder_writeback",
   "reseed",
   "round_nearest",

@@ -10,11 +10,15 @@ studies' in `bwd_figures`. Command line: `python -m scripts.plot <study>`.
 
 from __future__ import annotations
 
-from experiments.analysis import bwd_figures, freeze_figures
+from experiments.analysis import bwd_figures, freeze_figures, frontier
 from experiments.analysis.runs import declared, load_runs
 from lowprec import names
 
-FIGURES = {**freeze_figures.FIGURES, **bwd_figures.FIGURES}
+FIGURES = {
+  **freeze_figures.FIGURES,
+  **bwd_figures.FIGURES,
+  "frontier_figure": frontier.frontier_figure,
+}
 
 
 def plot(

@@ -14,7 +14,7 @@ import csv
 import os
 import re
 
-from experiments.analysis import bwd_tables
+from experiments.analysis import bwd_tables, frontier
 from experiments.analysis.audit_tables import audit_table
 from experiments.analysis.freeze_tables import (
   fp8_table,
@@ -43,6 +43,7 @@ ANALYSES = {
   "replay": replay_table,
   "user_reports": user_reports_table,
   "state": state_table,
+  "frontier": frontier.frontier_table,
   **bwd_tables.ANALYSES,
 }
 
@@ -120,6 +121,15 @@ HEADINGS = {
   "erased_fraction": "erased, last step",
   "carried": "carried mass, last step",
   "recovery": "recovery of the nearest gap",
+  "loss_vs_fp32": "loss - fp32's (nats)",
+  "half_width_95": "95% half-width",
+  "pred_erased": "erased, predicted",
+  "erased": "erased, measured",
+  "pred_lost": "lost, predicted",
+  "lost": "lost, measured",
+  "pred_nu_stalled": "nu stalled, predicted",
+  "nu_stalled": "nu stalled, measured",
+  "on_front": "on the front",
 }
 # attention_reuse_search: per arm, and per contrast `a_minus_b`.
 _SEARCH = (

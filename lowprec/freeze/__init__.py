@@ -17,6 +17,8 @@
   predicts what a compensated write-back (Kahan, two-component) would do:
   erased, carried and lost proposals, and the coordinates it moves late
   rather than never.
+* `advise`: from one float32 run carrying every trace, the cheapest
+  recipe per tensor group whose predicted risks stay under thresholds.
 * `state_erasure`, `state_trace`, `state_at_init`: from float32 optimizer
   states, the share of state updates that `lowprec.store_state` would
   erase (one step; every step of a run, as an optax wrapper), and the
@@ -28,6 +30,7 @@ proposal below half the grid gap at `w` is rounded away by nearest
 write-back.
 """
 
+from lowprec.freeze.advise import Advice, Thresholds, advise
 from lowprec.freeze.coords import (
   CoordinateAudit,
   audit_coordinates,
@@ -74,6 +77,7 @@ from lowprec.freeze.trace import (
 )
 
 __all__ = [
+  "Advice",
   "CATEGORIES",
   "KINDS",
   "ROUNDINGS",
@@ -88,7 +92,9 @@ __all__ = [
   "StuckShare",
   "Summary",
   "Target",
+  "Thresholds",
   "TraceLayout",
+  "advise",
   "audit_coordinates",
   "common_time",
   "common_time_share",

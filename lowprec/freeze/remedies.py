@@ -208,8 +208,8 @@ class CompensatedTraceState(NamedTuple):
     least once: late rather than never), `late_fraction` (`late /
     nearest_frozen`) and `drained` (with proposals, never moved, and the
     buffer never held anything: every residual lost). Per leaf:
-    `erased_fraction/<leaf>`, `lost/<leaf>`, `late/<leaf>` and
-    `drained/<leaf>`. Counts are exact integers, fractions and masses
+    `erased_fraction/<leaf>`, `proposals/<leaf>`, `lost/<leaf>`,
+    `late/<leaf>` and `drained/<leaf>`. Counts are exact integers, fractions and masses
     floats (NaN fractions without a denominator).
     """
     return reports.host(self._collect, self._replace(buffer=(), flags=()))
@@ -244,7 +244,7 @@ class CompensatedTraceState(NamedTuple):
         out[f"{pre}erased_fraction/{leaf}"] = ratio(
           per[..., at["erased"]], per[..., at["proposals"]]
         )
-        for f in ("lost", "late", "drained"):
+        for f in ("proposals", "lost", "late", "drained"):
           out[f"{pre}{f}/{leaf}"] = value(per[..., at[f]])
     return out
 

@@ -211,7 +211,8 @@ class ReferenceTraceState(NamedTuple):
     step without proposals), `crossing` (the crossing step of the run so
     far, -1 for none) and `erased_fraction/<leaf>`. For a stochastic or
     dead-zone target: `proposals`, `move_prob` (mean probability that a
-    proposal moves its coordinate) and `move_prob/<leaf>`. With a sample:
+    proposal moves its coordinate) and `move_prob/<leaf>`. Every target also
+    gives `proposals/<leaf>`, so that leaves add up to groups. With a sample:
     `pred/sample/w` and `pred/sample/u`. With `at_init=True`, for a
     nearest target: `at_init` (coordinates predicted still at their
     initial value), `at_init_fraction` (of the target's coordinates) and
@@ -246,6 +247,7 @@ class ReferenceTraceState(NamedTuple):
       out[pre + key] = ratio(num[..., counted].sum(axis=-1), n)
       for i in counted:
         out[f"{pre}{key}/{lay.leaves[i]}"] = ratio(num[..., i], props[..., i])
+        out[f"{pre}proposals/{lay.leaves[i]}"] = value(props[..., i])
       if nearest and st.at_init is not None:
         kept = reports.counts(xp, st.at_init)[..., j, :]
         total = sum(lay.sizes[i] for i in counted)

@@ -1,0 +1,366 @@
+"""The frontier study's table and figure: bytes per parameter against the
+loss paid, per recipe, with intervals.
+
+Every arm's final validation loss is paired with the float32 arm's of the
+same seed; the table gives the mean difference and its 95% t-interval
+over the seeds, the bytes per parameter (weights, write-back state and
+AdamW's moments, counted per parameter group), whether the arm is on the
+Pareto front, the predicted (from the float32 arm of the same seed) and
+measured shares erased, lost and stalled over the second half of the
+run, and the step time relative to nearest write-back. The float32 arm's
+convergence (its validation loss moves by less than `CONVERGED` nats over
+the last 20% of the steps) is checked per seed and reported.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import jax
+import ml_collections
+import numpy as np
+
+import lowprec
+from experiments import tasks
+from experiments.analysis import plotting
+from experiments.analysis.runs import load_runs
+from experiments.analysis.writeback_tables import recipe_bytes
+from lowprec import recipes
+
+REFERENCE = "fp32"  # the float32 AdamW arm, carrying every trace
+NEAREST = "bf16_rn"  # the arm step times and recoveries are relative to
+CONVERGED = 0.01  # nats over the last 20% of the steps
+TARGET_HALF_WIDTH = 0.01  # nats: the interval the design asks for
+
+# Two-sided 95% quantiles of Student's t, by degrees of freedom.
+_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447,
+         7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}  # fmt: skip
+
+
+def interval(diffs) -> tuple[float | None, float | None]:
+  """Mean and 95% t half-width of paired differences (None below 2)."""
+  d = np.asarray([x for x in diffs if x is not None], float)
+  if d.size == 0:
+    return None, None
+  if d.size < 2:
+    return float(d.mean()), None
+  t = _T975.get(d.size - 1, 1.96)
+  return float(d.mean()), float(t * d.std(ddof=1) / math.sqrt(d.size))
+
+
+def _window(run, frac: float = 0.5) -> list[dict]:
+  """The step records of the run's last `frac` of the steps."""
+  steps = run.config["train"]["steps"]
+  first = steps - round(steps * frac)
+  return [r for r in run.metrics if r.get("step", 0) > first and "loss" in r]
+
+
+def _ratio(num, den):
+  return num / den if den else None
+
+
+def _sum(records, key) -> float:
+  return float(sum(r.get(key, 0) or 0 for r in records))
+
+
+def measured(run) -> dict:
+  """Measured shares over the second half: erased (a proposal leaves the
+  weight where it was), lost (Kahan: the residual dropped whole; nearest:
+  the erased proposal) and nu stalled (a stored second moment's update
+  not taken)."""
+  recs = _window(run)
+  lp = run.config["lowprec"]
+  out = {}
+  props = _sum(recs, "proposals")
+  if props:
+    erased = sum(
+      (r.get("erased_fraction") or 0) * (r.get("proposals") or 0) for r in recs
+    )
+    out["erased"] = erased / props
+    comp = lp.get("compensation", "none")
+    if comp == "kahan":
+      out["lost"] = _sum(recs, "lost") / props
+    elif comp == "none" and lp["rounding"] == "nearest":
+      out["lost"] = out["erased"]
+  if lp.get("state"):
+    last = recs[-1] if recs else {}
+    paths = [k[len("state/changed/") :] for k in last if k.startswith("state/changed/")]
+    nu = [p for p in paths if "/nu/" in f"/{p}"]
+    out["nu_stalled"] = _ratio(
+      sum(_sum(recs, f"state/erased/{p}") for p in nu),
+      sum(_sum(recs, f"state/changed/{p}") for p in nu),
+    )
+  return out
+
+
+def recipe_of(lp: dict) -> str | None:
+  """The `lowprec.recipes` name of a uniform arm's `lowprec` section
+  (weights, and the moment store where it is one of `recipes.STATES`)."""
+  want = {
+    k: lp[k]
+    for k in ("writeback", "rounding", "compensation", "buffer", "correction_bits")
+    if k in lp
+  }
+  if not want.get("writeback"):
+    weights = "float32"
+  else:
+    weights = None
+    for w in recipes.WEIGHTS.values():
+      cfg = w.config
+      if all(want.get(k, _DEFAULTS[k]) == cfg.get(k, _DEFAULTS[k]) for k in _DEFAULTS):
+        weights = w.name
+        break
+    if weights is None:
+      return None
+  rules = tuple(lp.get("state") or ())
+  for s in recipes.STATES.values():
+    if s.config == rules:
+      return f"{weights}+{s.name}"
+  return None
+
+
+# The lowprec keys a weight recipe sets, at their defaults.
+_DEFAULTS = {
+  "writeback": "",
+  "rounding": "nearest",
+  "compensation": "none",
+  "buffer": "bfloat16",
+  "correction_bits": 8,
+}
+
+
+def _sizes(config: dict) -> dict[str, int]:
+  """Elements per parameter path of the run's model (abstract init)."""
+  c = ml_collections.ConfigDict(config)
+  params = jax.eval_shape(tasks.build(c).init, jax.random.key(0))
+  flat = jax.tree_util.tree_flatten_with_path(params)[0]
+  return {lowprec.rules.path_name(p): int(np.prod(x.shape)) for p, x in flat}
+
+
+def arm_bytes(config: dict, sizes: dict[str, int]) -> float:
+  """Bytes per parameter of an arm: a per-group arm's recipes weighted by
+  their groups' sizes; a uniform arm's `recipe_bytes`, the parameters it
+  keeps in float32 (`keep_float32`) counted at 4 bytes."""
+  lp = config["lowprec"]
+  total = sum(sizes.values())
+  if lp.get("group_recipes"):
+    groups = tuple(lp.get("groups") or ()) or None
+    chosen = dict(e.split("=", 1) for e in lp["group_recipes"])
+    members = lowprec.groups.members(list(sizes), groups)
+    return (
+      sum(
+        recipes.bytes_per_param(chosen[g]) * sum(sizes[x] for x in xs)
+        for g, xs in members.items()
+      )
+      / total
+    )
+  full = recipe_bytes(config)
+  keep = lp.get("keep_float32")
+  if not keep or not lp.get("writeback"):
+    return full
+  kept = sum(n for k, n in sizes.items() if re.fullmatch(keep, k))
+  moments = recipe_bytes({**config, "lowprec": {**lp, "writeback": ""}}) - 4.0
+  return (full * (total - kept) + (4.0 + moments) * kept) / total
+
+
+def predicted(ref_run, config: dict, sizes: dict[str, int]) -> dict:
+  """What the float32 run (same seed) predicted for this arm, over the
+  parameters it rounds: erased and lost (`lowprec.freeze.advise`'s rows)
+  and nu stalled (its state row)."""
+  lp = config["lowprec"]
+  name = recipe_of(lp)
+  if ref_run is None or name is None or name.startswith("float32+float32"):
+    return {}
+  keep = lp.get("keep_float32") or ""
+  groups = ((("kept", keep),) if keep else ()) + (("grid", ".*"),)
+  recs = [r for r in ref_run.metrics if "loss" in r]
+  advice = lowprec.freeze.advise(recs, sizes, groups=groups)
+  weights, state = name.split("+")
+  out = {}
+  row = next(r for r in advice.rows if r.group == "grid" and r.recipe == weights)
+  if weights != "float32":
+    w = recipes.WEIGHTS[weights]
+    if w.rounding == "stochastic" and row.move is not None:
+      out["erased"] = 1 - row.move
+    elif w.compensation not in ("remainder",):
+      out["erased"] = row.erased
+    if row.lost is not None and w.compensation in ("none", "kahan"):
+      if w.rounding == "nearest":
+        out["lost"] = row.lost
+  if state != "float32":
+    srow = next(
+      r for r in advice.state_rows if r.group == "grid" and r.state == state
+    )
+    out["nu_stalled"] = srow.nu
+  return out
+
+
+def _pareto(points: dict[str, tuple[float, float]]) -> list[str]:
+  """Arms no other arm beats on both bytes (<=) and mean loss (<), one
+  strictly: the front, by increasing bytes."""
+  front = []
+  for a, (b, d) in points.items():
+    beaten = any(
+      (b2 <= b and d2 < d) or (b2 < b and d2 <= d)
+      for k, (b2, d2) in points.items()
+      if k != a
+    )
+    if not beaten:
+      front.append(a)
+  return sorted(front, key=lambda a: points[a][0])
+
+
+def frontier_table(runs):
+  """One row per arm (see the module docstring) and the lines that say
+  what the front shows."""
+  by_arm: dict[str, dict[int, object]] = {}
+  for r in runs:
+    by_arm.setdefault(r.arm, {})[r.seed] = r
+  ref = by_arm.get(REFERENCE, {})
+  nearest = by_arm.get(NEAREST, {})
+  any_run = next(iter(runs))
+  sizes = _sizes(any_run.config)
+  loss = {
+    a: {s: r.summary.get("final_val_loss") for s, r in seeds.items()}
+    for a, seeds in by_arm.items()
+  }
+  rows, points = [], {}
+  for arm, seeds in by_arm.items():
+    cfg = next(iter(seeds.values())).config
+    diffs = [
+      loss[arm][s] - loss[REFERENCE][s]
+      for s in seeds
+      if loss[arm].get(s) is not None and loss.get(REFERENCE, {}).get(s) is not None
+    ]
+    mean, hw = interval(diffs)
+    row = {
+      "arm": arm,
+      "seeds": len(diffs),
+      "bytes_per_param": arm_bytes(cfg, sizes),
+      "final_val_loss": _mean(loss[arm].values()),
+      "loss_vs_fp32": mean,
+      "half_width_95": hw,
+    }
+    if cfg["lowprec"].get("writeback") == "bfloat16" or arm == "mixed":
+      rec = [
+        (loss[NEAREST][s] - loss[arm][s]) / (loss[NEAREST][s] - loss[REFERENCE][s])
+        for s in seeds
+        if s in loss.get(NEAREST, {}) and s in loss.get(REFERENCE, {})
+        and loss[NEAREST][s] != loss[REFERENCE][s]
+      ]  # fmt: skip
+      row["recovery"] = _mean(rec)
+    meas = [measured(r) for r in seeds.values()]
+    pred = [predicted(ref.get(s), r.config, sizes) for s, r in seeds.items()]
+    for key in ("erased", "lost", "nu_stalled"):
+      row[f"pred_{key}"] = _mean(p.get(key) for p in pred)
+      row[key] = _mean(m.get(key) for m in meas)
+    row["step_time_vs_nearest"] = _mean(
+      nearest[s].summary["steps_per_s"] / r.summary["steps_per_s"]
+      for s, r in seeds.items()
+      if s in nearest and r.summary.get("steps_per_s")
+    )
+    rows.append(row)
+    if mean is not None:
+      points[arm] = (row["bytes_per_param"], mean)
+  front = _pareto(points)
+  for row in rows:
+    row["on_front"] = "yes" if row["arm"] in front else ""
+  rows.sort(key=lambda r: (r["bytes_per_param"], r["loss_vs_fp32"] or 0))
+  return rows, _convergence(ref) + _summary_lines(rows, front)
+
+
+def _mean(values):
+  v = [x for x in values if x is not None and np.isfinite(x)]
+  return float(np.mean(v)) if v else None
+
+
+def _convergence(ref: dict) -> list[str]:
+  """Whether float32's validation loss moved by less than `CONVERGED` over
+  the last 20% of the steps, per seed."""
+  lines = []
+  for s, run in sorted(ref.items()):
+    steps, val = run.curve("val_loss")
+    if not steps.size:
+      continue
+    last = steps[-1]
+    at = steps[steps <= last - 0.2 * run.config["train"]["steps"]]
+    if not at.size:
+      continue
+    before = val[steps == at[-1]][0]
+    change = val[-1] - before
+    ok = abs(change) < CONVERGED
+    lines.append(
+      f"- float32 seed {s}: val loss {before:.4f} at step {at[-1]} -> "
+      f"{val[-1]:.4f} at {last} ({change:+.4f} nats): "
+      + ("converged" if ok else f"NOT converged (|change| >= {CONVERGED})")
+    )
+  return lines
+
+
+def _summary_lines(rows, front) -> list[str]:
+  lines = []
+  wide = [
+    r["arm"]
+    for r in rows
+    if r["half_width_95"] is not None and r["half_width_95"] > TARGET_HALF_WIDTH
+  ]
+  if wide:
+    lines.append(
+      f"- intervals wider than +-{TARGET_HALF_WIDTH}: {', '.join(wide)}"
+    )
+  lines.append("- Pareto front (by mean): " + ", ".join(front))
+  for r in rows:
+    if r["loss_vs_fp32"] is None or r["half_width_95"] is None:
+      continue
+    lo = r["loss_vs_fp32"] - r["half_width_95"]
+    hi = r["loss_vs_fp32"] + r["half_width_95"]
+    verdict = (
+      "costs loss" if lo > 0 else "better than float32" if hi < 0 else
+      "not told apart from float32"
+    )  # fmt: skip
+    lines.append(
+      f"- {r['arm']} ({r['bytes_per_param']:.2f} B/param): "
+      f"{r['loss_vs_fp32']:+.4f} [{lo:+.4f}, {hi:+.4f}] nats, {verdict}"
+    )
+  return lines
+
+
+def frontier_figure(study, results="results", out=None) -> str:
+  """Bytes per parameter against the loss difference to float32 (mean
+  and 95% interval over seeds), one point per arm, the front drawn."""
+  from experiments.analysis.freeze_figures import _save
+
+  runs = load_runs(results, study)
+  rows, _ = frontier_table(runs)
+  rows = [r for r in rows if r["loss_vs_fp32"] is not None]
+  fig, ax = plotting.plt.subplots(figsize=(8, 5.5))
+  for i, r in enumerate(rows):
+    style = plotting.arm_style(i, 1)
+    ax.errorbar(
+      r["bytes_per_param"],
+      r["loss_vs_fp32"],
+      yerr=r["half_width_95"],
+      fmt=style["marker"],
+      color=style["color"],
+      mfc="none",
+      ms=7,
+      capsize=3,
+      label=r["arm"],
+    )
+  front = [r for r in rows if r["on_front"]]
+  ax.plot(
+    [r["bytes_per_param"] for r in front],
+    [r["loss_vs_fp32"] for r in front],
+    color="k",
+    lw=0.8,
+    ls="--",
+    label="Pareto front",
+  )
+  ax.axhline(0, color="grey", lw=0.5)
+  ax.set_xlabel("bytes per parameter (weights, write-back state, moments)")
+  ax.set_ylabel("final val loss - float32's (nats)")
+  ax.set_yscale("symlog", linthresh=0.01)
+  ax.set_title(f"{study}: memory against loss, 95% intervals", fontsize=10)
+  plotting.legend_outside(ax)
+  return _save(fig, study, results, out)

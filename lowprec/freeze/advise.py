@@ -1,0 +1,503 @@
+"""Which recipe for each group of weights, from one float32 run.
+
+A float32 run whose chain carries the traces (`reference_trace` for each
+grid, nearest and stochastic; `compensated_trace` for the Kahan buffers;
+`state_trace` for the moment stores) predicts, at every step, what each
+recipe of `lowprec.recipes` would do to each parameter. `advise` adds
+those predictions up per tensor group (`lowprec.groups`) over the second
+half of the run, where the steps are smallest against the grids, and
+picks per group the cheapest weight recipe and the cheapest state store
+whose predicted risks stay under `Thresholds`:
+
+* erased: the share of proposals nearest rounding onto the grid leaves
+  where they were (the grid's property, shown for every recipe on it);
+* lost: the share of proposals whose whole contribution a recipe drops:
+  nearest write-back loses what it erases; a Kahan buffer loses a
+  residual it rounds to zero (`compensated_trace`'s `lost`); stochastic
+  rounding and the remainder lose nothing in expectation;
+* move: the mean probability that a stochastic write-back moves a weight
+  (`|u| / gap` below one gap): the noise of stochastic rounding is a jump
+  of a whole gap where the optimizer asked for a `move` share of it;
+* stalled: for a moment store, the expected share of the moment's
+  updates the stored value does not take at that step.
+
+Recipes no trace of the run predicts (ECO and the split write-back, whose
+errors live in the optimizer's moment or a correction code; a grid
+without a trace) are listed as unpredicted and never recommended.
+
+    advice = lowprec.freeze.advise(records, params)
+    print(advice.table())
+    advice.choice            # {"embeddings": "bf16_sr+q8", ...}
+    print(advice.optax_code("optax.adamw(1e-3)"))
+
+`records` are the float32 run's per-step `lowprec.telemetry` dicts, in
+step order (the `metrics.jsonl` lines of `experiments.run`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from lowprec import groups as groups_lib
+from lowprec import recipes
+from lowprec.freeze.remedies import remedy_name
+from lowprec.rules import path_name
+
+
+@dataclasses.dataclass(frozen=True)
+class Thresholds:
+  """The risks a recommended recipe must stay under (see docs/advise.md).
+
+  Attributes:
+    lost: largest predicted share of proposals a recipe may drop whole
+      (0.01: nearest write-back on this project's GPTs costs loss from
+      lost shares of 0.2 on; 1% is far below, and a buffer that drops 1%
+      still keeps 99% of what nearest rounding drops).
+    move: smallest mean probability that a stochastic write-back (or a
+      stochastic moment store) moves a value at a step (0.1: its jumps are
+      then at most ten times the step asked for, and happen at least once
+      per 10 steps, the first moment's time constant at b1 = 0.9, inside
+      which Adam's own updates already average).
+  """
+
+  lost: float = 0.01
+  move: float = 0.1
+
+
+def _grid_names(w: recipes.Weights) -> tuple[str, str]:
+  """The reference trace's target names of `w`'s grid: nearest, stochastic."""
+  return w.fmt, f"{w.fmt}_sr"
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+  """One group x weight recipe: predicted fractions (None: no trace)."""
+
+  group: str
+  recipe: str
+  bytes: float
+  erased: float | None
+  move: float | None
+  lost: float | None
+  safe: bool
+  why: str
+
+
+@dataclasses.dataclass(frozen=True)
+class StateRow:
+  """One group x moment store: predicted stalled shares of mu and nu."""
+
+  group: str
+  state: str
+  bytes: float
+  mu: float | None
+  nu: float | None
+  safe: bool
+  why: str
+
+
+@dataclasses.dataclass
+class Advice:
+  """What `advise` predicts and recommends.
+
+  Attributes:
+    sizes: parameters per group.
+    rows: every group x weight recipe (`Row`).
+    state_rows: every group x moment store (`StateRow`).
+    choice: per group, the recommended `"weights+state"` recipe name
+      (`lowprec.recipes.get` reads it).
+    groups: the group regexes used, `(name, regex)`.
+    thresholds: the `Thresholds` applied.
+    steps: the steps the predictions were added over.
+    budget: the bytes-per-parameter budget asked for, or None.
+    notes: what the advice could not do (unpredicted recipes, a budget
+      that forces a risk).
+  """
+
+  sizes: dict[str, int]
+  rows: list[Row]
+  state_rows: list[StateRow]
+  choice: dict[str, str]
+  groups: tuple[tuple[str, str], ...]
+  thresholds: Thresholds
+  steps: tuple[int, int]
+  budget: float | None = None
+  notes: list[str] = dataclasses.field(default_factory=list)
+
+  @property
+  def bytes_per_param(self) -> float:
+    """Weights, write-back state and moments of the choice, per parameter."""
+    total = sum(self.sizes.values())
+    return (
+      sum(recipes.bytes_per_param(self.choice[g]) * n for g, n in self.sizes.items())
+      / total
+    )
+
+  def table(self) -> str:
+    """Markdown: per group, each recipe's bytes and predicted fractions,
+    the chosen one in bold; then the moment stores; then the choice."""
+    lines = [
+      f"Predicted from steps {self.steps[0]}-{self.steps[1]} of the float32 "
+      f"run; thresholds: lost <= {self.thresholds.lost}, move >= "
+      f"{self.thresholds.move}.",
+      "",
+      "| group | params | weights | bytes | erased (nearest) | move (SR) "
+      "| lost | safe |",
+      "|---|---:|---|---:|---:|---:|---:|---|",
+    ]
+    for r in self.rows:
+      chosen = self.choice[r.group].partition("+")[0] == r.recipe
+      name = f"**{r.recipe}**" if chosen else r.recipe
+      lines.append(
+        f"| {r.group} | {self.sizes[r.group]} | {name} | {r.bytes:g} | "
+        f"{_f(r.erased)} | {_f(r.move)} | {_f(r.lost)} | "
+        f"{'yes' if r.safe else 'no: ' + r.why} |"
+      )
+    lines += [
+      "",
+      "| group | moments | bytes | mu stalled | nu stalled | safe |",
+      "|---|---|---:|---:|---:|---|",
+    ]
+    for r in self.state_rows:
+      chosen = self.choice[r.group].partition("+")[2] == r.state
+      name = f"**{r.state}**" if chosen else r.state
+      lines.append(
+        f"| {r.group} | {name} | {r.bytes:g} | {_f(r.mu)} | {_f(r.nu)} | "
+        f"{'yes' if r.safe else 'no: ' + r.why} |"
+      )
+    lines += ["", f"Recommended ({self.bytes_per_param:.3f} bytes/param):"]
+    lines += [f"- {g}: {c}" for g, c in self.choice.items()]
+    lines += [f"- note: {n}" for n in self.notes]
+    return "\n".join(lines)
+
+  def config(self) -> dict:
+    """The choice as `experiments.run`'s `lowprec` keys: `groups`
+    ("name=regex") and `group_recipes` ("name=weights+state")."""
+    return {
+      "groups": tuple(f"{g}={r}" for g, r in self.groups if g in self.sizes),
+      "group_recipes": tuple(f"{g}={c}" for g, c in self.choice.items()),
+    }
+
+  def fragment(self) -> str:
+    """A Python config fragment: `LOWPREC`, the `config()` dict, with the
+    table as its docstring, for a study to import as an arm."""
+    body = self.config()
+    out = ['"""' + _docstring(self) + '"""', "", "LOWPREC = {"]
+    for key, value in body.items():
+      out.append(f"  {key!r}: (")
+      out += [f"    {v!r}," for v in value]
+      out.append("  ),")
+    out.append("}")
+    return "\n".join(out) + "\n"
+
+  def optax_code(
+    self, optimizer: str = "optax.adamw(1e-3)", key: str = "jax.random.key(0)"
+  ) -> str:
+    """The choice as Python a user can paste: one `optax.multi_transform`
+    over the groups, each group's recipe (`lowprec.recipes.chain`) around
+    `optimizer` (an expression), keyed by `lowprec.groups.labels`; group
+    `i`'s randomness is `fold_in(key, i)`."""
+    lines = [
+      "import jax",
+      "import optax",
+      "",
+      "import lowprec",
+      "",
+      f"key = {key}  # write-back and state-store randomness",
+      "GROUPS = (",
+    ]
+    lines += [f"  ({g!r}, {r!r})," for g, r in self.groups if g in self.sizes]
+    lines += [")", "tx = optax.multi_transform(", "  {"]
+    for i, (g, c) in enumerate(self.choice.items()):
+      k = f"jax.random.fold_in(key, {i})"
+      lines.append(f"    {g!r}: {recipes.code(c, optimizer, k)},")
+    lines += ["  },", "  lowprec.groups.labels(GROUPS),", ")"]
+    return "\n".join(lines) + "\n"
+
+
+def _docstring(a: Advice) -> str:
+  return (
+    "The recipe lowprec.freeze.advise recommends, per tensor group.\n\n"
+    "Written by `python -m scripts.advise`; rerun it to update.\n\n"
+    + a.table().replace("\\", "\\\\")
+    + "\n"
+  )
+
+
+def _f(x) -> str:
+  return "-" if x is None or not math.isfinite(x) else f"{x:.3f}"
+
+
+def _leaf_sizes(params) -> dict[str, int]:
+  if isinstance(params, Mapping) and all(
+    isinstance(v, (int, np.integer)) for v in params.values()
+  ):
+    return {str(k): int(v) for k, v in params.items()}
+  flat = jax.tree_util.tree_flatten_with_path(params)[0]
+  return {path_name(p): int(np.prod(x.shape)) for p, x in flat}
+
+
+class _Sums:
+  """Per leaf, the window's sums of a trace's per-step counts."""
+
+  def __init__(self, records: Sequence[dict], leaves: Sequence[str]):
+    self.records, self.leaves = records, leaves
+
+  def has_any(self, key: str, leaves: Sequence[str]) -> bool:
+    """Whether some record has `key/<leaf>` for one of `leaves`."""
+    last = self.records[-1]
+    return any(f"{key}/{x}" in last for x in leaves)
+
+  def total(self, key: str, leaf: str, weight: str | None = None) -> float:
+    """Sum over steps of `key/<leaf>` (times `weight/<leaf>`)."""
+    out = 0.0
+    for r in self.records:
+      v = r.get(f"{key}/{leaf}")
+      if v is None or not math.isfinite(v):
+        continue
+      out += v * (r.get(f"{weight}/{leaf}", 0) if weight else 1)
+    return out
+
+
+def _ratio(num: float, den: float) -> float | None:
+  return num / den if den > 0 else None
+
+
+def _weights_row(sums, group, leaves, w: recipes.Weights, th) -> Row:
+  if w.fmt is None or w.compensation == "remainder":
+    return Row(group, w.name, w.bytes, 0.0, None, 0.0, True, "")
+  near, sr = _grid_names(w)
+  erased = move = None
+  if sums.has_any(f"pred/{near}/proposals", leaves):
+    erased = _ratio(
+      sum(
+        sums.total(f"pred/{near}/erased_fraction", x, f"pred/{near}/proposals")
+        for x in leaves
+      ),
+      sum(sums.total(f"pred/{near}/proposals", x) for x in leaves),
+    )
+  if sums.has_any(f"pred/{sr}/proposals", leaves):
+    move = _ratio(
+      sum(
+        sums.total(f"pred/{sr}/move_prob", x, f"pred/{sr}/proposals")
+        for x in leaves
+      ),
+      sum(sums.total(f"pred/{sr}/proposals", x) for x in leaves),
+    )
+  lost, why = None, ""
+  if w.compensation == "none" and w.rounding == "nearest":
+    lost = erased
+    if erased is None:
+      why = f"no trace of {w.fmt} (add it to the float32 run's trace targets)"
+  elif w.compensation == "none":
+    lost = 0.0 if move is not None else None
+    if move is None:
+      why = (
+        f"no stochastic trace of {w.fmt} (add '{w.fmt}:stochastic' to the "
+        "float32 run's trace targets)"
+      )
+    elif move < th.move:
+      why = f"move {move:.3f} < {th.move}"
+  elif w.compensation == "kahan":
+    name = remedy_name(w.fmt, "kahan", w.buffer)
+    if sums.has_any(f"pred/{name}/proposals", leaves):
+      lost = _ratio(
+        sum(sums.total(f"pred/{name}/lost", x) for x in leaves),
+        sum(sums.total(f"pred/{name}/proposals", x) for x in leaves),
+      )
+    else:
+      why = f"no compensated trace {name}"
+  else:
+    why = f"{w.compensation} is not predicted by a trace"
+  if not why and lost is None:
+    why = "no proposals in the window"
+  if not why and lost > th.lost:
+    why = f"lost {lost:.3f} > {th.lost}"
+  return Row(group, w.name, w.bytes, erased, move, lost, not why, why)
+
+
+def _state_row(sums, group, leaves, s: recipes.State, th) -> StateRow:
+  if not s.rules:
+    return StateRow(group, s.name, s.bytes, 0.0, 0.0, True, "")
+  pre = f"pred_state/{s.name}"
+  stalled = {}
+  for m in ("mu", "nu"):
+    changed = erased = 0.0
+    paths = [p for x in leaves for p in _state_paths(sums.records[-1], pre, m, x)]
+    for r in sums.records:
+      for path in paths:
+        changed += r.get(f"{pre}/changed/{path}", 0)
+        erased += r.get(f"{pre}/erased/{path}", 0.0)
+    stalled[m] = _ratio(erased, changed)
+  why = ""
+  if all(v is None for v in stalled.values()):
+    why = f"no state trace named {s.name!r}"
+  else:
+    worst = max(v for v in stalled.values() if v is not None)
+    if 1 - worst < th.move:
+      why = f"stalled {worst:.3f} > {1 - th.move:g}"
+  return StateRow(group, s.name, s.bytes, stalled["mu"], stalled["nu"], not why, why)
+
+
+def _state_paths(record, pre, moment, leaf) -> list[str]:
+  """The state-trace paths of `leaf`'s `moment` in a record ("0/mu/<leaf>",
+  "inner/0/mu/<leaf>", ...)."""
+  start, end = f"{pre}/changed/", f"{moment}/{leaf}"
+  return [
+    k[len(start) :]
+    for k in record
+    if k.startswith(start) and (k[len(start) :] == end or k.endswith("/" + end))
+  ]
+
+
+def advise(
+  records: Sequence[dict[str, Any]],
+  params,
+  *,
+  groups=None,
+  thresholds: Thresholds | None = None,
+  budget: float | None = None,
+  window: float = 0.5,
+) -> Advice:
+  """Per group, the cheapest recipe a float32 run predicts to be safe.
+
+  Args:
+    records: the float32 run's per-step telemetry (`lowprec.telemetry`
+      of its state), in step order, each with its "step" where known.
+    params: the parameters (a pytree of arrays or abstract arrays), or
+      `{path: number of elements}`.
+    groups: `(name, regex)` pairs (`lowprec.groups`), default
+      `lowprec.groups.DEFAULT_GROUPS`.
+    thresholds: the risks a recipe must stay under (`Thresholds()`).
+    budget: bytes per parameter (weights, write-back state and AdamW's
+      moments) the recommendation must fit; None for no limit. Under a
+      budget the safe choice does not fit, groups are moved to cheaper
+      predicted recipes, largest saving per unit of predicted risk first,
+      and a note says which risk it takes.
+    window: the share of the run, at its end, the predictions add up.
+
+  Returns:
+    An `Advice`.
+
+  Raises:
+    ValueError: no records, a window outside (0, 1], or a budget no
+      predicted recipe fits.
+  """
+  if not records:
+    raise ValueError("advise needs the float32 run's telemetry records")
+  if not 0 < window <= 1:
+    raise ValueError(f"window must be in (0, 1], got {window}")
+  th = thresholds or Thresholds()
+  compiled = groups_lib.as_groups(groups)
+  sizes = _leaf_sizes(params)
+  members = groups_lib.members(list(sizes), compiled)
+  first = len(records) - max(1, round(len(records) * window))
+  recs = list(records)[first:]
+  sums = _Sums(recs, list(sizes))
+  steps = (recs[0].get("step", first + 1), recs[-1].get("step", len(records)))
+  group_sizes = {g: sum(sizes[x] for x in xs) for g, xs in members.items()}
+  rows, state_rows, choice, notes = [], [], {}, []
+  by_bytes = sorted(recipes.WEIGHTS.values(), key=lambda w: w.bytes)
+  for g, leaves in members.items():
+    wrows = [_weights_row(sums, g, leaves, w, th) for w in by_bytes]
+    srows = [
+      _state_row(sums, g, leaves, s, th)
+      for s in sorted(recipes.STATES.values(), key=lambda s: s.bytes)
+    ]
+    rows += wrows
+    state_rows += srows
+    w = next(r for r in wrows if r.safe)  # float32 is always safe
+    s = next(r for r in srows if r.safe)
+    choice[g] = f"{w.recipe}+{s.state}"
+  unpredicted = sorted({r.recipe for r in rows if r.lost is None})
+  if unpredicted:
+    notes.append(
+      "not predicted by this run, never recommended: " + ", ".join(unpredicted)
+    )
+  advice = Advice(
+    group_sizes,
+    rows,
+    state_rows,
+    choice,
+    tuple((n, r.pattern) for n, r in compiled),
+    th,
+    steps,
+    budget,
+    notes,
+  )
+  if budget is not None and advice.bytes_per_param > budget:
+    _fit(advice, budget)
+  return advice
+
+
+def _risk(row) -> float | None:
+  """A predicted option's risk: the share it loses, and for stochastic
+  rounding how far its move probability falls short of the threshold."""
+  if isinstance(row, StateRow):
+    worst = max((v for v in (row.mu, row.nu) if v is not None), default=None)
+    return worst
+  if row.lost is None:
+    return None
+  if row.move is not None and row.lost == 0.0 and row.why.startswith("move"):
+    return 1 - row.move
+  return row.lost
+
+
+def _fit(advice: Advice, budget: float) -> None:
+  """Moves groups to cheaper predicted recipes until the choice fits."""
+  total = sum(advice.sizes.values())
+  options = {}
+  for g in advice.sizes:
+    ws = [r for r in advice.rows if r.group == g and _risk(r) is not None]
+    ss = [r for r in advice.state_rows if r.group == g and _risk(r) is not None]
+    options[g] = [
+      (w.bytes + s.bytes, _risk(w) + _risk(s), f"{w.recipe}+{s.state}")
+      for w in ws
+      for s in ss
+    ]
+  while advice.bytes_per_param > budget:
+    best = None
+    for g, opts in options.items():
+      now = recipes.bytes_per_param(advice.choice[g])
+      now_risk = next(o[1] for o in opts if o[2] == advice.choice[g])
+      for b, risk, name in opts:
+        if b >= now:
+          continue
+        cost = max(risk - now_risk, 0.0) * advice.sizes[g]
+        gain = (now - b) * advice.sizes[g] / total
+        key = (cost / gain, -gain)
+        if best is None or key < best[0]:
+          best = (key, g, name)
+    if best is None:
+      floor = sum(
+        min(o[0] for o in opts) * advice.sizes[g] for g, opts in options.items()
+      ) / total
+      raise ValueError(
+        f"no predicted recipe fits {budget} bytes/param; the cheapest "
+        f"predicted choice takes {floor:.3f}: raise --budget, or add traces "
+        "of narrower formats to the float32 run"
+      )
+    _, g, name = best
+    advice.choice[g] = name
+  risky = [
+    f"{g}: {c}"
+    for g, c in advice.choice.items()
+    if not all(
+      r.safe
+      for r in advice.rows + advice.state_rows
+      if r.group == g
+      and (getattr(r, "recipe", None), getattr(r, "state", None))
+      in ((c.partition("+")[0], None), (None, c.partition("+")[2]))
+    )
+  ]
+  if risky:
+    advice.notes.append(
+      f"the budget of {budget} bytes/param takes predicted risks in "
+      + "; ".join(risky)
+    )

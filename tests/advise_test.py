@@ -1,0 +1,475 @@
+"""The advisor: per-group predictions added up from hand-made telemetry
+whose answers are known, the choice and its thresholds, budgets, and the
+recommendation run as users run it: the pasted optax code equals the
+runner's per-group chain bit for bit, and trains in plain JAX, Flax linen,
+Flax NNX and Equinox loops with per-group telemetry.
+"""
+
+import equinox as eqx
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import lowprec
+from configs import common
+from experiments import optim, study
+from lowprec import recipes
+from lowprec.freeze import Thresholds, advise
+
+# Two leaves in two groups; 100 and 300 parameters.
+SIZES = {"wte": 100, "h/mlp/kernel": 300}
+GROUPS = (("embeddings", "wte"), ("mlp", ".*"))
+
+
+def _record(step, near=0.5, move=0.3, lost_e5m2=0.0, nu=0.2, props=None):
+  """One step's float32-run telemetry: bf16 nearest erased share `near`,
+  stochastic move probability `move`, a Kahan e5m2 buffer losing
+  `lost_e5m2` of the proposals, the bf16 store stalling `nu` of nu's
+  updates (mu never), for every leaf."""
+  r = {"step": step, "loss": 1.0}
+  for leaf, n in SIZES.items():
+    p = n if props is None else props[leaf]
+    r[f"pred/bfloat16/proposals/{leaf}"] = p
+    r[f"pred/bfloat16/erased_fraction/{leaf}"] = near
+    r[f"pred/bfloat16_sr/proposals/{leaf}"] = p
+    r[f"pred/bfloat16_sr/move_prob/{leaf}"] = move
+    k = "pred/bfloat16_kahan_float8_e5m2"
+    r[f"{k}/proposals/{leaf}"] = p
+    r[f"{k}/lost/{leaf}"] = round(lost_e5m2 * p)
+    r[f"pred_state/bf16/changed/0/mu/{leaf}"] = n
+    r[f"pred_state/bf16/erased/0/mu/{leaf}"] = 0.0
+    r[f"pred_state/bf16/changed/0/nu/{leaf}"] = n
+    r[f"pred_state/bf16/erased/0/nu/{leaf}"] = nu * n
+  return r
+
+
+def _rows(advice, group):
+  return {r.recipe: r for r in advice.rows if r.group == group}
+
+
+def test_predictions_are_proposal_weighted_over_the_second_half():
+  # Steps 1-2 (first half) would make every bf16 recipe unsafe; steps 3-4
+  # have erased 0.2 / 0.6 with 1 and 3 proposals per parameter.
+  recs = [_record(t, near=1.0, move=0.0, lost_e5m2=1.0) for t in (1, 2)]
+  props1 = {k: v for k, v in SIZES.items()}
+  props3 = {k: 3 * v for k, v in SIZES.items()}
+  recs.append(_record(3, near=0.2, move=0.5, props=props1))
+  recs.append(_record(4, near=0.6, move=0.1, props=props3))
+  a = advise(recs, SIZES, groups=GROUPS)
+  assert a.steps == (3, 4)
+  row = _rows(a, "mlp")["bf16_rn"]
+  assert row.erased == pytest.approx((0.2 * 1 + 0.6 * 3) / 4)
+  assert row.lost == row.erased  # nearest loses what it erases
+  assert _rows(a, "mlp")["bf16_sr"].move == pytest.approx((0.5 + 0.3) / 4)
+  assert _rows(a, "mlp")["bf16_sr"].lost == 0.0
+  assert a.sizes == {"embeddings": 100, "mlp": 300}
+
+
+def test_choice_is_the_cheapest_safe_recipe_and_store():
+  # bf16 moves with probability 0.3 >= 0.1: stochastic write-back (2 B)
+  # is safe; fp8 has no trace, ECO and split no prediction: never chosen.
+  a = advise([_record(t) for t in range(1, 5)], SIZES, groups=GROUPS)
+  assert a.choice == {"embeddings": "bf16_sr+bf16", "mlp": "bf16_sr+bf16"}
+  rows = _rows(a, "mlp")
+  assert not rows["fp8_sr"].safe
+  assert "no stochastic trace of float8_e4m3fn" in rows["fp8_sr"].why
+  assert rows["bf16_eco"].lost is None and not rows["bf16_eco"].safe
+  assert rows["bf16_rn"].why == "lost 0.500 > 0.01"
+  # No q8 trace: the bf16 store (nu stalled 0.2 of updates) is chosen.
+  states = {r.state: r for r in a.state_rows if r.group == "mlp"}
+  assert states["bf16"].nu == pytest.approx(0.2) and states["bf16"].mu == 0
+  assert "no state trace named 'q8'" in states["q8"].why
+  assert "bf16_eco" in a.notes[0] and "bf16_split8" in a.notes[0]
+  want = recipes.bytes_per_param("bf16_sr+bf16")
+  assert a.bytes_per_param == pytest.approx(want) == 6.0
+
+
+def test_thresholds_move_the_choice():
+  recs = [_record(t, move=0.05, lost_e5m2=0.005, nu=0.95) for t in range(4)]
+  a = advise(recs, SIZES, groups=GROUPS)
+  # SR moves too rarely (0.05 < 0.1); Kahan's e5m2 buffer loses 0.5%.
+  assert a.choice["mlp"] == "bf16_kahan_e5m2+float32"
+  assert _rows(a, "mlp")["bf16_sr"].why == "move 0.050 < 0.1"
+  loose = advise(recs, SIZES, groups=GROUPS, thresholds=Thresholds(move=0.01))
+  assert loose.choice["mlp"] == "bf16_sr+bf16"
+  # At 4 bytes float32 itself is as cheap as any compensation: chosen.
+  strict = advise(recs, SIZES, groups=GROUPS, thresholds=Thresholds(lost=1e-3))
+  assert strict.choice["mlp"] == "float32+float32"
+
+
+def test_a_budget_trades_the_least_predicted_risk_per_byte():
+  recs = [_record(t, move=0.05, lost_e5m2=0.005, nu=0.95) for t in range(4)]
+  free = advise(recs, SIZES, groups=GROUPS)
+  assert free.bytes_per_param == pytest.approx(11.0)  # 3 + 8
+  a = advise(recs, SIZES, groups=GROUPS, budget=10.0)
+  assert a.bytes_per_param <= 10.0
+  assert "takes predicted risks" in a.notes[-1]
+  with pytest.raises(ValueError, match="no predicted recipe fits 1.0"):
+    advise(recs, SIZES, groups=GROUPS, budget=1.0)
+
+
+def test_bad_input_is_refused_with_the_fix():
+  with pytest.raises(ValueError, match="telemetry records"):
+    advise([], SIZES)
+  with pytest.raises(ValueError, match="window"):
+    advise([_record(1)], SIZES, window=0)
+  with pytest.raises(ValueError, match="in no group"):
+    advise([_record(1)], SIZES, groups=(("embeddings", "wte"),))
+
+
+# ----------------------------------------------------- groups, recipes
+
+
+def test_default_groups_name_the_parts_of_common_decoders():
+  want = {
+    # this project's linen GPT
+    "params/wte/embedding": "embeddings",
+    "wpe": "embeddings",
+    "h_0/attn/qkv/kernel": "attention",
+    "h_0/attn/qkv/norm_scale": "norms",
+    "h_0/attn/qkv/norm_bias": "biases",
+    "h_1/mlp/fc/kernel": "mlp",
+    "ln_f/norm_scale": "norms",
+    # NNX / Equinox / plain-JAX spellings
+    "blocks/0/attention/wq/kernel": "attention",
+    "blocks/0/ln1/weight": "norms",
+    "blocks/0/feed_forward/w1/weight": "mlp",
+    "layers/3/mlp/c_proj/bias": "biases",
+    "tok_embeddings/embedding": "embeddings",
+    "lm_head/kernel": "other",
+  }
+  got = {n: lowprec.groups.group_of(n) for n in want}
+  assert got == want
+  tree = {"wte": jnp.zeros((4, 2)), "h": {"mlp": {"kernel": jnp.zeros(3)}}}
+  assert lowprec.groups.labels()(tree) == {
+    "h": {"mlp": {"kernel": "mlp"}},
+    "wte": "embeddings",
+  }
+  assert lowprec.groups.sizes(tree) == {"embeddings": 8, "mlp": 3}
+  with pytest.raises(ValueError, match="identifier"):
+    lowprec.groups.as_groups(("a b=.*",))
+
+
+def _bits(x):
+  x = np.asarray(x)
+  return x.view(f"u{x.itemsize}")
+
+
+def test_recipe_bytes_are_the_stored_bytes(monkeypatch):
+  # lowprec.bytes_per_param counts the arrays a chain really holds: with
+  # bf16-typed weights, bf16 / uint16 buffers and native stored moments,
+  # each recipe's count is what its arrays take.
+  params = {"w": jnp.zeros((64, 256), jnp.bfloat16)}
+  for name in ("bf16_kahan+bf16", "bf16_split8+q8", "bf16_remainder+float32"):
+    tx = recipes.chain(optax.adamw(1e-3), name, jax.random.key(0))
+    got = lowprec.bytes_per_param(params, jax.eval_shape(tx.init, params))
+    assert got.total == pytest.approx(recipes.bytes_per_param(name)), name
+
+
+# --------------------------------------------- the recommendation, run
+
+
+def _advice():
+  recs = [_record(t, move=0.05, lost_e5m2=0.005, nu=0.2) for t in range(4)]
+  sizes = {"wte": 96, "h/attn/kernel": 48, "h/mlp/kernel": 48, "h/bias": 6}
+  groups = (
+    ("embeddings", "wte"),
+    ("attention", ".*attn.*"),
+    ("mlp", ".*mlp.*"),
+    ("biases", ".*bias"),
+  )
+  a = advise(recs, sizes, groups=groups)
+  # Hand-set, to run every kind of chain: SR with stored moments, Kahan,
+  # ECO under a stored state, split, float32.
+  a.choice.update(
+    embeddings="bf16_sr+q8",
+    attention="bf16_kahan+float32",
+    mlp="bf16_eco+bf16",
+    biases="float32+float32",
+  )
+  return a
+
+
+def _params(key=jax.random.key(3)):
+  k = jax.random.split(key, 4)
+  return {
+    "wte": jax.random.normal(k[0], (16, 6)) * 0.3,
+    "h": {
+      "attn": {"kernel": jax.random.normal(k[1], (6, 8)) * 0.3},
+      "mlp": {"kernel": jax.random.normal(k[2], (8, 6)) * 0.3},
+      "bias": jnp.zeros(6),
+    },
+  }
+
+
+def _loss(p, x, y):
+  h = jnp.tanh(p["wte"][x] @ p["h"]["attn"]["kernel"])
+  out = h @ p["h"]["mlp"]["kernel"] + p["h"]["bias"]
+  return jnp.mean((out - y) ** 2)
+
+
+X = jnp.arange(32) % 16
+Y = jnp.sin(jnp.arange(32 * 6, dtype=jnp.float32).reshape(32, 6) / 7)
+
+
+def _exec(code: str, **names):
+  scope = dict(names)
+  exec(compile(code, "<optax_advice>", "exec"), scope)  # noqa: S102
+  return scope["tx"]
+
+
+def _run(tx, params, steps):
+  state = tx.init(params)
+
+  @jax.jit
+  def step(params, state):
+    value, grads = jax.value_and_grad(_loss)(params, X, Y)
+    updates, state = tx.update(grads, state, params)
+    return lowprec.apply_updates(params, updates), state, value
+
+  losses = []
+  for _ in range(steps):
+    params, state, value = step(params, state)
+    losses.append(float(value))
+  return params, state, losses
+
+
+def _grid(advice):
+  return [
+    (regex, recipes.get(advice.choice[g])[0].fmt)
+    for g, regex in advice.groups
+    if g in advice.sizes
+  ]
+
+
+def test_pasted_code_equals_the_runners_chain_bit_for_bit():
+  a = _advice()
+  c = common.get_config()
+  c.opt.update(dict(clip_norm=0.0, schedule="constant", warmup_steps=0))
+  c.lowprec.update(a.config())
+  optim.group_recipes(c.lowprec)  # the fragment validates
+  key = jax.random.key(11)
+  runner = optim.build(c, key)
+  wb_key = jax.random.split(key)[0]
+  code = a.optax_code("optimizer", key="wb_key")
+  lr = optim.schedule(c.opt, c.train.steps)
+  pasted = _exec(code, optimizer=optim._adamw(c.opt, lr), wb_key=wb_key)
+  params = lowprec.to_grid(_params(), optim.writeback_target(c.lowprec))
+  got, gs, losses = _run(pasted, params, 8)
+  want, ws, _ = _run(runner, params, 8)
+  ws = ws[0]  # the runner's chain holds the multi_transform alone
+  for x, y in zip(jax.tree.leaves((got, gs)), jax.tree.leaves((want, ws)), strict=True):
+    np.testing.assert_array_equal(_bits(x), _bits(y))
+  assert losses[-1] < losses[0]
+  tel = lowprec.telemetry(gs)
+  for g in ("embeddings", "attention", "mlp"):
+    assert tel[f"{g}/proposals"] > 0, g  # telemetry per named group
+  assert "biases/proposals" not in tel  # float32: no write-back
+
+
+def test_group_recipes_refuse_bad_entries_in_the_config():
+  c = common.get_config()
+  c.lowprec.group_recipes = ("mlp=bf16_sr",)
+  with pytest.raises(ValueError, match=r"no recipe for group\(s\)"):
+    optim.group_recipes(c.lowprec)
+  c.lowprec.group_recipes = ("mlpp=bf16_sr",)
+  with pytest.raises(ValueError, match="not 'group=recipe'"):
+    optim.group_recipes(c.lowprec)
+  c.lowprec.groups = ("all=.*",)
+  c.lowprec.group_recipes = ("all=bf16_kahn",)
+  with pytest.raises(ValueError, match="unknown weight recipe 'bf16_kahn'"):
+    optim.group_recipes(c.lowprec)
+  c.lowprec.group_recipes = ("all=bf16_kahan",)
+  c.lowprec.writeback = "bfloat16"
+  with pytest.raises(ValueError, match="leave lowprec.writeback unset"):
+    study.validate(c)
+
+
+def _tx(advice):
+  return _exec(advice.optax_code("optax.adamw(3e-2)"))
+
+
+class _Linen(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    e = nn.Embed(16, 6, name="wte")(x)
+    h = jnp.tanh(nn.Dense(8, use_bias=False, name="attn")(e))
+    return nn.Dense(6, name="mlp")(h)
+
+
+LINEN_GROUPS = (
+  ("embeddings", ".*wte.*"),
+  ("attention", ".*attn.*"),
+  ("biases", ".*bias"),
+  ("mlp", ".*mlp.*"),
+)
+
+
+def _client_advice(groups):
+  a = _advice()
+  a.groups = groups
+  a.sizes = {g: 1 for g, _ in groups}
+  a.choice = {
+    "embeddings": "bf16_sr+q8",
+    "attention": "bf16_kahan+float32",
+    "mlp": "bf16_eco+bf16",
+    "biases": "float32+float32",
+  }
+  return a
+
+
+def _check(tel, losses):
+  assert losses[-1] < 0.8 * losses[0], losses
+  for g in ("embeddings", "attention", "mlp"):
+    assert tel[f"{g}/proposals"] > 0, g
+
+
+def test_linen_loop_with_the_advised_chain():
+  a = _client_advice(LINEN_GROUPS)
+  model, tx = _Linen(), _tx(a)
+  params = lowprec.to_grid(model.init(jax.random.key(0), X), _grid(a))
+  state = tx.init(params)
+
+  @jax.jit
+  def step(params, state):
+    loss = lambda p: jnp.mean((model.apply(p, X) - Y) ** 2)  # noqa: E731
+    value, grads = jax.value_and_grad(loss)(params)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, value
+
+  losses = []
+  for _ in range(30):
+    params, state, value = step(params, state)
+    losses.append(float(value))
+  _check(lowprec.telemetry(state), losses)
+  lowprec.check_on_grid(params, _grid(a))
+
+
+class _Nnx(nnx.Module):
+  def __init__(self, rngs):
+    self.wte = nnx.Embed(16, 6, rngs=rngs)
+    self.attn = nnx.Linear(6, 8, use_bias=False, rngs=rngs)
+    self.mlp = nnx.Linear(8, 6, rngs=rngs)
+
+  def __call__(self, x):
+    return self.mlp(jnp.tanh(self.attn(self.wte(x))))
+
+
+def test_nnx_optimizer_with_the_advised_chain():
+  a = _client_advice(LINEN_GROUPS)
+  model = _Nnx(nnx.Rngs(0))
+  nnx.update(model, lowprec.to_grid(nnx.state(model, nnx.Param), _grid(a)))
+  opt = nnx.Optimizer(model, _tx(a), wrt=nnx.Param)
+
+  @nnx.jit
+  def step(model, opt):
+    loss = lambda m: jnp.mean((m(X) - Y) ** 2)  # noqa: E731
+    value, grads = nnx.value_and_grad(loss)(model)
+    opt.update(model, grads)
+    return value
+
+  losses = [float(step(model, opt)) for _ in range(30)]
+  _check(lowprec.telemetry(opt.opt_state), losses)
+  lowprec.check_on_grid(nnx.state(model, nnx.Param), _grid(a))
+
+
+class _Eqx(eqx.Module):
+  wte: jax.Array
+  attn: eqx.nn.Linear
+  mlp: eqx.nn.Linear
+
+  def __init__(self, key):
+    k = jax.random.split(key, 3)
+    self.wte = jax.random.normal(k[0], (16, 6)) * 0.3
+    self.attn = eqx.nn.Linear(6, 8, use_bias=False, key=k[1])
+    self.mlp = eqx.nn.Linear(8, 6, key=k[2])
+
+  def __call__(self, x):
+    return self.mlp(jnp.tanh(self.attn(self.wte[x])))
+
+
+def test_equinox_loop_with_the_advised_chain():
+  a = _client_advice(LINEN_GROUPS)
+  model = lowprec.to_grid(_Eqx(jax.random.key(0)), _grid(a))
+  tx = _tx(a)
+  state = tx.init(eqx.filter(model, eqx.is_inexact_array))
+
+  @eqx.filter_jit
+  def step(model, state):
+    loss = lambda m: jnp.mean((jax.vmap(m)(X) - Y) ** 2)  # noqa: E731
+    value, grads = eqx.filter_value_and_grad(loss)(model)
+    params = eqx.filter(model, eqx.is_inexact_array)
+    updates, state = tx.update(grads, state, params)
+    return eqx.apply_updates(model, updates), state, value
+
+  losses = []
+  for _ in range(30):
+    model, state, value = step(model, state)
+    losses.append(float(value))
+  _check(lowprec.telemetry(state), losses)
+  lowprec.check_on_grid(eqx.filter(model, eqx.is_inexact_array), _grid(a))
+
+
+def test_plain_jax_float32_run_to_advice_to_training():
+  # The whole path in plain JAX: a float32 AdamW run carrying every trace,
+  # its telemetry advised, the advice pasted and trained.
+  params = _params()
+  inner = lowprec.freeze.state_trace(
+    optax.adamw(3e-2),
+    {s.name: dict(s.rules) for s in recipes.STATES.values() if s.rules},
+  )
+  tx = optax.chain(
+    inner,
+    lowprec.freeze.reference_trace(
+      [
+        lowprec.freeze.Target("bfloat16"),
+        lowprec.freeze.Target("bfloat16", "stochastic"),
+        lowprec.freeze.Target("float8_e4m3fn", "stochastic"),
+      ]
+    ),
+    lowprec.freeze.compensated_trace(
+      [("bfloat16", "kahan", "bfloat16"), ("bfloat16", "kahan", "float8_e5m2")]
+    ),
+  )
+  state = tx.init(params)
+
+  @jax.jit
+  def step(params, state):
+    grads = jax.grad(_loss)(params, X, Y)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  records = []
+  for t in range(12):
+    params, state = step(params, state)
+    records.append({"step": t + 1, **lowprec.telemetry(state)})
+  a = advise(records, params)
+  assert set(a.sizes) == {"embeddings", "attention", "mlp", "biases"}
+  assert all(c.partition("+")[0] in recipes.WEIGHTS for c in a.choice.values())
+  for r in a.rows:  # every traced recipe got a prediction in [0, 1]
+    if r.recipe in ("bf16_rn", "bf16_sr", "bf16_kahan", "bf16_kahan_e5m2"):
+      assert r.erased is not None and 0 <= r.erased <= 1, r
+      assert r.lost is not None and 0 <= r.lost <= 1, r
+    if r.recipe == "fp8_sr":  # a stochastic trace alone: move, no erased
+      assert r.erased is None and 0 <= r.move <= 1, r
+  states = [r for r in a.state_rows if r.state == "q8"]
+  assert all(r.nu is not None and 0 <= r.nu <= 1 for r in states)
+  start = lowprec.to_grid(_params(), _grid(a))
+  _, state, losses = _run(_exec(a.optax_code("optax.adamw(3e-2)")), start, 20)
+  assert losses[-1] < losses[0]
+
+
+def test_fragment_is_python_a_config_takes():
+  a = _advice()
+  scope = {}
+  exec(a.fragment(), scope)  # noqa: S102
+  c = common.get_config()
+  c.lowprec.update(scope["LOWPREC"])
+  assert [g for g, _, _ in optim.group_recipes(c.lowprec)] == list(a.sizes)
+  assert scope["__doc__"].startswith("The recipe lowprec.freeze.advise")
+  assert isinstance(c.lowprec, ml_collections.ConfigDict)
