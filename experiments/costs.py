@@ -250,8 +250,9 @@ def describe(result: dict) -> str:
   """One line of `step`'s measurements."""
   mfu = result["mfu"]
   mem = result["peak_device_bytes"] or result["peak_rss_bytes"]
+  recipe = f" ({result['recipe']})" if result.get("recipe") else ""
   return (
-    f"{result['config']}: {result['tokens_per_s']:,.0f} tokens/s on "
+    f"{result['config']}{recipe}: {result['tokens_per_s']:,.0f} tokens/s on "
     f"{result['chips']} x {result['device']}, MFU "
     f"{'n/a' if mfu is None else f'{mfu:.1%}'}, step "
     f"{result['step_s']:.2f} s (compiled in {result['compile_s']:.0f} s, "
@@ -329,12 +330,44 @@ def peak_device_bytes() -> int | None:
   return stats.get("peak_bytes_in_use")
 
 
+# The lowprec keys a recipe (`with_recipe`) replaces: the plan arm's
+# write-back, its compensation, its stored state and its predictions.
+_RECIPE_KEYS = {
+  "writeback": "",
+  "rounding": "nearest",
+  "compensation": "none",
+  "buffer": "bfloat16",
+  "correction_bits": 8,
+  "state": (),
+  "trace_targets": (),
+  "trace_remedies": (),
+  "state_targets": (),
+  "decay_erasure": False,
+}
+
+
+def with_recipe(c, recipe: str):
+  """`c` with its weights and optimizer state stored as `recipe`
+  (a `lowprec.recipes` name such as "bf16_kahan" or "bf16_sr+q8";
+  "float32" for float32 AdamW), the config's own write-back, state store
+  and predictions replaced; parameters it keeps in float32 stay so."""
+  weights, state = lowprec.recipes.get(recipe)
+  c = c.copy_and_resolve_references()
+  c.unlock()
+  c.lowprec.update(_RECIPE_KEYS)
+  c.lowprec.update(weights.config)
+  c.lowprec.state = state.config
+  c.lock()
+  return c
+
+
 def step(name: str, data_dir: str, steps: int = 1, **overrides) -> dict:
   """Builds the full-scale config, runs `steps` steps and a probe; measures.
 
   `overrides` are `train.*` or `data.batch_size` values (a small batch for
-  the CPU), and `model`, a dict of `model.*` values (tiny shapes for a dry
-  run of the same code). Returns losses, probe values, the train step's
+  the CPU), `model`, a dict of `model.*` values (tiny shapes for a dry
+  run of the same code), and `recipe`, a `lowprec.recipes` name that
+  replaces the config's storage recipe (`with_recipe`). Returns losses, probe values, the train step's
   compile time (ahead of time, so the first step is a plain step), the
   time of the steps after the first and peak memory, as a dict.
   """
@@ -342,12 +375,15 @@ def step(name: str, data_dir: str, steps: int = 1, **overrides) -> dict:
 
   batch_size = overrides.pop("batch_size", None)
   model = overrides.pop("model", None) or {}
+  recipe = overrides.pop("recipe", None)
   c = full_config(name, data_dir, **overrides)
   if batch_size or model:
     c.unlock()
     c.data.batch_size = batch_size or c.data.batch_size
     c.model.update(model)
     c.lock()
+  if recipe:
+    c = with_recipe(c, recipe)
   synthetic_tokens(data_dir, c.model.vocab_size)
   t0 = time.time()
   run = train.build_run(c)
@@ -391,6 +427,7 @@ def step(name: str, data_dir: str, steps: int = 1, **overrides) -> dict:
   )
   return {
     "config": name,
+    "recipe": recipe,
     "mfu": mfu,
     "chips": chips,
     "params": n,

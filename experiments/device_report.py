@@ -27,7 +27,15 @@ DEVICE_IMAGE = (
   "matplotlib",
 )
 CONFIGS = ("freeze_gpt2_fp8", "attention_reuse")
-BENCH_SECTIONS = ("rounding", "writeback", "trace", "ops", "train", "user_ops")
+BENCH_SECTIONS = (
+  "rounding",
+  "writeback",
+  "trace",
+  "ops",
+  "train",
+  "user_ops",
+  "frontier",
+)
 # What each full-scale result reports, with its Markdown column.
 _COLUMNS = (
   ("params", "params"),
@@ -121,6 +129,34 @@ def _bench(parts_dir: str) -> dict:
   return out
 
 
+def _json_lines(path: str) -> list[dict]:
+  """Every line of a file that parses as a JSON object."""
+  if not os.path.exists(path):
+    return []
+  out = []
+  with open(path) as f:
+    for line in f.read().splitlines():
+      if line.startswith("{"):
+        try:
+          out.append(json.loads(line))
+        except json.JSONDecodeError:
+          continue
+  return out
+
+
+def _advice(parts_dir: str) -> list[str]:
+  """The advisor's recommendation lines from the frontier part."""
+  path = os.path.join(parts_dir, "frontier.out")
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    lines = f.read().splitlines()
+  if "Recommended" not in "\n".join(lines):
+    return []
+  start = next(i for i, x in enumerate(lines) if x.startswith("Recommended"))
+  return [x for x in lines[start:] if x.startswith(("Recommended", "- "))]
+
+
 def collect(parts_dir: str, dry_run: bool = False) -> dict:
   """Everything the parts left in `parts_dir`, as one dict."""
   configs = {}
@@ -133,8 +169,10 @@ def collect(parts_dir: str, dry_run: bool = False) -> dict:
     "env": _last_json_line(os.path.join(parts_dir, "env.out")) or {},
     "parts": parts(parts_dir),
     "configs": configs,
+    "families": _json_lines(os.path.join(parts_dir, "families.out")),
     "bench": _bench(parts_dir),
     "golden_bits": _golden_bits(parts_dir),
+    "advice": _advice(parts_dir),
   }
 
 
@@ -197,6 +235,7 @@ def markdown(report: dict) -> str:
       r["peak_device_bytes"] = r.get("peak_rss_bytes")
     cells = " | ".join(_cell(k, r.get(k)) for k, _ in _COLUMNS)
     lines.append(f"| {name} | {cells} |")
+  lines += _family_lines(report.get("families", []))
   lines += _golden_lines(report.get("golden_bits", {}))
   lines += ["", "| benchmark | case | ratio to | median (range) |"]
   lines.append("|---|---|---|---:|")
@@ -209,7 +248,34 @@ def markdown(report: dict) -> str:
           f"| {section} | {case} | {base} | {r['median']:.2f}x "
           f"({r['min']:.2f}-{r['max']:.2f}) |"
         )
+  advice = report.get("advice", [])
+  lines += ["", "Frontier smoke, the advisor's recommendation:" if advice else
+            "Frontier smoke: no recommendation (see the parts above)."]
+  lines += advice
   return "\n".join(lines) + "\n"
+
+
+def _family_lines(families: list[dict]) -> list[str]:
+  """Per write-back family on one model: tokens/s, step time relative to
+  float32 AdamW's, peak memory."""
+  if not families:
+    return ["", "Write-back families: not run (see the parts above)."]
+  base = next((f for f in families if f.get("recipe") == "float32"), None)
+  lines = [
+    "",
+    f"| {families[0]['config']}: recipe | tokens/s | step / float32's | "
+    "peak memory |",
+    "|---|---:|---:|---:|",
+  ]
+  for f in families:
+    ratio = base and f["step_s"] / base["step_s"]
+    mem = f.get("peak_device_bytes") or f.get("peak_rss_bytes")
+    lines.append(
+      f"| {f.get('recipe')} | {f['tokens_per_s']:,.0f} | "
+      f"{'n/a' if not ratio else f'{ratio:.2f}x'} | "
+      f"{_cell('peak_device_bytes', mem)} |"
+    )
+  return lines
 
 
 def _golden_lines(golden: dict) -> list[str]:

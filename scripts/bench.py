@@ -2,8 +2,8 @@
 
   python -m scripts.bench [section ...] [--quick] [--runs N] [--json FILE]
 
-Sections: rounding, scaled, writeback, trace, ops, train, user_ops (default: all
-that exist). Each lives in `scripts/bench_<section>.py` with
+Sections: rounding, scaled, writeback, trace, ops, train, user_ops, frontier
+(default: all that exist). Each lives in `scripts/bench_<section>.py` with
 `run(quick: bool) -> benchlib.Result`. Within a section the cases run
 interleaved, round by round, and every ratio is reported as the median of
 same-round ratios with its range. `--json FILE` (or `-` for standard
@@ -38,6 +38,7 @@ SECTIONS = (
   "ops",
   "train",
   "user_ops",
+  "frontier",
 )
 
 

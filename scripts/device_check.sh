@@ -11,7 +11,9 @@
 # and with --xla_allow_excess_precision=false, runs each full-scale
 # config (GPT-2 124M of freeze_gpt2_fp8; the 390M GPT of attention_reuse
 # with its probe) for $STEPS steps of a reduced batch on synthetic token
-# files, then each section of scripts/bench.py. Each part runs under its own
+# files, GPT-2 124M once per write-back family (float32, nearest,
+# stochastic, Kahan, split, ECO, 8-bit state), each section of
+# scripts/bench.py, and the frontier study's smoke with the advisor. Each part runs under its own
 # time limit and a failing part does not stop the others. Results:
 # device_check.json and device_check.md (per config tokens/s, MFU, peak
 # device memory, compile time; the benchmark ratios; each part's status) in
@@ -69,13 +71,15 @@ if [[ $DRY == 1 ]]; then
     --probe_batch_size 2)
   TINY=(--model n_layer=1,n_head=2,d_model=32,seq_len=32,vocab_size=256)
   BENCH=(rounding)
+  FAMILY_STEPS=2
 else
   STEPS=${STEPS:-20}
   # 64 x 1024 and 32 x 1024 tokens per step, 8 microbatches each.
   GPT2=(--batch_size 64 --virtual_shards 8)
   ATTN=(--batch_size 32 --virtual_shards 8)
   TINY=()
-  BENCH=(rounding writeback trace ops train user_ops)
+  BENCH=(rounding writeback trace ops train user_ops frontier)
+  FAMILY_STEPS=4
 fi
 
 if [[ $DRY != 1 ]] && compgen -G ".whl/*.whl" >/dev/null; then
@@ -104,11 +108,26 @@ step() {  # config name, time limit (s), plan_full_scale --step arguments
     "${TINY[@]}" "$@"
 }
 step freeze_gpt2_fp8 140 "${GPT2[@]}"
+# One compiled step per write-back family on the same model, a few steps
+# each: what a user pays for each recipe against float32 AdamW.
+part families 150 python3 -m scripts.plan_full_scale --step \
+  --config freeze_gpt2_fp8 --data_dir "$WORK/tokens_families" \
+  --steps "$FAMILY_STEPS" "${TINY[@]}" "${GPT2[@]}" \
+  --recipe float32 --recipe bf16_rn --recipe bf16_sr --recipe bf16_kahan \
+  --recipe bf16_split8 --recipe bf16_eco --recipe "bf16_sr+q8"
 step attention_reuse 170 "${ATTN[@]}"
 for section in "${BENCH[@]}"; do
   part "bench_$section" 30 python3 -m scripts.bench "$section" --quick \
     --json "$PARTS/bench_$section.json"
 done
+# The frontier study's smoke (the float32 arm with every trace and one
+# recipe), then the advisor on its float32 run.
+part frontier 180 bash -c 'python3 -m experiments.run \
+  --config configs/frontier.py:scale=smoke \
+  --config.log.results_dir="$0/results" && python3 -m scripts.advise \
+  --config configs/frontier.py:scale=smoke --results "$0/results" \
+  --out "$1/frontier_advice.py" --code "$1/frontier_optax.py"' \
+  "$WORK" "$PARTS"
 dry=()
 [[ $DRY == 1 ]] && dry=(--dry_run)
 timeout 60 python3 -m scripts.device_report --parts "$PARTS" \

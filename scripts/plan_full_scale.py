@@ -63,6 +63,14 @@ def main(argv=None) -> None:
     " tiny shapes for a dry run)",
   )
   parser.add_argument(
+    "--recipe",
+    action="append",
+    default=None,
+    help="with --step: run each config once per storage recipe "
+    "(lowprec.recipes names: float32, bf16_rn, bf16_sr, bf16_kahan, "
+    "bf16_split8, bf16_eco, bf16_sr+q8, ...), one JSON line each",
+  )
+  parser.add_argument(
     "--probe_remat",
     action="store_true",
     help="the probe's passes recompute each block (one block's activations)",
@@ -86,9 +94,11 @@ def main(argv=None) -> None:
   if args.model:
     overrides["model"] = _model_overrides(parser, args.model)
   for name in names:
-    result = costs.step(name, data_dir, args.steps, **overrides)
-    print(costs.describe(result), file=sys.stderr, flush=True)
-    print(json.dumps(result), flush=True)
+    for recipe in args.recipe or [None]:
+      kw = dict(overrides, recipe=recipe) if recipe else dict(overrides)
+      result = costs.step(name, data_dir, args.steps, **kw)
+      print(costs.describe(result), file=sys.stderr, flush=True)
+      print(json.dumps(result), flush=True)
 
 
 def _model_overrides(parser, text: str) -> dict[str, int]:

@@ -6,6 +6,8 @@ times and runs the smallest section once end to end.
 
 import json
 
+import pytest
+
 from scripts import bench, benchlib
 
 
@@ -70,3 +72,14 @@ def test_scaled_section_times_mx_quantize_against_the_cast(tmp_path):
   assert any(
     n.startswith("- quantize mxfp8_e4m3 nearest") for n in data["notes"]
   )
+
+
+@pytest.mark.slow
+def test_frontier_section_times_whole_steps_of_each_arm(tmp_path):
+  path = tmp_path / "bench.json"
+  bench.main(["frontier", "--quick", "--json", str(path)])
+  data = json.loads(path.read_text())["frontier"]
+  assert set(data["cases"]) == {"fp32", "bf16_sr_mom_q8", "bf16_rn"}
+  for case in data["cases"]:
+    ratio = data["cases"][case]["ratio_to"]["bf16_rn"]
+    assert 0 < ratio["min"] <= ratio["median"] <= ratio["max"]

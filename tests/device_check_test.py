@@ -150,8 +150,10 @@ def test_dry_run_of_device_check_on_the_cpu(tmp_path):
     "golden_bits",
     "golden_bits_no_excess",
     "step_freeze_gpt2_fp8",
+    "families",
     "step_attention_reuse",
     "bench_rounding",
+    "frontier",
   ]
   assert all(p["status"] == "ok" for p in report["parts"]), report["parts"]
   assert report["env"]["backend"] == "cpu"
@@ -160,6 +162,14 @@ def test_dry_run_of_device_check_on_the_cpu(tmp_path):
     assert r["tokens_per_s"] > 0 and r["compile_s"] > 0, r
     assert len(r["losses"]) == 2 and all(0 < x < 10 for x in r["losses"])
   assert report["configs"]["attention_reuse"]["probe"]  # the probe ran
+  families = [f["recipe"] for f in report["families"]]
+  assert families == [
+    "float32", "bf16_rn", "bf16_sr", "bf16_kahan", "bf16_split8",
+    "bf16_eco", "bf16_sr+q8",
+  ]  # fmt: skip
+  assert all(f["tokens_per_s"] > 0 for f in report["families"])
+  assert report["advice"][0].startswith("Recommended (")
+  assert len(report["advice"]) >= 6  # a line per group
   ratios = report["bench"]["rounding"]["ratios"]
   assert ratios and all(
     r["median"] > 0 for case in ratios.values() for r in case.values()
@@ -168,6 +178,9 @@ def test_dry_run_of_device_check_on_the_cpu(tmp_path):
   assert md.startswith("# Device check (dry run)")
   assert "| freeze_gpt2_fp8 | 21,984 |" in md
   assert "| bench_rounding | ok |" in md
+  assert "| freeze_gpt2_fp8: recipe | tokens/s | step / float32's |" in md
+  assert "| float32 |" in md and "| 1.00x |" in md
+  assert "Frontier smoke, the advisor's recommendation:" in md
   # The golden bits, on the CPU, equal the file under both flag settings.
   for run_name in device_report.GOLDEN_RUNS:
     verdicts = report["golden_bits"][run_name]
@@ -222,6 +235,25 @@ def test_report_names_failed_timed_out_and_skipped_parts(tmp_path):
   md = (tmp_path / "out" / "device_check.md").read_text()
   assert "| step_freeze_gpt2_fp8 | timed out | 140 | 140 |" in md
   assert "| attention_reuse | - | - |" in md
+
+
+def test_report_tables_write_back_families_and_the_advice(tmp_path):
+  d = _parts_dir(tmp_path, [("families", "0", "50", "150")])
+  rows = [
+    dict(config="freeze_gpt2_fp8", recipe="float32", tokens_per_s=1000.0,
+         step_s=0.5, peak_device_bytes=2e9),
+    dict(config="freeze_gpt2_fp8", recipe="bf16_sr+q8", tokens_per_s=800.0,
+         step_s=0.625, peak_device_bytes=1e9),
+  ]  # fmt: skip
+  (d / "families.out").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  (d / "frontier.out").write_text(
+    "| table |\n\nRecommended (4.031 bytes/param):\n- mlp: bf16_sr+q8\n"
+    "\nwrote x (config fragment) and y (optax code)\n"
+  )
+  md = device_report.markdown(device_report.collect(str(d)))
+  assert "| float32 | 1,000 | 1.00x | 2.0 GB |" in md
+  assert "| bf16_sr+q8 | 800 | 1.25x | 1.0 GB |" in md
+  assert "Recommended (4.031 bytes/param):\n- mlp: bf16_sr+q8\n" in md
 
 
 def test_report_cells_of_a_config_and_a_benchmark(tmp_path):
