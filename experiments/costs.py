@@ -367,9 +367,10 @@ def step(name: str, data_dir: str, steps: int = 1, **overrides) -> dict:
   `overrides` are `train.*` or `data.batch_size` values (a small batch for
   the CPU), `model`, a dict of `model.*` values (tiny shapes for a dry
   run of the same code), and `recipe`, a `lowprec.recipes` name that
-  replaces the config's storage recipe (`with_recipe`). Returns losses, probe values, the train step's
-  compile time (ahead of time, so the first step is a plain step), the
-  time of the steps after the first and peak memory, as a dict.
+  replaces the config's storage recipe (`with_recipe`). Returns losses,
+  probe values, the train step's compile time (ahead of time, so the
+  first step is a plain step), the time of the steps after the first and
+  peak memory, as a dict.
   """
   from experiments import train
 

@@ -249,8 +249,12 @@ def markdown(report: dict) -> str:
           f"({r['min']:.2f}-{r['max']:.2f}) |"
         )
   advice = report.get("advice", [])
-  lines += ["", "Frontier smoke, the advisor's recommendation:" if advice else
-            "Frontier smoke: no recommendation (see the parts above)."]
+  lines += [
+    "",
+    "Frontier smoke, the advisor's recommendation:"
+    if advice
+    else "Frontier smoke: no recommendation (see the parts above).",
+  ]
   lines += advice
   return "\n".join(lines) + "\n"
 

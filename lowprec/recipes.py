@@ -213,7 +213,9 @@ STATES = {
   s.name: s
   for s in (
     State("float32"),
-    State("bf16", (("mu", "bfloat16:stochastic"), ("nu", "bfloat16:stochastic"))),
+    State(
+      "bf16", (("mu", "bfloat16:stochastic"), ("nu", "bfloat16:stochastic"))
+    ),
     State(
       "q8",
       (

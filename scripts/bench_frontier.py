@@ -26,7 +26,10 @@ def _configs(quick: bool) -> dict:
   arms = list(c.study.arms)
   if quick:  # the smoke arms and nearest write-back
     c.unlock()
-    c.study.arms = {**c.study.arms.to_dict(), NEAREST: {"lowprec": frontier.BF16}}
+    c.study.arms = {
+      **c.study.arms.to_dict(),
+      NEAREST: {"lowprec": frontier.BF16},
+    }
     c.lock()
     arms = list(c.study.arms)
   out = {}
@@ -34,7 +37,9 @@ def _configs(quick: bool) -> dict:
     r = study.resolve(c, arm, 0)
     if arm == FLOAT32:  # the float32 recipe, not its predictions
       r.unlock()
-      r.lowprec.update(dict(trace_targets=(), trace_remedies=(), state_targets=()))
+      r.lowprec.update(
+        dict(trace_targets=(), trace_remedies=(), state_targets=())
+      )
       r.lock()
     out[arm] = r
   return out

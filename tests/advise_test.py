@@ -202,8 +202,8 @@ def _advice():
   return a
 
 
-def _params(key=jax.random.key(3)):
-  k = jax.random.split(key, 4)
+def _params():
+  k = jax.random.split(jax.random.key(3), 4)
   return {
     "wte": jax.random.normal(k[0], (16, 6)) * 0.3,
     "h": {
@@ -270,7 +270,9 @@ def test_pasted_code_equals_the_runners_chain_bit_for_bit():
   got, gs, losses = _run(pasted, params, 8)
   want, ws, _ = _run(runner, params, 8)
   ws = ws[0]  # the runner's chain holds the multi_transform alone
-  for x, y in zip(jax.tree.leaves((got, gs)), jax.tree.leaves((want, ws)), strict=True):
+  for x, y in zip(
+    jax.tree.leaves((got, gs)), jax.tree.leaves((want, ws)), strict=True
+  ):
     np.testing.assert_array_equal(_bits(x), _bits(y))
   assert losses[-1] < losses[0]
   tel = lowprec.telemetry(gs)
@@ -524,7 +526,10 @@ def test_frontier_smoke_advises_and_runs_the_advice(tmp_path):
   exec(frag.read_text(), scope)  # noqa: S102
   c = importlib.import_module("configs.frontier").get_config("scale=smoke")
   c.log.results_dir = str(tmp_path)
-  c.study.arms = {**c.study.arms.to_dict(), "advised": {"lowprec": scope["LOWPREC"]}}
+  c.study.arms = {
+    **c.study.arms.to_dict(),
+    "advised": {"lowprec": scope["LOWPREC"]},
+  }
   assert all(s["status"] == "finished" for s in study.run_study(c))
   md = tables.make("frontier", str(tmp_path))
   assert "| advised |" in md

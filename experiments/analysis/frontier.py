@@ -85,7 +85,9 @@ def measured(run) -> dict:
       out["lost"] = out["erased"]
   if lp.get("state"):
     last = recs[-1] if recs else {}
-    paths = [k[len("state/changed/") :] for k in last if k.startswith("state/changed/")]
+    paths = [
+      k[len("state/changed/") :] for k in last if k.startswith("state/changed/")
+    ]
     nu = [p for p in paths if "/nu/" in f"/{p}"]
     out["nu_stalled"] = _ratio(
       sum(_sum(recs, f"state/erased/{p}") for p in nu),
@@ -99,7 +101,13 @@ def recipe_of(lp: dict) -> str | None:
   (weights, and the moment store where it is one of `recipes.STATES`)."""
   want = {
     k: lp[k]
-    for k in ("writeback", "rounding", "compensation", "buffer", "correction_bits")
+    for k in (
+      "writeback",
+      "rounding",
+      "compensation",
+      "buffer",
+      "correction_bits",
+    )
     if k in lp
   }
   if not want.get("writeback"):
@@ -108,7 +116,9 @@ def recipe_of(lp: dict) -> str | None:
     weights = None
     for w in recipes.WEIGHTS.values():
       cfg = w.config
-      if all(want.get(k, _DEFAULTS[k]) == cfg.get(k, _DEFAULTS[k]) for k in _DEFAULTS):
+      if all(
+        want.get(k, _DEFAULTS[k]) == cfg.get(k, _DEFAULTS[k]) for k in _DEFAULTS
+      ):
         weights = w.name
         break
     if weights is None:
@@ -178,7 +188,9 @@ def predicted(ref_run, config: dict, sizes: dict[str, int]) -> dict:
   advice = lowprec.freeze.advise(recs, sizes, groups=groups)
   weights, state = name.split("+")
   out = {}
-  row = next(r for r in advice.rows if r.group == "grid" and r.recipe == weights)
+  row = next(
+    r for r in advice.rows if r.group == "grid" and r.recipe == weights
+  )
   if weights != "float32":
     w = recipes.WEIGHTS[weights]
     if w.rounding == "stochastic" and row.move is not None:
@@ -231,7 +243,8 @@ def frontier_table(runs):
     diffs = [
       loss[arm][s] - loss[REFERENCE][s]
       for s in seeds
-      if loss[arm].get(s) is not None and loss.get(REFERENCE, {}).get(s) is not None
+      if loss[arm].get(s) is not None
+      and loss.get(REFERENCE, {}).get(s) is not None
     ]
     mean, hw = interval(diffs)
     row = {
@@ -243,12 +256,12 @@ def frontier_table(runs):
       "half_width_95": hw,
     }
     if cfg["lowprec"].get("writeback") == "bfloat16" or arm == "mixed":
+      ln, lf = loss.get(NEAREST, {}), loss.get(REFERENCE, {})
       rec = [
-        (loss[NEAREST][s] - loss[arm][s]) / (loss[NEAREST][s] - loss[REFERENCE][s])
+        (ln[s] - loss[arm][s]) / (ln[s] - lf[s])
         for s in seeds
-        if s in loss.get(NEAREST, {}) and s in loss.get(REFERENCE, {})
-        and loss[NEAREST][s] != loss[REFERENCE][s]
-      ]  # fmt: skip
+        if s in ln and s in lf and ln[s] != lf[s]
+      ]
       row["recovery"] = _mean(rec)
     meas = [measured(r) for r in seeds.values()]
     pred = [predicted(ref.get(s), r.config, sizes) for s, r in seeds.items()]

@@ -135,7 +135,10 @@ class Advice:
     """Weights, write-back state and moments of the choice, per parameter."""
     total = sum(self.sizes.values())
     return (
-      sum(recipes.bytes_per_param(self.choice[g]) * n for g, n in self.sizes.items())
+      sum(
+        recipes.bytes_per_param(self.choice[g]) * n
+        for g, n in self.sizes.items()
+      )
       / total
     )
 
@@ -329,7 +332,9 @@ def _state_row(sums, group, leaves, s: recipes.State, th) -> StateRow:
   stalled = {}
   for m in ("mu", "nu"):
     changed = erased = 0.0
-    paths = [p for x in leaves for p in _state_paths(sums.records[-1], pre, m, x)]
+    paths = [
+      p for x in leaves for p in _state_paths(sums.records[-1], pre, m, x)
+    ]
     for r in sums.records:
       for path in paths:
         changed += r.get(f"{pre}/changed/{path}", 0)
@@ -342,7 +347,9 @@ def _state_row(sums, group, leaves, s: recipes.State, th) -> StateRow:
     worst = max(v for v in stalled.values() if v is not None)
     if 1 - worst < th.move:
       why = f"stalled {worst:.3f} > {1 - th.move:g}"
-  return StateRow(group, s.name, s.bytes, stalled["mu"], stalled["nu"], not why, why)
+  return StateRow(
+    group, s.name, s.bytes, stalled["mu"], stalled["nu"], not why, why
+  )
 
 
 def _state_paths(record, pre, moment, leaf) -> list[str]:
@@ -475,9 +482,13 @@ def _fit(advice: Advice, budget: float) -> None:
         if best is None or key < best[0]:
           best = (key, g, name)
     if best is None:
-      floor = sum(
-        min(o[0] for o in opts) * advice.sizes[g] for g, opts in options.items()
-      ) / total
+      floor = (
+        sum(
+          min(o[0] for o in opts) * advice.sizes[g]
+          for g, opts in options.items()
+        )
+        / total
+      )
       raise ValueError(
         f"no predicted recipe fits {budget} bytes/param; the cheapest "
         f"predicted choice takes {floor:.3f}: raise --budget, or add traces "

@@ -209,8 +209,8 @@ class CompensatedTraceState(NamedTuple):
     nearest_frozen`) and `drained` (with proposals, never moved, and the
     buffer never held anything: every residual lost). Per leaf:
     `erased_fraction/<leaf>`, `proposals/<leaf>`, `lost/<leaf>`,
-    `late/<leaf>` and `drained/<leaf>`. Counts are exact integers, fractions and masses
-    floats (NaN fractions without a denominator).
+    `late/<leaf>` and `drained/<leaf>`. Counts are exact integers,
+    fractions and masses floats (NaN fractions without a denominator).
     """
     return reports.host(self._collect, self._replace(buffer=(), flags=()))
 
