@@ -32,6 +32,7 @@ Arms (weights + write-back, optimizer state; bytes per parameter of both):
                     as `remedies_fp8` measured, and is left out)
   mx_sr, mx_eco     MXFP8 (e4m3, one E8M0 scale per 32) (1.03 + 8)
   advised           the advisor's per-group recipe (configs/advice/frontier.py)
+  advised_first     what it recommended before its last rule (FIRST_ADVICE)
 
 The fp8 and MX arms keep norm gains and biases in float32 (as FP8
 training recipes do; under 2% of the parameters here), which their bytes
@@ -105,6 +106,28 @@ STATE_TARGETS = (
 )
 
 
+# What the advisor recommended from the float32 arm of seed 0 before the
+# runs, kept as it was: its Kahan-on-e4m3 norm gains cost 0.028 nats,
+# which made the advisor refuse deterministic compensation on a grid that
+# resolves no late step (Thresholds.erased); `advised` runs its advice now.
+FIRST_ADVICE = {
+  "groups": (
+    r"embeddings=(.*/)?(wte|wpe|tok_embeddings|embed\w*|pos_emb\w*)(/.*)?",
+    "norms=.*(norm_scale|(norm|ln)[^/]*/(scale|weight|gain))",
+    "biases=.*bias",
+    "attention=.*(attn|attention)[^/]*/.*",
+    "mlp=.*(mlp|ffn|feed_forward)[^/]*/.*",
+  ),
+  "group_recipes": (
+    "embeddings=bf16_sr+q8",
+    "norms=fp8_kahan_e5m2+q8",
+    "biases=bf16_sr+q8",
+    "attention=bf16_sr+q8",
+    "mlp=bf16_sr+q8",
+  ),
+}
+
+
 def arms() -> dict:
   """Every arm of the study but the advised one (see the docstring)."""
 
@@ -132,6 +155,7 @@ def arms() -> dict:
     "fp8_eco": lp(**FP8, compensation="eco"),
     "mx_sr": lp(**MX, rounding="stochastic"),
     "mx_eco": lp(**MX, compensation="eco"),
+    "advised_first": {"lowprec": FIRST_ADVICE},
   }
 
 

@@ -109,6 +109,22 @@ def test_thresholds_move_the_choice():
   assert strict.choice["mlp"] == "float32+float32"
 
 
+def test_a_grid_that_resolves_no_step_takes_no_deterministic_compensation():
+  # Every late proposal below half a gap (erased 1.0): the Kahan buffers
+  # lose nothing, but the weight lags by up to half a gap; stochastic
+  # rounding that moves too rarely is refused too: float32 is left.
+  recs = [_record(t, near=1.0, move=0.05, lost_e5m2=0.0) for t in range(4)]
+  a = advise(recs, SIZES, groups=GROUPS)
+  rows = _rows(a, "mlp")
+  assert rows["bf16_kahan_e5m2"].lost == 0.0
+  assert rows["bf16_kahan_e5m2"].why == (
+    "erased 1.000 > 0.99: the grid resolves no step"
+  )
+  assert a.choice["mlp"] == "float32+bf16"
+  loose = advise(recs, SIZES, groups=GROUPS, thresholds=Thresholds(erased=1))
+  assert loose.choice["mlp"] == "bf16_kahan_e5m2+bf16"
+
+
 def test_a_budget_trades_the_least_predicted_risk_per_byte():
   recs = [_record(t, move=0.05, lost_e5m2=0.005, nu=0.95) for t in range(4)]
   free = advise(recs, SIZES, groups=GROUPS)
