@@ -26,6 +26,7 @@ Arms (weights + write-back, optimizer state; bytes per parameter of both):
                     stochastic; the best 8-bit state of docs/state.md)
                     (2 + 2.03)
   fp8_sr, fp8_eco   e4m3 weights, stochastic write-back / ECO (1 + 8)
+  fp8_sr_mom_q8     e4m3 SR weights, 8-bit moments (1 + 2.03)
   fp8_kahan_e5m2    e4m3 weights, Kahan with an e5m2 buffer (1 + 1 + 8):
                     the one-byte error budget at its best format (the
                     two-component pair on e4m3 rounds every residual to 0,
@@ -65,7 +66,7 @@ The design, fixed before the runs:
   python -m scripts.make_tables frontier
 
 CPU scale (default): the 2-layer d=64 GPT of `freeze_small_gpt` on the
-built-in corpus, 600 steps, 17 arms x 4 seeds; about 70 minutes on 2 CPU
+built-in corpus, 600 steps, 20 arms x 4 seeds; about 75 minutes on 2 CPU
 cores with a compilation cache. Full scale (`:scale=full`): GPT-2 124M on
 token files in data.path, 10000 steps with b2 = 0.95 (nanoGPT's), 20
 time constants.
@@ -151,6 +152,7 @@ def arms() -> dict:
     "bf16_sr_mom_bf16": lp(**BF16, rounding="stochastic", state=BF16_MOMENTS),
     "bf16_sr_mom_q8": lp(**BF16, rounding="stochastic", state=Q8),
     "fp8_sr": lp(**FP8, rounding="stochastic"),
+    "fp8_sr_mom_q8": lp(**FP8, rounding="stochastic", state=Q8),
     "fp8_kahan_e5m2": lp(**FP8, compensation="kahan", buffer="float8_e5m2"),
     "fp8_eco": lp(**FP8, compensation="eco"),
     "mx_sr": lp(**MX, rounding="stochastic"),

@@ -200,10 +200,9 @@ def predicted(ref_run, config: dict, sizes: dict[str, int]) -> dict:
     if row.lost is not None and w.compensation in ("none", "kahan"):
       if w.rounding == "nearest":
         out["lost"] = row.lost
-  if state != "float32":
-    srow = next(
-      r for r in advice.state_rows if r.group == "grid" and r.state == state
-    )
+  if state != "float32":  # the store holds every parameter's moments
+    whole = lowprec.freeze.advise(recs, sizes, groups=(("all", ".*"),))
+    srow = next(r for r in whole.state_rows if r.state == state)
     out["nu_stalled"] = srow.nu
   return out
 
@@ -341,24 +340,31 @@ def _summary_lines(rows, front) -> list[str]:
 
 def frontier_figure(study, results="results", out=None) -> str:
   """Bytes per parameter against the loss difference to float32 (mean
-  and 95% interval over seeds), one point per arm, the front drawn."""
+  and 95% interval over seeds), one point per arm (arms of equal bytes
+  drawn side by side), the front drawn."""
   from experiments.analysis.freeze_figures import _save
 
   runs = load_runs(results, study)
   rows, _ = frontier_table(runs)
   rows = [r for r in rows if r["loss_vs_fp32"] is not None]
   fig, ax = plotting.plt.subplots(figsize=(8, 5.5))
+  # Arms at the same bytes side by side (0.15 bytes apart), not on top.
+  same: dict[float, list[str]] = {}
+  for r in rows:
+    same.setdefault(round(r["bytes_per_param"], 1), []).append(r["arm"])
   for i, r in enumerate(rows):
     style = plotting.arm_style(i, 1)
+    group = same[round(r["bytes_per_param"], 1)]
+    dodge = 0.15 * (group.index(r["arm"]) - (len(group) - 1) / 2)
     ax.errorbar(
-      r["bytes_per_param"],
+      r["bytes_per_param"] + dodge,
       r["loss_vs_fp32"],
-      yerr=r["half_width_95"],
+      yerr=r["half_width_95"] or None,
       fmt=style["marker"],
-      color=style["color"],
+      color=plotting.plt.cm.tab20(i % 20),  # 20 arms, 20 colours
       mfc="none",
       ms=7,
-      capsize=3,
+      capsize=0,  # caps of a narrow interval would overlap
       label=r["arm"],
     )
   front = [r for r in rows if r["on_front"]]
