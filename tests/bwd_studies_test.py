@@ -39,7 +39,7 @@ STUDIES = ["bwd_operator_checks", "attention_reuse", "norm_store"]
 CONFIGS = sorted(
   m.name
   for m in pkgutil.iter_modules(configs.__path__)
-  if m.name not in ("common", "presets")
+  if m.name not in ("common", "presets") and not m.ispkg
 )
 
 
