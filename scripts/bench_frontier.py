@@ -13,6 +13,7 @@ import statistics
 import jax
 
 from experiments import study, train
+from scripts.bench_train import _steps
 from scripts.benchlib import Result, interleave
 
 NEAREST = "bf16_rn"
@@ -65,16 +66,3 @@ def run(quick: bool = False) -> Result:
     (NEAREST, FLOAT32),
     notes=(f"float32 AdamW: {1 / base:,.1f} steps/s.",),
   )
-
-
-def _steps(r, batches):
-  box = [r.state]
-
-  def run_steps():
-    state = box[0]
-    for b in batches:
-      state, m = r.step_fn(state, b)
-    box[0] = state
-    return state, m
-
-  return run_steps
