@@ -554,3 +554,39 @@ def test_frontier_smoke_advises_and_runs_the_advice(tmp_path):
   assert os.path.getsize(figures.plot("frontier", str(tmp_path))) > 1000
   tx = _exec(code.read_text())  # the pasted code builds
   assert isinstance(tx, optax.GradientTransformation)
+
+
+def test_per_group_chain_on_eight_devices_is_the_one_device_bits():
+  # An advised chain (8-bit stored moments and SR, Kahan, ECO under a
+  # stored state), its leaves split over 8 devices: params, buffers,
+  # stored codes and counts are the single device's, bit for bit.
+  from tests.state_storage_test import one_and_eight
+
+  ks = jax.random.split(jax.random.key(4), 3)
+  params = {
+    "w": jax.random.normal(ks[0], (16, 256)),
+    "v": jax.random.normal(ks[1], (8, 128)),
+    "b": jax.random.normal(ks[2], (256,)),
+  }
+  groups = (("w", "w"), ("v", "v"), ("b", "b"))
+  choice = {"w": "bf16_sr+q8", "v": "bf16_kahan+float32", "b": "bf16_eco+bf16"}
+  tx = optax.multi_transform(
+    {
+      g: recipes.chain(optax.adamw(1e-2), c, jax.random.fold_in(KEY8, i))
+      for i, (g, c) in enumerate(choice.items())
+    },
+    lowprec.groups.labels(groups),
+  )
+  params = lowprec.to_grid(params, "bfloat16")
+  one, eight = one_and_eight(tx, params)
+  a, b = jax.tree.leaves(one), jax.tree.leaves(eight)
+  assert len(a) == len(b) > 20
+  moved = 0
+  for x, y in zip(a, b, strict=True):
+    np.testing.assert_array_equal(_bits(x), _bits(y))
+  for k in params:
+    moved += int(np.sum(np.asarray(one[0][k]) != np.asarray(params[k])))
+  assert moved > 0  # the steps moved the weights
+
+
+KEY8 = jax.random.key(8)
