@@ -66,10 +66,18 @@ The design, fixed before the runs:
   python -m scripts.make_tables frontier
 
 CPU scale (default): the 2-layer d=64 GPT of `freeze_small_gpt` on the
-built-in corpus, 600 steps, 20 arms x 4 seeds; about 75 minutes on 2 CPU
+built-in corpus, 600 steps, 19 arms x 4 seeds; about 75 minutes on 2 CPU
 cores with a compilation cache. Full scale (`:scale=full`): GPT-2 124M on
 token files in data.path, 10000 steps with b2 = 0.95 (nanoGPT's), 20
 time constants.
+Measured (CPU scale, 4 seeds; docs/frontier.md has the table): not told
+apart from float32 (12 bytes/param): e4m3 SR weights with 8-bit SR
+moments at 3.08 bytes (-0.0060 +-0.0097 nats), bf16 SR with them at 4.03
+(-0.0007 +-0.0031), Kahan, split, SR alone, mixed; costs loss: nearest
++0.119, ECO +0.029 (bf16) and +0.23 (e4m3, MX), Kahan e5m2 +0.0076,
+remainder +0.0018; the advice made before the runs +0.027, the revised
+advice -0.0004 +-0.0012; float32 converged in seeds 1-3, seed 0 moved
+0.0102 nats over the last 20%.
 """
 
 from configs import common, presets
