@@ -1145,3 +1145,60 @@ def test_every_study_writes_worded_tables_and_legible_figures(name, tmp_path):
   cells = [c.strip() for c in re.split(r"(?<!\\)\|", head)[1:-1]]
   words = [c for c in cells if not _IDENTIFIER.search(re.sub("`[^`]*`", "", c))]
   assert words == cells, f"not in words: {sorted(set(cells) - set(words))}"
+
+
+def test_frontier_table_pairs_seeds_with_intervals_front_and_convergence(
+  tmp_path,
+):
+  # Three seeds of float32, nearest and Kahan write-back whose final val
+  # losses are set: paired differences, their t-interval (t(2) = 4.303),
+  # recovery of the nearest gap, bytes, the Pareto front, and float32's
+  # convergence over the last 20% of the steps, per seed.
+  root = str(tmp_path)
+  base = common.get_config().to_dict()
+  base["train"]["steps"] = 10
+  fp32 = {0: 2.0, 1: 2.1, 2: 2.05}
+  arms = {
+    "fp32": ({}, [0.0, 0.0, 0.0]),
+    "bf16_rn": ({"writeback": "bfloat16"}, [0.1, 0.12, 0.11]),
+    "bf16_kahan": (
+      {"writeback": "bfloat16", "compensation": "kahan"},
+      [-0.001, -0.001, 0.0],
+    ),
+  }
+  before = {0: 2.005, 1: 2.13, 2: 2.055}  # val loss at step 8
+  for arm, (lp, diffs) in arms.items():
+    for s, d in zip(fp32, diffs, strict=True):
+      recs = [{"step": 0, "val_loss": 5.0}]
+      for t in range(1, 11):
+        rec = {"step": t, "loss": 3.0}
+        if t == 8:
+          rec["val_loss"] = before[s] + d
+        if t == 10:
+          rec["val_loss"] = fp32[s] + d
+        recs.append(rec)
+      config = {**base, "lowprec": {**base["lowprec"], **lp}}
+      summary = {"final_val_loss": fp32[s] + d, "steps_per_s": 10.0}
+      _run_dir(root, "f", arm, s, config, recs, summary)
+  rows, lines = tables.ANALYSES["frontier"](tables.load_runs(root, "f"))
+  by = {r["arm"]: r for r in rows}
+  rn = by["bf16_rn"]
+  assert rn["loss_vs_fp32"] == pytest.approx(0.11)
+  assert rn["half_width_95"] == pytest.approx(4.303 * 0.01 / math.sqrt(3))
+  assert (
+    rn["bytes_per_param"] == 10.0
+    and by["bf16_kahan"]["bytes_per_param"] == 12.0
+  )
+  want = np.mean([0.101 / 0.1, 0.121 / 0.12, 1.0])
+  assert by["bf16_kahan"]["recovery"] == pytest.approx(want)
+  assert [r["arm"] for r in rows if r["on_front"]] == ["bf16_rn", "bf16_kahan"]
+  assert by["fp32"]["on_front"] == ""  # Kahan: same bytes, lower mean
+  text = "\n".join(lines)
+  assert "float32 seed 0: val loss 2.0050 at step 8 -> 2.0000 at 10" in text
+  assert "(-0.0050 nats): converged" in text
+  assert "float32 seed 1" in text and "NOT converged" in text
+  assert (
+    "- bf16_rn (10.00 B/param): +0.1100 [+0.0852, +0.1348] nats, costs loss"
+    in text
+  )
+  assert "- fp32 (" not in text  # the reference is not compared to itself

@@ -323,6 +323,8 @@ def _summary_lines(rows, front) -> list[str]:
     )
   lines.append("- Pareto front (by mean): " + ", ".join(front))
   for r in rows:
+    if r["arm"] == REFERENCE:
+      continue
     if r["loss_vs_fp32"] is None or r["half_width_95"] is None:
       continue
     lo = r["loss_vs_fp32"] - r["half_width_95"]
