@@ -27,6 +27,7 @@ from experiments.analysis import plotting
 from experiments.analysis.runs import load_runs
 from experiments.analysis.writeback_tables import recipe_bytes
 from lowprec import recipes
+from lowprec.freeze.remedies import remedy_name
 
 REFERENCE = "fp32"  # the float32 AdamW arm, carrying every trace
 NEAREST = "bf16_rn"  # the arm step times and recoveries are relative to
@@ -195,8 +196,10 @@ def predicted(ref_run, config: dict, sizes: dict[str, int]) -> dict:
     w = recipes.WEIGHTS[weights]
     if w.rounding == "stochastic" and row.move is not None:
       out["erased"] = 1 - row.move
+    elif w.compensation == "kahan":  # its own trace: the buffer's moves
+      out["erased"] = _kahan_erased(recs, w, sizes, keep)
     elif w.compensation not in ("remainder",):
-      out["erased"] = row.erased
+      out["erased"] = row.erased  # the grid's nearest share: a bound
     if row.lost is not None and w.compensation in ("none", "kahan"):
       if w.rounding == "nearest":
         out["lost"] = row.lost
@@ -205,6 +208,23 @@ def predicted(ref_run, config: dict, sizes: dict[str, int]) -> dict:
     srow = next(r for r in whole.state_rows if r.state == state)
     out["nu_stalled"] = srow.nu
   return out
+
+
+def _kahan_erased(recs, w, sizes, keep: str) -> float | None:
+  """The erased share `compensated_trace` predicted for a Kahan arm over
+  the second half, weighted by proposals, over the leaves it rounds."""
+  name = remedy_name(w.fmt, "kahan", w.buffer)
+  recs = recs[len(recs) - max(1, round(len(recs) / 2)) :]
+  num = den = 0.0
+  for leaf in sizes:
+    if keep and re.fullmatch(keep, leaf):
+      continue
+    for r in recs:
+      n = r.get(f"pred/{name}/proposals/{leaf}") or 0
+      f = r.get(f"pred/{name}/erased_fraction/{leaf}")
+      if n and f is not None and math.isfinite(f):
+        num, den = num + f * n, den + n
+  return num / den if den else None
 
 
 def _pareto(points: dict[str, tuple[float, float]]) -> list[str]:
