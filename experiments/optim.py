@@ -463,6 +463,16 @@ def _remainder(lp, target, key):
 DEFAULT_CORRECTION_BITS = 8  # lowprec.correction_bits where left out
 CORRECTION_BITS = (8, 16)  # lowprec.correction_bits: int8 or int16 codes
 
+# The lowprec keys a weight recipe (`lowprec.recipes.Weights.config`) sets,
+# at the values a config that leaves them out reads.
+RECIPE_DEFAULTS = {
+  "writeback": "",
+  "rounding": "nearest",
+  "compensation": "none",
+  "buffer": DEFAULT_BUFFER,
+  "correction_bits": DEFAULT_CORRECTION_BITS,
+}
+
 
 def _split(lp, target, key):
   del key
@@ -577,13 +587,14 @@ def _per_group(config, lr, key) -> optax.GradientTransformation:
   `fold_in(write-back key, group index)`, as `scripts.advise` writes it
   for users' code."""
   wb_key = jax.random.split(key)[0]
+  chosen = group_recipes(config.lowprec)
   txs = {}
-  for i, (group, _, name) in enumerate(group_recipes(config.lowprec)):
+  for i, (group, _, name) in enumerate(chosen):
     optimizer = OPTIMIZERS[config.opt.name](config.opt, lr)
     txs[group] = lowprec.recipes.chain(
       optimizer, name, jax.random.fold_in(wb_key, i)
     )
-  groups = [(g, regex) for g, regex, _ in group_recipes(config.lowprec)]
+  groups = [(g, regex) for g, regex, _ in chosen]
   return optax.multi_transform(txs, lowprec.groups.labels(groups))
 
 

@@ -120,15 +120,24 @@ def labels(groups=None) -> Callable[[Any], Any]:
   return label
 
 
+def leaf_sizes(params) -> dict[str, int]:
+  """Number of elements per parameter path ("/"-joined), for any pytree
+  of arrays or abstract arrays (`jax.eval_shape` outputs)."""
+  return {
+    path_name(path): int(np.prod(x.shape))
+    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]
+    if is_array(x) or hasattr(x, "shape")
+  }
+
+
 def sizes(params, groups=None) -> dict[str, int]:
   """Number of parameters (array elements) per group, in group order;
   groups without parameters are left out. Works on abstract arrays
   (`jax.eval_shape` outputs)."""
   compiled = as_groups(groups)
   out = dict.fromkeys((n for n, _ in compiled), 0)
-  for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
-    if is_array(x) or hasattr(x, "shape"):
-      out[group_of(path_name(path), compiled)] += int(np.prod(x.shape))
+  for name, n in leaf_sizes(params).items():
+    out[group_of(name, compiled)] += n
   return {k: v for k, v in out.items() if v}
 
 

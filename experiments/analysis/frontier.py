@@ -22,11 +22,12 @@ import ml_collections
 import numpy as np
 
 import lowprec
-from experiments import tasks
+from experiments import optim, tasks
 from experiments.analysis import plotting
 from experiments.analysis.runs import load_runs
 from experiments.analysis.writeback_tables import recipe_bytes
 from lowprec import recipes
+from lowprec.freeze.advise import share
 from lowprec.freeze.remedies import remedy_name
 
 REFERENCE = "fp32"  # the float32 AdamW arm, carrying every trace
@@ -100,30 +101,15 @@ def measured(run) -> dict:
 def recipe_of(lp: dict) -> str | None:
   """The `lowprec.recipes` name of a uniform arm's `lowprec` section
   (weights, and the moment store where it is one of `recipes.STATES`)."""
-  want = {
-    k: lp[k]
-    for k in (
-      "writeback",
-      "rounding",
-      "compensation",
-      "buffer",
-      "correction_bits",
-    )
-    if k in lp
-  }
-  if not want.get("writeback"):
-    weights = "float32"
-  else:
-    weights = None
-    for w in recipes.WEIGHTS.values():
-      cfg = w.config
-      if all(
-        want.get(k, _DEFAULTS[k]) == cfg.get(k, _DEFAULTS[k]) for k in _DEFAULTS
-      ):
-        weights = w.name
-        break
-    if weights is None:
-      return None
+  weights = "float32" if not lp.get("writeback") else None
+  defaults = optim.RECIPE_DEFAULTS
+  for w in recipes.WEIGHTS.values():
+    if weights is None and all(
+      lp.get(k, d) == w.config.get(k, d) for k, d in defaults.items()
+    ):
+      weights = w.name
+  if weights is None:
+    return None
   rules = tuple(lp.get("state") or ())
   for s in recipes.STATES.values():
     if s.config == rules:
@@ -131,22 +117,11 @@ def recipe_of(lp: dict) -> str | None:
   return None
 
 
-# The lowprec keys a weight recipe sets, at their defaults.
-_DEFAULTS = {
-  "writeback": "",
-  "rounding": "nearest",
-  "compensation": "none",
-  "buffer": "bfloat16",
-  "correction_bits": 8,
-}
-
-
 def _sizes(config: dict) -> dict[str, int]:
   """Elements per parameter path of the run's model (abstract init)."""
   c = ml_collections.ConfigDict(config)
   params = jax.eval_shape(tasks.build(c).init, jax.random.key(0))
-  flat = jax.tree_util.tree_flatten_with_path(params)[0]
-  return {lowprec.rules.path_name(p): int(np.prod(x.shape)) for p, x in flat}
+  return lowprec.groups.leaf_sizes(params)
 
 
 def arm_bytes(config: dict, sizes: dict[str, int]) -> float:
@@ -175,56 +150,52 @@ def arm_bytes(config: dict, sizes: dict[str, int]) -> float:
   return (full * (total - kept) + (4.0 + moments) * kept) / total
 
 
-def predicted(ref_run, config: dict, sizes: dict[str, int]) -> dict:
+def predicted(ref_run, config: dict, sizes: dict[str, int], cache) -> dict:
   """What the float32 run (same seed) predicted for this arm, over the
-  parameters it rounds: erased and lost (`lowprec.freeze.advise`'s rows)
-  and nu stalled (its state row)."""
+  parameters it rounds: erased and lost (`lowprec.freeze.advise`'s rows;
+  a Kahan arm's erased share from its own trace) and nu stalled (the
+  state row over every parameter, which the store holds). `cache` keeps
+  each reference's advice per grouping, shared by the arms."""
   lp = config["lowprec"]
   name = recipe_of(lp)
   if ref_run is None or name is None or name.startswith("float32+float32"):
     return {}
   keep = lp.get("keep_float32") or ""
-  groups = ((("kept", keep),) if keep else ()) + (("grid", ".*"),)
   recs = [r for r in ref_run.metrics if "loss" in r]
-  advice = lowprec.freeze.advise(recs, sizes, groups=groups)
+
+  def advice(groups):
+    key = (ref_run.path, groups)
+    if key not in cache:
+      cache[key] = lowprec.freeze.advise(recs, sizes, groups=groups)
+    return cache[key]
+
   weights, state = name.split("+")
   out = {}
-  row = next(
-    r for r in advice.rows if r.group == "grid" and r.recipe == weights
-  )
   if weights != "float32":
+    groups = ((("kept", keep),) if keep else ()) + (("grid", ".*"),)
+    row = next(
+      r
+      for r in advice(groups).rows
+      if r.group == "grid" and r.recipe == weights
+    )
     w = recipes.WEIGHTS[weights]
     if w.rounding == "stochastic" and row.move is not None:
       out["erased"] = 1 - row.move
     elif w.compensation == "kahan":  # its own trace: the buffer's moves
-      out["erased"] = _kahan_erased(recs, w, sizes, keep)
+      grid = [x for x in sizes if not (keep and re.fullmatch(keep, x))]
+      trace = remedy_name(w.fmt, "kahan", w.buffer)
+      out["erased"] = share(recs, trace, "erased_fraction", grid)
     elif w.compensation not in ("remainder",):
       out["erased"] = row.erased  # the grid's nearest share: a bound
     if row.lost is not None and w.compensation in ("none", "kahan"):
       if w.rounding == "nearest":
         out["lost"] = row.lost
   if state != "float32":  # the store holds every parameter's moments
-    whole = lowprec.freeze.advise(recs, sizes, groups=(("all", ".*"),))
-    srow = next(r for r in whole.state_rows if r.state == state)
+    srow = next(
+      r for r in advice((("all", ".*"),)).state_rows if r.state == state
+    )
     out["nu_stalled"] = srow.nu
   return out
-
-
-def _kahan_erased(recs, w, sizes, keep: str) -> float | None:
-  """The erased share `compensated_trace` predicted for a Kahan arm over
-  the second half, weighted by proposals, over the leaves it rounds."""
-  name = remedy_name(w.fmt, "kahan", w.buffer)
-  recs = recs[len(recs) - max(1, round(len(recs) / 2)) :]
-  num = den = 0.0
-  for leaf in sizes:
-    if keep and re.fullmatch(keep, leaf):
-      continue
-    for r in recs:
-      n = r.get(f"pred/{name}/proposals/{leaf}") or 0
-      f = r.get(f"pred/{name}/erased_fraction/{leaf}")
-      if n and f is not None and math.isfinite(f):
-        num, den = num + f * n, den + n
-  return num / den if den else None
 
 
 def _pareto(points: dict[str, tuple[float, float]]) -> list[str]:
@@ -256,7 +227,7 @@ def frontier_table(runs):
     a: {s: r.summary.get("final_val_loss") for s, r in seeds.items()}
     for a, seeds in by_arm.items()
   }
-  rows, points = [], {}
+  rows, points, cache = [], {}, {}
   for arm, seeds in by_arm.items():
     cfg = next(iter(seeds.values())).config
     diffs = [
@@ -283,7 +254,9 @@ def frontier_table(runs):
       ]
       row["recovery"] = _mean(rec)
     meas = [measured(r) for r in seeds.values()]
-    pred = [predicted(ref.get(s), r.config, sizes) for s, r in seeds.items()]
+    pred = [
+      predicted(ref.get(s), r.config, sizes, cache) for s, r in seeds.items()
+    ]
     for key in ("erased", "lost", "nu_stalled"):
       row[f"pred_{key}"] = _mean(p.get(key) for p in pred)
       row[key] = _mean(m.get(key) for m in meas)

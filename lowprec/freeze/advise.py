@@ -42,13 +42,11 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import jax
 import numpy as np
 
 from lowprec import groups as groups_lib
 from lowprec import recipes
 from lowprec.freeze.remedies import remedy_name
-from lowprec.rules import path_name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,15 +250,16 @@ def _leaf_sizes(params) -> dict[str, int]:
     isinstance(v, (int, np.integer)) for v in params.values()
   ):
     return {str(k): int(v) for k, v in params.items()}
-  flat = jax.tree_util.tree_flatten_with_path(params)[0]
-  return {path_name(p): int(np.prod(x.shape)) for p, x in flat}
+  return groups_lib.leaf_sizes(params)
 
 
 class _Sums:
-  """Per leaf, the window's sums of a trace's per-step counts."""
+  """Per leaf, the window's sums of a trace's per-step counts, each
+  summed once (recipes on one grid share its traces)."""
 
-  def __init__(self, records: Sequence[dict], leaves: Sequence[str]):
-    self.records, self.leaves = records, leaves
+  def __init__(self, records: Sequence[dict]):
+    self.records = records
+    self._totals: dict[tuple, float] = {}
 
   def has_any(self, key: str, leaves: Sequence[str]) -> bool:
     """Whether some record has `key/<leaf>` for one of `leaves`."""
@@ -269,13 +268,44 @@ class _Sums:
 
   def total(self, key: str, leaf: str, weight: str | None = None) -> float:
     """Sum over steps of `key/<leaf>` (times `weight/<leaf>`)."""
-    out = 0.0
-    for r in self.records:
-      v = r.get(f"{key}/{leaf}")
-      if v is None or not math.isfinite(v):
-        continue
-      out += v * (r.get(f"{weight}/{leaf}", 0) if weight else 1)
-    return out
+    memo = (key, leaf, weight)
+    if memo not in self._totals:
+      out = 0.0
+      for r in self.records:
+        v = r.get(f"{key}/{leaf}")
+        if v is None or not math.isfinite(v):
+          continue
+        out += v * (r.get(f"{weight}/{leaf}", 0) if weight else 1)
+      self._totals[memo] = out
+    return self._totals[memo]
+
+  def ratio(self, trace: str, field: str, leaves, weighted: bool) -> float:
+    """Over `leaves`, `pred/<trace>/<field>` per proposal: a per-step
+    fraction weighted by that step's proposals (`weighted`), or a count
+    summed and divided by the proposals; None without proposals."""
+    pre = f"pred/{trace}"
+    props = f"{pre}/proposals"
+    weight = props if weighted else None
+    return _ratio(
+      sum(self.total(f"{pre}/{field}", x, weight) for x in leaves),
+      sum(self.total(props, x) for x in leaves),
+    )
+
+
+def _tail(records: Sequence[dict], window: float) -> list[dict]:
+  """The records of the last `window` share of the run (at least one)."""
+  return list(records)[len(records) - max(1, round(len(records) * window)) :]
+
+
+def share(
+  records: Sequence[dict], trace: str, field: str, leaves, window: float = 0.5
+) -> float | None:
+  """The proposal-weighted mean of a per-leaf predicted fraction over the
+  last `window` share of a run: `pred/<trace>/<field>/<leaf>` weighted by
+  `pred/<trace>/proposals/<leaf>`, over `leaves` (e.g. the erased share a
+  Kahan buffer's trace predicts: `trace="bfloat16_kahan_bfloat16"`,
+  `field="erased_fraction"`); None where there were no proposals."""
+  return _Sums(_tail(records, window)).ratio(trace, field, leaves, True)
 
 
 def _ratio(num: float, den: float) -> float | None:
@@ -288,21 +318,9 @@ def _weights_row(sums, group, leaves, w: recipes.Weights, th) -> Row:
   near, sr = _grid_names(w)
   erased = move = None
   if sums.has_any(f"pred/{near}/proposals", leaves):
-    erased = _ratio(
-      sum(
-        sums.total(f"pred/{near}/erased_fraction", x, f"pred/{near}/proposals")
-        for x in leaves
-      ),
-      sum(sums.total(f"pred/{near}/proposals", x) for x in leaves),
-    )
+    erased = sums.ratio(near, "erased_fraction", leaves, weighted=True)
   if sums.has_any(f"pred/{sr}/proposals", leaves):
-    move = _ratio(
-      sum(
-        sums.total(f"pred/{sr}/move_prob", x, f"pred/{sr}/proposals")
-        for x in leaves
-      ),
-      sum(sums.total(f"pred/{sr}/proposals", x) for x in leaves),
-    )
+    move = sums.ratio(sr, "move_prob", leaves, weighted=True)
   lost, why = None, ""
   if w.compensation == "none" and w.rounding == "nearest":
     lost = erased
@@ -320,10 +338,7 @@ def _weights_row(sums, group, leaves, w: recipes.Weights, th) -> Row:
   elif w.compensation == "kahan":
     name = remedy_name(w.fmt, "kahan", w.buffer)
     if sums.has_any(f"pred/{name}/proposals", leaves):
-      lost = _ratio(
-        sum(sums.total(f"pred/{name}/lost", x) for x in leaves),
-        sum(sums.total(f"pred/{name}/proposals", x) for x in leaves),
-      )
+      lost = sums.ratio(name, "lost", leaves, weighted=False)
     else:
       why = f"no compensated trace {name}"
   else:
@@ -348,15 +363,13 @@ def _state_row(sums, group, leaves, s: recipes.State, th) -> StateRow:
   pre = f"pred_state/{s.name}"
   stalled = {}
   for m in ("mu", "nu"):
-    changed = erased = 0.0
     paths = [
       p for x in leaves for p in _state_paths(sums.records[-1], pre, m, x)
     ]
-    for r in sums.records:
-      for path in paths:
-        changed += r.get(f"{pre}/changed/{path}", 0)
-        erased += r.get(f"{pre}/erased/{path}", 0.0)
-    stalled[m] = _ratio(erased, changed)
+    stalled[m] = _ratio(
+      sum(sums.total(f"{pre}/erased", p) for p in paths),
+      sum(sums.total(f"{pre}/changed", p) for p in paths),
+    )
   why = ""
   if all(v is None for v in stalled.values()):
     why = f"no state trace named {s.name!r}"
@@ -421,9 +434,9 @@ def advise(
   compiled = groups_lib.as_groups(groups)
   sizes = _leaf_sizes(params)
   members = groups_lib.members(list(sizes), compiled)
-  first = len(records) - max(1, round(len(records) * window))
-  recs = list(records)[first:]
-  sums = _Sums(recs, list(sizes))
+  recs = _tail(records, window)
+  first = len(records) - len(recs)
+  sums = _Sums(recs)
   steps = (recs[0].get("step", first + 1), recs[-1].get("step", len(records)))
   group_sizes = {g: sum(sizes[x] for x in xs) for g, xs in members.items()}
   rows, state_rows, choice, notes = [], [], {}, []
