@@ -99,16 +99,8 @@ def parts(parts_dir: str) -> list[dict]:
 
 def _last_json_line(path: str):
   """The last line of a file that parses as a JSON object, or None."""
-  if not os.path.exists(path):
-    return None
-  with open(path) as f:
-    lines = [x for x in f.read().splitlines() if x.startswith("{")]
-  for line in reversed(lines):
-    try:
-      return json.loads(line)
-    except json.JSONDecodeError:
-      continue
-  return None
+  lines = _json_lines(path)
+  return lines[-1] if lines else None
 
 
 def _bench(parts_dir: str) -> dict:

@@ -24,7 +24,6 @@ if not __package__:  # run as a file, `python scripts/advise.py`
   )
 
 import argparse
-import json
 import os
 import sys
 
@@ -46,17 +45,13 @@ def _reference_arm(config) -> str:
   )
 
 
-def _records(path: str) -> list[dict]:
-  out = []
-  with open(path) as f:
-    for line in f:
-      try:
-        r = json.loads(line)
-      except json.JSONDecodeError:
-        break  # a killed run's last line
-      if any(k.startswith("pred") for k in r):
-        out.append(r)
-  return out
+def _records(run_dir: str) -> list[dict]:
+  """The run's metrics records that carry predictions."""
+  from experiments.analysis.runs import Run
+
+  return [
+    r for r in Run(run_dir).metrics if any(k.startswith("pred") for k in r)
+  ]
 
 
 def main(argv=None) -> None:
@@ -90,7 +85,7 @@ def main(argv=None) -> None:
       f"no {metrics}: run the float32 arm first, `python -m experiments.run "
       f"--config {args.config.partition(':')[0]}:arm={arm},seed={seed}`"
     )
-  records = _records(metrics)
+  records = _records(run_dir)
   if not records:
     _fail(f"{metrics} holds no predictions: arm {arm!r} carries no traces")
 

@@ -26,6 +26,7 @@ from experiments import optim, study
 from experiments.analysis import figures, tables
 from lowprec import recipes
 from lowprec.freeze import Thresholds, advise
+from tests.state_storage_test import _bits, one_and_eight
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Two leaves in two groups; 100 and 300 parameters.
@@ -176,11 +177,6 @@ def test_default_groups_name_the_parts_of_common_decoders():
   assert lowprec.groups.sizes(tree) == {"embeddings": 8, "mlp": 3}
   with pytest.raises(ValueError, match="identifier"):
     lowprec.groups.as_groups(("a b=.*",))
-
-
-def _bits(x):
-  x = np.asarray(x)
-  return x.view(f"u{x.itemsize}")
 
 
 def test_recipe_bytes_are_the_stored_bytes(monkeypatch):
@@ -560,8 +556,6 @@ def test_per_group_chain_on_eight_devices_is_the_one_device_bits():
   # An advised chain (8-bit stored moments and SR, Kahan, ECO under a
   # stored state), its leaves split over 8 devices: params, buffers,
   # stored codes and counts are the single device's, bit for bit.
-  from tests.state_storage_test import one_and_eight
-
   ks = jax.random.split(jax.random.key(4), 3)
   params = {
     "w": jax.random.normal(ks[0], (16, 256)),

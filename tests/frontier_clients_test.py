@@ -16,6 +16,7 @@ import pytest
 from flax import nnx
 
 import lowprec
+from tests.state_storage_test import _bits
 
 KEY = jax.random.key(5)
 # The weights' grid of each recipe (None: float32 weights, stored state).
@@ -97,11 +98,6 @@ def test_linen_loop_trains_and_keeps_the_grid(name):
   if grid is not None:
     lowprec.check_on_grid(params, grid)
   assert lowprec.telemetry(state)  # the recipe's counts are found
-
-
-def _bits(x):
-  x = np.asarray(x)
-  return x.view(np.uint8) if x.dtype.itemsize == 1 else x.view(f"u{x.itemsize}")
 
 
 @pytest.mark.slow
