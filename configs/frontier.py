@@ -176,8 +176,8 @@ def get_config(arg=None):
   c.study.figure = "frontier_figure"
   c.study.seeds = (0, 1, 2, 3)
   c.opt.update(dict(lr=6.5e-4, b2=0.99, warmup_steps=20, min_lr_ratio=0.0))
-  c.train.steps = 600
-  c.train.eval_every_steps = 120  # the last 20% starts at an evaluation
+  c.train.steps = 800
+  c.train.eval_every_steps = 160  # the last 20% starts at an evaluation
   c.data.eval_batches = 40
   c.ckpt.every_steps = 200
   c.log.progress_every_steps = 100

@@ -2,24 +2,24 @@
 
 Written by `python -m scripts.advise`; rerun it to update.
 
-Predicted from steps 301-600 of the float32 run; thresholds: lost <= 0.01, move >= 0.1, erased <= 0.99 under a deterministic compensation.
+Predicted from steps 401-800 of the float32 run; thresholds: lost <= 0.01, move >= 0.1, erased <= 0.99 under a deterministic compensation.
 
 | group | params | weights | bytes | erased (nearest) | move (SR) | lost | safe |
 |---|---:|---|---:|---:|---:|---:|---|
-| embeddings | 20480 | fp8_eco | 1 | 1.000 | 0.007 | - | no: eco is not predicted by a trace |
-| embeddings | 20480 | fp8_sr | 1 | 1.000 | 0.007 | 0.000 | no: move 0.007 < 0.1 |
-| embeddings | 20480 | fp8_rn | 1 | 1.000 | 0.007 | 1.000 | no: lost 1.000 > 0.01 |
-| embeddings | 20480 | mx_eco | 1.03125 | 0.990 | 0.023 | - | no: eco is not predicted by a trace |
-| embeddings | 20480 | mx_sr | 1.03125 | 0.990 | 0.023 | 0.000 | no: move 0.023 < 0.1 |
-| embeddings | 20480 | bf16_eco | 2 | 0.896 | 0.169 | - | no: eco is not predicted by a trace |
-| embeddings | 20480 | **bf16_sr** | 2 | 0.896 | 0.169 | 0.000 | yes |
-| embeddings | 20480 | bf16_rn | 2 | 0.896 | 0.169 | 0.896 | no: lost 0.896 > 0.01 |
-| embeddings | 20480 | fp8_kahan_e5m2 | 2 | 1.000 | 0.007 | 0.002 | no: erased 1.000 > 0.99: the grid resolves no step |
-| embeddings | 20480 | bf16_split8 | 3 | 0.896 | 0.169 | - | no: split is not predicted by a trace |
-| embeddings | 20480 | bf16_kahan_e5m2 | 3 | 0.896 | 0.169 | 0.145 | no: lost 0.145 > 0.01 |
+| embeddings | 20480 | fp8_eco | 1 | 1.000 | 0.006 | - | no: eco is not predicted by a trace |
+| embeddings | 20480 | fp8_sr | 1 | 1.000 | 0.006 | 0.000 | no: move 0.006 < 0.1 |
+| embeddings | 20480 | fp8_rn | 1 | 1.000 | 0.006 | 1.000 | no: lost 1.000 > 0.01 |
+| embeddings | 20480 | mx_eco | 1.03125 | 0.992 | 0.021 | - | no: eco is not predicted by a trace |
+| embeddings | 20480 | mx_sr | 1.03125 | 0.992 | 0.021 | 0.000 | no: move 0.021 < 0.1 |
+| embeddings | 20480 | bf16_eco | 2 | 0.904 | 0.154 | - | no: eco is not predicted by a trace |
+| embeddings | 20480 | **bf16_sr** | 2 | 0.904 | 0.154 | 0.000 | yes |
+| embeddings | 20480 | bf16_rn | 2 | 0.904 | 0.154 | 0.904 | no: lost 0.904 > 0.01 |
+| embeddings | 20480 | fp8_kahan_e5m2 | 2 | 1.000 | 0.006 | 0.002 | no: erased 1.000 > 0.99: the grid resolves no step |
+| embeddings | 20480 | bf16_split8 | 3 | 0.904 | 0.154 | - | no: split is not predicted by a trace |
+| embeddings | 20480 | bf16_kahan_e5m2 | 3 | 0.904 | 0.154 | 0.140 | no: lost 0.140 > 0.01 |
 | embeddings | 20480 | float32 | 4 | 0.000 | - | 0.000 | yes |
 | embeddings | 20480 | bf16_remainder | 4 | 0.000 | - | 0.000 | yes |
-| embeddings | 20480 | bf16_kahan | 4 | 0.896 | 0.169 | 0.000 | yes |
+| embeddings | 20480 | bf16_kahan | 4 | 0.904 | 0.154 | 0.000 | yes |
 | norms | 320 | fp8_eco | 1 | 1.000 | 0.000 | - | no: eco is not predicted by a trace |
 | norms | 320 | fp8_sr | 1 | 1.000 | 0.000 | 0.000 | no: move 0.000 < 0.1 |
 | norms | 320 | fp8_rn | 1 | 1.000 | 0.000 | 1.000 | no: lost 1.000 > 0.01 |
@@ -30,69 +30,69 @@ Predicted from steps 301-600 of the float32 run; thresholds: lost <= 0.01, move 
 | norms | 320 | bf16_rn | 2 | 1.000 | 0.006 | 1.000 | no: lost 1.000 > 0.01 |
 | norms | 320 | fp8_kahan_e5m2 | 2 | 1.000 | 0.000 | 0.000 | no: erased 1.000 > 0.99: the grid resolves no step |
 | norms | 320 | bf16_split8 | 3 | 1.000 | 0.006 | - | no: split is not predicted by a trace |
-| norms | 320 | bf16_kahan_e5m2 | 3 | 1.000 | 0.006 | 0.002 | no: erased 1.000 > 0.99: the grid resolves no step |
+| norms | 320 | bf16_kahan_e5m2 | 3 | 1.000 | 0.006 | 0.001 | no: erased 1.000 > 0.99: the grid resolves no step |
 | norms | 320 | **float32** | 4 | 0.000 | - | 0.000 | yes |
 | norms | 320 | bf16_remainder | 4 | 0.000 | - | 0.000 | yes |
 | norms | 320 | bf16_kahan | 4 | 1.000 | 0.006 | 0.000 | no: erased 1.000 > 0.99: the grid resolves no step |
-| biases | 1472 | fp8_eco | 1 | 1.000 | 0.009 | - | no: eco is not predicted by a trace |
-| biases | 1472 | fp8_sr | 1 | 1.000 | 0.009 | 0.000 | no: move 0.009 < 0.1 |
-| biases | 1472 | fp8_rn | 1 | 1.000 | 0.009 | 1.000 | no: lost 1.000 > 0.01 |
-| biases | 1472 | mx_eco | 1.03125 | 0.954 | 0.086 | - | no: eco is not predicted by a trace |
-| biases | 1472 | mx_sr | 1.03125 | 0.954 | 0.086 | 0.000 | no: move 0.086 < 0.1 |
-| biases | 1472 | bf16_eco | 2 | 0.604 | 0.443 | - | no: eco is not predicted by a trace |
-| biases | 1472 | **bf16_sr** | 2 | 0.604 | 0.443 | 0.000 | yes |
-| biases | 1472 | bf16_rn | 2 | 0.604 | 0.443 | 0.604 | no: lost 0.604 > 0.01 |
-| biases | 1472 | fp8_kahan_e5m2 | 2 | 1.000 | 0.009 | 0.095 | no: lost 0.095 > 0.01 |
-| biases | 1472 | bf16_split8 | 3 | 0.604 | 0.443 | - | no: split is not predicted by a trace |
-| biases | 1472 | bf16_kahan_e5m2 | 3 | 0.604 | 0.443 | 0.542 | no: lost 0.542 > 0.01 |
+| biases | 1472 | fp8_eco | 1 | 1.000 | 0.010 | - | no: eco is not predicted by a trace |
+| biases | 1472 | fp8_sr | 1 | 1.000 | 0.010 | 0.000 | no: move 0.010 < 0.1 |
+| biases | 1472 | fp8_rn | 1 | 1.000 | 0.010 | 1.000 | no: lost 1.000 > 0.01 |
+| biases | 1472 | mx_eco | 1.03125 | 0.956 | 0.085 | - | no: eco is not predicted by a trace |
+| biases | 1472 | mx_sr | 1.03125 | 0.956 | 0.085 | 0.000 | no: move 0.085 < 0.1 |
+| biases | 1472 | bf16_eco | 2 | 0.606 | 0.439 | - | no: eco is not predicted by a trace |
+| biases | 1472 | **bf16_sr** | 2 | 0.606 | 0.439 | 0.000 | yes |
+| biases | 1472 | bf16_rn | 2 | 0.606 | 0.439 | 0.606 | no: lost 0.606 > 0.01 |
+| biases | 1472 | fp8_kahan_e5m2 | 2 | 1.000 | 0.010 | 0.087 | no: lost 0.087 > 0.01 |
+| biases | 1472 | bf16_split8 | 3 | 0.606 | 0.439 | - | no: split is not predicted by a trace |
+| biases | 1472 | bf16_kahan_e5m2 | 3 | 0.606 | 0.439 | 0.531 | no: lost 0.531 > 0.01 |
 | biases | 1472 | float32 | 4 | 0.000 | - | 0.000 | yes |
 | biases | 1472 | bf16_remainder | 4 | 0.000 | - | 0.000 | yes |
-| biases | 1472 | bf16_kahan | 4 | 0.604 | 0.443 | 0.000 | yes |
-| attention | 32768 | fp8_eco | 1 | 1.000 | 0.012 | - | no: eco is not predicted by a trace |
-| attention | 32768 | fp8_sr | 1 | 1.000 | 0.012 | 0.000 | no: move 0.012 < 0.1 |
-| attention | 32768 | fp8_rn | 1 | 1.000 | 0.012 | 1.000 | no: lost 1.000 > 0.01 |
-| attention | 32768 | mx_eco | 1.03125 | 0.977 | 0.051 | - | no: eco is not predicted by a trace |
-| attention | 32768 | mx_sr | 1.03125 | 0.977 | 0.051 | 0.000 | no: move 0.051 < 0.1 |
-| attention | 32768 | bf16_eco | 2 | 0.734 | 0.325 | - | no: eco is not predicted by a trace |
-| attention | 32768 | **bf16_sr** | 2 | 0.734 | 0.325 | 0.000 | yes |
-| attention | 32768 | bf16_rn | 2 | 0.734 | 0.325 | 0.734 | no: lost 0.734 > 0.01 |
-| attention | 32768 | fp8_kahan_e5m2 | 2 | 1.000 | 0.012 | 0.006 | no: erased 1.000 > 0.99: the grid resolves no step |
-| attention | 32768 | bf16_split8 | 3 | 0.734 | 0.325 | - | no: split is not predicted by a trace |
-| attention | 32768 | bf16_kahan_e5m2 | 3 | 0.734 | 0.325 | 0.312 | no: lost 0.312 > 0.01 |
+| biases | 1472 | bf16_kahan | 4 | 0.606 | 0.439 | 0.000 | yes |
+| attention | 32768 | fp8_eco | 1 | 1.000 | 0.011 | - | no: eco is not predicted by a trace |
+| attention | 32768 | fp8_sr | 1 | 1.000 | 0.011 | 0.000 | no: move 0.011 < 0.1 |
+| attention | 32768 | fp8_rn | 1 | 1.000 | 0.011 | 1.000 | no: lost 1.000 > 0.01 |
+| attention | 32768 | mx_eco | 1.03125 | 0.979 | 0.047 | - | no: eco is not predicted by a trace |
+| attention | 32768 | mx_sr | 1.03125 | 0.979 | 0.047 | 0.000 | no: move 0.047 < 0.1 |
+| attention | 32768 | bf16_eco | 2 | 0.756 | 0.304 | - | no: eco is not predicted by a trace |
+| attention | 32768 | **bf16_sr** | 2 | 0.756 | 0.304 | 0.000 | yes |
+| attention | 32768 | bf16_rn | 2 | 0.756 | 0.304 | 0.756 | no: lost 0.756 > 0.01 |
+| attention | 32768 | fp8_kahan_e5m2 | 2 | 1.000 | 0.011 | 0.005 | no: erased 1.000 > 0.99: the grid resolves no step |
+| attention | 32768 | bf16_split8 | 3 | 0.756 | 0.304 | - | no: split is not predicted by a trace |
+| attention | 32768 | bf16_kahan_e5m2 | 3 | 0.756 | 0.304 | 0.293 | no: lost 0.293 > 0.01 |
 | attention | 32768 | float32 | 4 | 0.000 | - | 0.000 | yes |
 | attention | 32768 | bf16_remainder | 4 | 0.000 | - | 0.000 | yes |
-| attention | 32768 | bf16_kahan | 4 | 0.734 | 0.325 | 0.000 | yes |
+| attention | 32768 | bf16_kahan | 4 | 0.756 | 0.304 | 0.000 | yes |
 | mlp | 65536 | fp8_eco | 1 | 1.000 | 0.011 | - | no: eco is not predicted by a trace |
 | mlp | 65536 | fp8_sr | 1 | 1.000 | 0.011 | 0.000 | no: move 0.011 < 0.1 |
 | mlp | 65536 | fp8_rn | 1 | 1.000 | 0.011 | 1.000 | no: lost 1.000 > 0.01 |
-| mlp | 65536 | mx_eco | 1.03125 | 0.975 | 0.055 | - | no: eco is not predicted by a trace |
-| mlp | 65536 | mx_sr | 1.03125 | 0.975 | 0.055 | 0.000 | no: move 0.055 < 0.1 |
-| mlp | 65536 | bf16_eco | 2 | 0.713 | 0.345 | - | no: eco is not predicted by a trace |
-| mlp | 65536 | **bf16_sr** | 2 | 0.713 | 0.345 | 0.000 | yes |
-| mlp | 65536 | bf16_rn | 2 | 0.713 | 0.345 | 0.713 | no: lost 0.713 > 0.01 |
-| mlp | 65536 | fp8_kahan_e5m2 | 2 | 1.000 | 0.011 | 0.007 | no: erased 1.000 > 0.99: the grid resolves no step |
-| mlp | 65536 | bf16_split8 | 3 | 0.713 | 0.345 | - | no: split is not predicted by a trace |
-| mlp | 65536 | bf16_kahan_e5m2 | 3 | 0.713 | 0.345 | 0.358 | no: lost 0.358 > 0.01 |
+| mlp | 65536 | mx_eco | 1.03125 | 0.975 | 0.054 | - | no: eco is not predicted by a trace |
+| mlp | 65536 | mx_sr | 1.03125 | 0.975 | 0.054 | 0.000 | no: move 0.054 < 0.1 |
+| mlp | 65536 | bf16_eco | 2 | 0.721 | 0.337 | - | no: eco is not predicted by a trace |
+| mlp | 65536 | **bf16_sr** | 2 | 0.721 | 0.337 | 0.000 | yes |
+| mlp | 65536 | bf16_rn | 2 | 0.721 | 0.337 | 0.721 | no: lost 0.721 > 0.01 |
+| mlp | 65536 | fp8_kahan_e5m2 | 2 | 1.000 | 0.011 | 0.006 | no: erased 1.000 > 0.99: the grid resolves no step |
+| mlp | 65536 | bf16_split8 | 3 | 0.721 | 0.337 | - | no: split is not predicted by a trace |
+| mlp | 65536 | bf16_kahan_e5m2 | 3 | 0.721 | 0.337 | 0.350 | no: lost 0.350 > 0.01 |
 | mlp | 65536 | float32 | 4 | 0.000 | - | 0.000 | yes |
 | mlp | 65536 | bf16_remainder | 4 | 0.000 | - | 0.000 | yes |
-| mlp | 65536 | bf16_kahan | 4 | 0.713 | 0.345 | 0.000 | yes |
+| mlp | 65536 | bf16_kahan | 4 | 0.721 | 0.337 | 0.000 | yes |
 
 | group | moments | bytes | mu stalled | nu stalled | safe |
 |---|---|---:|---:|---:|---|
 | embeddings | **q8** | 2.03125 | 0.000 | 0.000 | yes |
-| embeddings | bf16 | 4 | 0.032 | 0.061 | yes |
+| embeddings | bf16 | 4 | 0.027 | 0.067 | yes |
 | embeddings | float32 | 8 | 0.000 | 0.000 | yes |
 | norms | **q8** | 2.03125 | 0.000 | 0.000 | yes |
-| norms | bf16 | 4 | 0.010 | 0.154 | yes |
+| norms | bf16 | 4 | 0.009 | 0.148 | yes |
 | norms | float32 | 8 | 0.000 | 0.000 | yes |
 | biases | **q8** | 2.03125 | 0.086 | 0.087 | yes |
-| biases | bf16 | 4 | 0.004 | 0.142 | yes |
+| biases | bf16 | 4 | 0.004 | 0.143 | yes |
 | biases | float32 | 8 | 0.000 | 0.000 | yes |
 | attention | **q8** | 2.03125 | 0.000 | 0.000 | yes |
-| attention | bf16 | 4 | 0.004 | 0.137 | yes |
+| attention | bf16 | 4 | 0.004 | 0.139 | yes |
 | attention | float32 | 8 | 0.000 | 0.000 | yes |
 | mlp | **q8** | 2.03125 | 0.000 | 0.000 | yes |
-| mlp | bf16 | 4 | 0.004 | 0.140 | yes |
+| mlp | bf16 | 4 | 0.004 | 0.142 | yes |
 | mlp | float32 | 8 | 0.000 | 0.000 | yes |
 
 Recommended (4.037 bytes/param):
