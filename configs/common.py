@@ -166,6 +166,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # What attn.out@delta=fresh redraws: "redraw" (the probabilities' rounding
   # too: a copy from the reused output's distribution) | "output"
   c.lowprec.attn_fresh_out = "redraw"
+  # A block-scaled recipe for every dense layer (lowprec.ops.ScaledDense):
+  # "" | "nvfp4" | "mxfp8"; changes to it as "field=value,..." (e.g.
+  # "kernel_blocks=1d,hadamard=0", "grad=nvfp4", "rule=ocp"); the last
+  # compute_keep_last blocks keep the numerics above instead.
+  c.lowprec.compute = ""
+  c.lowprec.compute_changes = ""
+  c.lowprec.compute_keep_last = 0
 
   c.train = ml_collections.ConfigDict()
   c.train.steps = 100

@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 
@@ -20,6 +22,7 @@ from lowprec import names
 from lowprec import nn as lpnn
 from lowprec import ops as lpops
 from lowprec import policy as lppolicy
+from lowprec.ops.scaled_dense import recipe as block_recipe
 
 
 def _dense_init(std):
@@ -39,18 +42,24 @@ def numerics_from(lp) -> lpnn.Numerics:
   gradients entering the backward's matmuls; `attn_fresh_out` what a
   fresh read of attention's output redraws; `policy` overrides what
   backward uses read, on top of what the reference gradient reads (e.g.
-  `"attn.out@delta=fresh"`; "" = the reference reads everywhere).
+  `"attn.out@delta=fresh"`; "" = the reference reads everywhere);
+  `compute` a block-scaled recipe for every dense layer
+  (`lowprec.ops.scaled_dense.recipe`).
   """
 
   def rounding(fmt, mode):
     return None if fmt == "float32" else lpnn.Rounding(fmt, mode)
 
+  compute = None
+  if lp.get("compute", ""):
+    compute = block_recipe(lp.compute, lp.compute_changes)
   return lpnn.Numerics(
     policy=lpops.REFERENCE.override(lp.policy) if lp.policy else None,
     saved=rounding(lp.fwd_format, lp.fwd_rounding),
     weights=rounding(lp.weight_format, "nearest"),
     grads=rounding(lp.bwd_format, lp.bwd_rounding),
     attn_fresh_out=lp.attn_fresh_out,
+    compute=compute,
   )
 
 
@@ -138,15 +147,20 @@ class GPT(nn.Module):
     # draws: the rng of a block is the same on recompute), so a backward
     # pass holds one block's activations rather than every block's.
     block = nn.remat(Block) if c.get("remat") else Block
+    # The last `compute_keep_last` blocks and the head keep the numerics
+    # without a block-scaled recipe (as FP4 recipes keep their last layers).
+    plain = dataclasses.replace(self.numerics, compute=None)
+    first_plain = c["n_layer"] - c.get("compute_keep_last", 0)
     for i in range(c["n_layer"]):
-      x = block(c, self.numerics, name=f"h_{i}")(x)
+      num = plain if i >= first_plain else self.numerics
+      x = block(c, num, name=f"h_{i}")(x)
     # Final norm and the head as one NormDense: its output is a saved
     # tensor read by the head's weight gradient and the norm's gain gradient.
     head = lpnn.NormDense(
       c["vocab_size"],
       _norm(c["norm"]),
       use_bias=False,
-      numerics=self.numerics,
+      numerics=plain,
       kernel_init=_dense_init(c["init_std"]),
       name="ln_f",
     )

@@ -47,7 +47,8 @@ def _gpt_cfg(m) -> dict:
 
 def gpt_task(config) -> Task:
   m, d = config.model, config.data
-  model = models.GPT(_gpt_cfg(m), models.numerics_from(config.lowprec))
+  cfg = _gpt_cfg(m) | {"compute_keep_last": config.lowprec.compute_keep_last}
+  model = models.GPT(cfg, models.numerics_from(config.lowprec))
   common = dict(
     seq_len=m.seq_len,
     batch_size=d.batch_size,
@@ -77,11 +78,15 @@ def _gpt_probe(t, model, batch):
   """
   lean = t.get("probe_lean", False)
   cfg = model.cfg | ({"remat": True} if t.get("probe_remat", False) else {})
-  ref = dataclasses.replace(model.numerics, policy=None, grads=None)
+  ref = model.numerics.reference()
   ref_loss = _lm_loss(models.GPT(cfg, ref))
   run = model.numerics
   if not t.probe_grad_rounding:
-    run = dataclasses.replace(run, grads=None)
+    run = dataclasses.replace(
+      run,
+      grads=None,
+      compute=run.compute and run.compute.without_grad_rounding(),
+    )
   loss = _lm_loss(models.GPT(cfg, run))
   if t.probe_batch_size:
     batch = tuple(x[: t.probe_batch_size] for x in batch)

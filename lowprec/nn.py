@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from lowprec import ops
+from lowprec.ops.norm_dense import normalise
 from lowprec.ops.rounding import Rounding
 from lowprec.policy import Policy
 
@@ -67,6 +68,11 @@ class Numerics:
       (`ops.Attention.fresh_out`): `"redraw"`, every rounding upstream of
       it (a copy from the distribution of the reused output), or
       `"output"`, the output's rounding only.
+    compute: an `ops.ScaledDense` run by every dense layer in place of
+      `ops.Dense` (a block-scaled FP8/FP4 recipe, e.g.
+      `ops.ScaledDense.nvfp4()`); its inputs and kernels are rounded by it,
+      not by `saved` and `weights`. A `NormDense` then computes its norm
+      unrounded and feeds the recipe. None: `ops.Dense`.
   """
 
   policy: Policy | str | None = None
@@ -75,12 +81,30 @@ class Numerics:
   grads: Rounding | str | None = None
   rng: str = "lowprec"
   attn_fresh_out: str = "redraw"
+  compute: ops.ScaledDense | None = None
 
   def __post_init__(self):
     policy = ops.REFERENCE if self.policy is None else self.policy
     object.__setattr__(self, "policy", Policy.parse(policy))
     for f in ("saved", "weights", "grads"):
       object.__setattr__(self, f, Rounding.parse(getattr(self, f)))
+    if self.compute is not None and not isinstance(
+      self.compute, ops.ScaledDense
+    ):
+      raise TypeError(
+        f"Numerics.compute takes an ops.ScaledDense (e.g. "
+        f"ops.ScaledDense.nvfp4()), got {self.compute!r}"
+      )
+
+  def reference(self) -> Numerics:
+    """The same forward, the reference reads, no gradient rounding: the
+    numerics whose gradient is the reference gradient."""
+    compute = self.compute
+    if compute is not None:
+      compute = compute.without_grad_rounding()
+    return dataclasses.replace(
+      self, policy=None, grads=None, compute=compute
+    )
 
   @classmethod
   def fp8(cls, policy=None, *, saved_mode: str = "stochastic", **kw):
@@ -158,6 +182,8 @@ class Dense(nn.Module):
     bias = None
     if self.use_bias:
       bias = self.param("bias", self.bias_init, (self.features,), jnp.float32)
+    if num.compute is not None:
+      return _call(self, num.compute, num, x, kernel, bias)
     op = ops.Dense(
       x=num.saved if self.round_input else None,
       kernel=num.weights,
@@ -193,6 +219,10 @@ class NormDense(nn.Module):
     bias = None
     if self.use_bias:
       bias = self.param("bias", self.bias_init, (self.features,))
+    if num.compute is not None:
+      y = normalise(x, self.norm, self.epsilon)[0]
+      y = y * gain + (0.0 if shift is None else shift)
+      return _call(self, num.compute, num, y, kernel, bias)
     op = ops.NormDense(
       norm=self.norm,
       eps=self.epsilon,

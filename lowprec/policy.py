@@ -9,7 +9,10 @@ policy says, per use, which value the read takes:
   original  `x`, before rounding;
   fresh     a new stochastic rounding of `x` (same format and scale),
             independent of everything in the forward;
-  nearest   round-to-nearest of `x` (same format and scale).
+  nearest   round-to-nearest of `x` (same format and scale);
+  requantized  block-scaled operators only (`ops.ScaledDense`): a new
+            quantization of `x` with blocks along the axis the reading
+            GEMM contracts, as block-scaled hardware needs.
 
 A policy is a tuple of ordered rules `(regex over use names, value)`: the first
 rule whose regex matches the whole use name decides that use. Resolving a
@@ -50,7 +53,10 @@ from collections.abc import Mapping, Sequence
 
 from lowprec import names as names_lib
 
-VALUES = ("rounded", "original", "fresh", "nearest")
+# What every operator's uses can read; block-scaled operators
+# (`ops.ScaledDense`) also read `requantized`.
+OP_VALUES = ("rounded", "original", "fresh", "nearest")
+VALUES = (*OP_VALUES, "requantized")
 
 # Characters the string form uses as separators.
 _RESERVED = (",", "=")
@@ -211,6 +217,7 @@ BUILTIN = Registry(
     ),
     ("attention", ("attn.probs@dv", "attn.probs@dscores", "attn.out@delta")),
     ("activation", ("act.in@dact",)),
+    ("scaled_dense", ("sdense.in@dw", "sdense.kernel@dx")),
   )
 )
 
@@ -384,6 +391,14 @@ class Policy:
         raise ValueError(
           f"policy {str(self)!r} has no rule for use {use!r}. {listing} Add a "
           f"rule such as '{use}=<value>' (values: {', '.join(VALUES)})."
+        )
+      readable = getattr(op, "values", VALUES)
+      if value not in readable:
+        raise ValueError(
+          f"policy {str(self)!r} reads {value!r} for use {use!r}, which "
+          f"{name} cannot read (its uses read {', '.join(readable)}; "
+          f"{value!r} is for block-scaled operators, ops.ScaledDense). "
+          f"Give {use!r} a rule of its own before the one that matched."
         )
       out[use] = value
     return out

@@ -373,9 +373,38 @@ def norm_store_table(runs):
   return probe_table(runs, "per_use")
 
 
+
+
+def fp4_recipe_table(runs):
+  """fp4_recipe: `probe_table` against `bf16` (same seed), and per arm the
+  paired loss gap to bf16 with its 95% t-interval."""
+  from experiments.analysis.frontier import interval
+
+  rows, lines = probe_table(runs, "bf16")
+  gaps = []
+  for arm in dict.fromkeys(r["arm"] for r in rows):
+    diffs = [r["val_minus_bf16"] for r in rows if r["arm"] == arm
+             and r.get("val_minus_bf16") is not None]  # fmt: skip
+    if not diffs:
+      continue
+    mean, hw = interval(diffs)
+    lo, hi = (None, None) if hw is None else (mean - hw, mean + hw)
+    side = "" if hw is None else f" [{lo:+.4f}, {hi:+.4f}]"
+    told = hw is not None and (lo > 0 or hi < 0)
+    gaps.append(
+      f"- {arm} minus bf16: {mean:+.4f}{side} (95% t-interval, "
+      f"{len(diffs)} seed pairs){'' if told else '; not told apart from 0'}"
+    )
+    for r in rows:
+      if r["arm"] == arm:
+        r["gap_lo"], r["gap_hi"] = lo, hi
+  return rows, gaps + lines
+
+
 ANALYSES = {
   "operator_checks": operator_table,
   "attention_reuse": attention_table,
   "norm_store": norm_store_table,
   "attention_search": attention_search_table,
+  "fp4_recipe": fp4_recipe_table,
 }

@@ -7,7 +7,7 @@ import dataclasses
 from lowprec.audit.report import table, yes_no
 from lowprec.ops import requirements as req_lib
 from lowprec.ops.base import Op
-from lowprec.policy import VALUES, Policy
+from lowprec.policy import Policy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,13 +84,13 @@ def predict(op: Op, policy) -> Prediction:
   values = op.resolve(policy)
   out = []
   for req, value in zip(op.table, values, strict=True):
-    verdicts = {v: classify(op, req, v) for v in VALUES}
+    verdicts = {v: classify(op, req, v) for v in op.values}
     copy = op.copy_value(req.tensor)
     differs = req_lib.reuse_differs(
       op.produces(req, "rounded"),
       None if copy is None else op.produces(req, copy),
     )
-    admissible = tuple(v for v in VALUES if verdicts[v] != "biased")
+    admissible = tuple(v for v in op.values if verdicts[v] != "biased")
     out.append(
       UsePrediction(req.use, value, req.must_read, op.kind(req.tensor),
                     verdicts[value], admissible, differs)

@@ -22,8 +22,6 @@ from lowprec.audit.report import (
   yes_no,
 )
 from lowprec.ops.base import KEEP_ALL, Op
-from lowprec.ops.rounding import Rounding
-from lowprec.policy import VALUES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +113,7 @@ class Verification:
     head = ("use", "reads", "predicted", "verified", "grad", "rel. bias",
             "z", "reuse differs: predicted / verified")  # fmt: skip
     every = [(u.use, *(_fmt_check(c) for c in u.checks)) for u in self.uses]
+    values = tuple(c.value for c in self.uses[0].checks) if self.uses else ()
     return (
       f"{self.op}: {self.policy}\n"
       f"n_forward={self.n_forward}, n_backward={self.n_backward}, biased "
@@ -123,7 +122,7 @@ class Verification:
       f"agrees with prediction: {self.agrees}\n\n"
       + table(head, rows)
       + "\n\nEvery value of every use (predicted -> verified):\n\n"
-      + table(("use", *VALUES), every)
+      + table(("use", *values), every)
     )
 
 
@@ -178,13 +177,15 @@ def verify(
   ref_values = op.resolve(None)
   inputs = tuple(inputs)
   table = tuple(
-    _replace(ref_values, i, v) for i in range(len(values)) for v in VALUES
+    _replace(ref_values, i, v) for i in range(len(values)) for v in op.values
   )
   chunk = min(chunk, n_forward)
   n_chunks = -(-n_forward // chunk)
   loss_key, key = jax.random.split(key)
   kfs = jax.random.split(key, n_chunks * chunk).reshape(n_chunks, chunk)
-  rows = jnp.array([[VALUES.index(v) for v in r] for r in (*table, values)])
+  rows = jnp.array(
+    [[op.values.index(v) for v in r] for r in (*table, values)]
+  )
   parts = [
     jax.device_get(
       _program(op, ref_values, loss, n_backward, inputs, kfs[c], loss_key, rows)
@@ -219,7 +220,7 @@ def verify(
   for i, u in enumerate(pred.uses):
     req = op.table[i]
     checks = []
-    for v in VALUES:
+    for v in op.values:
       ests = estimates(diffs[table.index(_replace(ref_values, i, v))])
       predicted = _noisy(classify(op, req, v), op)
       checks.append(ValueCheck(v, predicted, verdict(ests), ests))
@@ -274,9 +275,7 @@ def _program(
   The forward runs once per key, keeping the residuals of every policy; each
   variant's backward then reads them, so the forward is held fixed exactly.
   """
-  ref_op = op
-  if hasattr(op, "grad"):
-    ref_op = dataclasses.replace(op, grad=Rounding())
+  ref_op = op.without_grad_rounding()
   if loss is None:
     loss = default_loss(op, ref_values, inputs, loss_key)
   present = [i for i, x in enumerate(inputs) if x is not None]
@@ -286,7 +285,7 @@ def _program(
   # that a variant reading the same values gives bit-identical gradients.
   same = ref_op == op
   if same:
-    ref_index = jnp.array([[VALUES.index(v) for v in ref_values]])
+    ref_index = jnp.array([[op.values.index(v) for v in ref_values]])
     variants = jnp.concatenate([ref_index, variants])
 
   def backward(o: Op, values, res, dy, kb):
@@ -323,8 +322,13 @@ def _program(
 
 
 def _noisy(predicted: str, op: Op) -> str:
-  """Stochastic gradient rounding makes every `exact` read `unbiased`."""
-  if predicted == "exact" and op.grad_rounding.stochastic:
+  """With gradients rounded to nearest every read is `biased` (a
+  deterministic error in every gradient); stochastic gradient rounding
+  makes every `exact` read `unbiased`."""
+  rs = [r for r in op.grad_roundings() if not r.is_identity]
+  if any(r.mode == "nearest" for r in rs):
+    return "biased"
+  if predicted == "exact" and rs:
     return "unbiased"
   return predicted
 

@@ -13,6 +13,8 @@ can, and whose backward reads per use what the policy says:
   Attention    causal multi-head, P and O rounded
                attn.probs@dv, attn.probs@dscores, attn.out@delta
   Activation   h = f(x), x stored rounded     act.in@dact
+  ScaledDense  y = Q(x) Q(W) + b, block-scaled data- and weight-gradient
+               GEMMs (FP8/FP4 recipes)   sdense.in@dw, sdense.kernel@dx
 
 Each carries its requirements table (`op.requirements`: use -> the value the
 reference gradient reads, with the derivation) and `op.reference`, the forward
@@ -41,6 +43,7 @@ from lowprec.ops.dense import Dense, dense
 from lowprec.ops.norm_dense import NORMS, NormDense, norm_dense
 from lowprec.ops.requirements import Requirement
 from lowprec.ops.rounding import Rounding
+from lowprec.ops.scaled_dense import ScaledDense, scaled_dense
 from lowprec.policy import Policy
 
 OPS: dict[str, type[Op]] = {
@@ -48,6 +51,7 @@ OPS: dict[str, type[Op]] = {
   "norm_dense": NormDense,
   "attention": Attention,
   "activation": Activation,
+  "scaled_dense": ScaledDense,
 }
 
 REFERENCE = Policy(
@@ -72,8 +76,10 @@ __all__ = [
   "Reader",
   "Requirement",
   "Rounding",
+  "ScaledDense",
   "activation",
   "attention",
   "dense",
   "norm_dense",
+  "scaled_dense",
 ]

@@ -38,6 +38,8 @@ class Op:
   args: ClassVar[tuple[str, ...]]  # names of the differentiable inputs
   tensors: ClassVar[tuple[str, ...]]  # fields holding saved tensors' Rounding
   table: ClassVar[tuple[Requirement, ...]]
+  # The policy values its uses can read (`lowprec.policy.VALUES`).
+  values: ClassVar[tuple[str, ...]] = policy_lib.OP_VALUES
 
   def _coerce(self):
     for field in (*self.tensors, "grad"):
@@ -68,6 +70,17 @@ class Op:
   def reference_policy(self) -> policy_lib.Policy:
     """The policy reading, for every use, what the reference reads."""
     return policy_lib.Policy(tuple((r.use, r.must_read) for r in self.table))
+
+  def grad_roundings(self) -> tuple[Rounding, ...]:
+    """Every rounding of incoming gradients (`lowprec.audit` predicts
+    their effect: nearest biases every gradient, stochastic does not)."""
+    return (self.grad_rounding,)
+
+  def without_grad_rounding(self) -> Op:
+    """This operator with its gradient roundings off (the reference)."""
+    if not hasattr(self, "grad"):
+      return self
+    return dataclasses.replace(self, grad=_NONE)
 
   def unrounded(self) -> Op:
     """This operator with every rounding (and gradient rounding) off."""
@@ -111,7 +124,7 @@ class Op:
     """`{tensor: values its uses read}` for resolved `values` (`KEEP_ALL`:
     every value, so one forward serves every policy's backward)."""
     if values is KEEP_ALL:
-      return {t: frozenset(policy_lib.VALUES) for t in self.tensors}
+      return {t: frozenset(self.values) for t in self.tensors}
     out = {t: set() for t in self.tensors}
     for r, v in zip(self.table, values, strict=True):
       out[r.tensor].add(v)
@@ -234,6 +247,7 @@ class Op:
       lambda v: saved.read(
         self.rounding(r.tensor), res[r.tensor], v, fresh_key
       ),
+      self.values,
     )
 
   def _round_grad(self, g, bkey, name):
@@ -254,13 +268,13 @@ class Op:
     raise NotImplementedError
 
 
-def per_value(value, fn):
-  """`fn(value)`; for a traced index into `VALUES` instead of a name, every
-  value's `fn` is computed and the indexed one selected, so one traced
-  backward serves every policy (used by `lowprec.audit`)."""
+def per_value(value, fn, values=policy_lib.OP_VALUES):
+  """`fn(value)`; for a traced index into `values` (the operator's) instead
+  of a name, every value's `fn` is computed and the indexed one selected,
+  so one traced backward serves every policy (used by `lowprec.audit`)."""
   if isinstance(value, str):
     return fn(value)
-  outs = [fn(v) for v in policy_lib.VALUES]
+  outs = [fn(v) for v in values]
   which = [value == i for i in range(len(outs))]
   return jax.tree.map(lambda *c: jnp.select(which, c), *outs)
 

@@ -55,6 +55,20 @@ _TABLE = (
 )
 
 
+def normalise(x, norm: str, eps: float):
+  """`(n, mean, rstd)` of `x` over its last axis: LayerNorm's centred and
+  scaled `n` (`mean` None for RMSNorm), in plain JAX (differentiable)."""
+  if norm == "layer":
+    mu = jnp.mean(x, -1, keepdims=True)
+    xc = x - mu
+    rstd = jax.lax.rsqrt(jnp.mean(xc * xc, -1, keepdims=True) + eps)
+  else:
+    mu = None
+    xc = x
+    rstd = jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + eps)
+  return xc * rstd, mu, rstd
+
+
 @dataclasses.dataclass(frozen=True)
 class NormDense(Op):
   """A norm whose output is stored rounded and feeds a dense layer.
@@ -123,15 +137,7 @@ class NormDense(Op):
     return super().__call__(x, gain, shift, kernel, bias, **kwargs)
 
   def _normalise(self, x):
-    if self.norm == "layer":
-      mu = jnp.mean(x, -1, keepdims=True)
-      xc = x - mu
-      rstd = jax.lax.rsqrt(jnp.mean(xc * xc, -1, keepdims=True) + self.eps)
-    else:
-      mu = None
-      xc = x
-      rstd = jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + self.eps)
-    return xc * rstd, mu, rstd
+    return normalise(x, self.norm, self.eps)
 
   def _forward(self, values, args, keys):
     x, gain, shift, kernel, bias = args

@@ -84,11 +84,14 @@ class Rounding:
 
   @classmethod
   def parse(cls, spec: Rounding | str | None) -> Rounding:
-    """A `Rounding` from itself, `None` (no rounding) or `"format[:mode]"`."""
+    """A `Rounding` from itself, `None` (no rounding), a format object
+    (rounded to nearest) or `"format[:mode]"`."""
     if spec is None:
       return cls()
     if isinstance(spec, Rounding):
       return spec
+    if isinstance(spec, Format | scaled_lib.ScaledFormat):
+      return cls(spec)
     if isinstance(spec, str):
       fmt, _, mode = spec.rpartition(":")
       if mode in MODES:

@@ -1,0 +1,542 @@
+"""A dense layer whose three GEMMs read block-scaled operands, per use.
+
+An FP8 or FP4 training recipe is a set of choices about the three GEMMs of
+every linear layer `y = x W + b`:
+
+  forward        y  = Q_x(x) Q_w(W)          blocks along K (x's last axis,
+                                             W's first)
+  data gradient  dx = Q_g(dy) Q_w'(W)^T      blocks along N
+  weight grad.   dW = Q_x'(x)^T Q_g'(dy)     blocks along M (the tokens)
+
+Block-scaled hardware contracts along the block axis, so a recipe either
+re-quantizes `W` along N for the data gradient (MXFP8: two copies, one per
+orientation) or scales `W` in square tiles, whose transpose is the same
+tiles (NVFP4: one copy); it re-quantizes `x` along M for the weight
+gradient, optionally after a random Hadamard transform of both of that
+GEMM's inputs along M (NVFP4: 16 x 16, one random sign vector). Which value
+the backward reads for `W` and `x` is a use with a policy, like every saved
+tensor of `lowprec.ops`:
+
+  sdense.in@dw       x as the weight gradient reads it
+  sdense.kernel@dx   W as the data gradient reads it
+
+with the values of `lowprec.policy` plus `requantized`: a new quantization
+of the original tensor in the orientation the GEMM contracts along (`x_dw`
+for x, after the Hadamard transform when there is one; `kernel_dx` for W),
+nearest or stochastic as that rounding says. The reference gradient (the
+exact gradient of the forward as it ran) reads `rounded` for both: the
+`requantized` copy is what it is predicted to be by `produces` (the
+forward's copy again for square tiles rounded to nearest; otherwise a
+different deterministic rounding, biased, or a stochastic draw of the
+original, biased where the forward rounded and unbiased where it did not).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lowprec import names
+from lowprec import policy as policy_lib
+from lowprec import scaled as scaled_lib
+from lowprec.ops import saved
+from lowprec.ops.base import Op, per_value
+from lowprec.ops.requirements import Requirement
+from lowprec.ops.rounding import Rounding
+
+VALUES = (*policy_lib.OP_VALUES, "requantized")
+LAYOUTS = ("1d", "2d")
+
+_TABLE = (
+  Requirement(
+    "sdense.in@dw",
+    "x",
+    "rounded",
+    True,
+    ("kernel",),
+    "y = x~ W~ + b, so dL/dW = x~^T dy reads the x~ the forward multiplied "
+    "(blocked along K); the weight-gradient GEMM contracts along M",
+  ),
+  Requirement(
+    "sdense.kernel@dx",
+    "kernel",
+    "rounded",
+    True,
+    ("x",),
+    "straight through x~ -> x, dL/dx = dy W~^T reads the W~ the forward "
+    "multiplied; the data-gradient GEMM contracts along N",
+  ),
+)
+
+_NONE = Rounding()
+
+
+def check_hadamard(n) -> int:
+  """`n` if it is 0 (no transform) or a power of two >= 2."""
+  ok = isinstance(n, int | np.integer) and not isinstance(n, bool)
+  if not ok or n < 0 or (n and (n < 2 or n & (n - 1))):
+    raise ValueError(
+      f"hadamard={n!r}: the random Hadamard transform needs a power of two "
+      ">= 2 (NVFP4 uses 16), or 0 for none"
+    )
+  return int(n)
+
+
+def hadamard_matrix(n: int) -> np.ndarray:
+  """The `n x n` Hadamard matrix of Sylvester's construction divided by
+  `sqrt(n)`: symmetric and orthogonal (`H @ H = I`)."""
+  check_hadamard(n)
+  h = np.ones((1, 1), np.float64)
+  while h.shape[0] < n:
+    h = np.block([[h, h], [h, -h]])
+  return (h / np.sqrt(n)).astype(np.float32)
+
+
+def random_hadamard(t, signs, n: int):
+  """`t[M, C]` transformed along M in blocks of `n` rows: each block `b`
+  becomes `H diag(signs) b`. The same `signs` on both inputs of a product
+  `a^T c` leave it unchanged: `(H D a)^T (H D c) = a^T c`."""
+  m, c = t.shape
+  h = jnp.asarray(hadamard_matrix(n))
+  blocks = (signs[:, None] * t.reshape(m // n, n, c).astype(jnp.float32))
+  return jnp.einsum("ij,bjc->bic", h, blocks).reshape(m, c)
+
+
+def _oriented(r: Rounding, axis: int, block: int | None = None) -> Rounding:
+  """`r` with its scaled format's blocks along `axis` (and of `block`
+  elements); unscaled and per-tensor formats are returned as they are."""
+  if not r.is_scaled_format or r.format.block is None:
+    return r
+  fmt = scaled_lib.get_scaled_format(r.format, axis=axis, block=block)
+  return dataclasses.replace(r, format=fmt)
+
+
+def _block(r: Rounding) -> int | None:
+  if r.is_scaled_format:
+    return r.format.block
+  return None
+
+
+def _to_tiles(w, b):
+  k, n = w.shape
+  return w.reshape(k // b, b, n // b, b).transpose(0, 2, 1, 3).reshape(
+    k // b, n // b, b * b
+  )
+
+
+def _from_tiles(t, shape, b):
+  k, n = shape
+  return t.reshape(k // b, n // b, b, b).transpose(0, 2, 1, 3).reshape(k, n)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """How one tensor is cut into blocks for one GEMM: `"rows"` (blocks
+  along the last axis), `"cols"` (along the first axis of a matrix) or
+  `"tiles"` (square `b x b` tiles of a matrix, `b` the format's block)."""
+
+  kind: str
+
+  def round(self, r: Rounding, t, key, mode=None):
+    """`(value, stored)`: `t` rounded by `r` in this layout (`stored` is
+    the narrow form `self.value` reads back)."""
+    if self.kind == "tiles" and _block(r):
+      b = _block(r)
+      v, s = _oriented(r, -1, b * b).round(_to_tiles(t, b), key, mode=mode)
+      return _from_tiles(v, t.shape, b), s
+    axis = 0 if self.kind == "cols" else -1
+    return _oriented(r, axis).round(t, key, mode=mode)
+
+  def value(self, r: Rounding, stored, shape):
+    v = stored.value()
+    if self.kind == "tiles" and _block(r):
+      return _from_tiles(v, shape, _block(r))
+    return v
+
+
+ROWS, COLS, TILES = Layout("rows"), Layout("cols"), Layout("tiles")
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaledDense(Op):
+  """`y = Q_x(x) Q_w(W) + b` with block-scaled data- and weight-gradient
+  GEMMs; the backward reads `x` and `W` per use (module docstring).
+
+  Forward: `x` (`[..., K]`) rounded by `x` with blocks along K, `W`
+  (`[K, N]`) by `kernel` with blocks along K (`kernel_blocks="1d"`) or in
+  square tiles (`"2d"`); float32 product, bias added. Backward, with `dy`
+  `[..., N]` flattened to `[M, N]`:
+
+    dx = Q_grad(dy) W_r^T            Q_grad blocked along N
+    dW = H(x_r)^T Q_grad_dw(H(dy))   Q_grad_dw blocked along M
+    db = sum(dy)                     (not rounded)
+
+  `W_r` is what `sdense.kernel@dx` reads, `x_r` what `sdense.in@dw` reads
+  (`requantized`: `Q_x_dw(H(x))` blocked along M), and `H` the random
+  Hadamard transform along M in blocks of `hadamard` rows with one random
+  sign vector per call (identity when `hadamard=0`).
+
+  Every rounding is a `Rounding` or its string: a scaled format
+  (`"nvfp4"`, `"mxfp8_e4m3"`, `"mxfp4_e2m1"`, ...; its block size along
+  the axis this operator puts it on; the scale rule is the format's, e.g.
+  `get_scaled_format("mxfp8_e4m3", rule="noclip")` for MXFP8's rounded-up
+  scales), a plain format (`"bfloat16"`), or None (not rounded).
+
+  Attributes:
+    x: the forward's rounding of the input.
+    kernel: the forward's rounding of the kernel.
+    grad: rounding of `dy` for the data gradient.
+    grad_dw: rounding of `dy` for the weight gradient.
+    x_dw: the `requantized` read of `x` (None: `x`'s rounding).
+    kernel_dx: the `requantized` read of `W` (None: `kernel`'s rounding).
+    kernel_blocks: `"1d"` or `"2d"` (square tiles of the kernel format's
+      block size; the data gradient's copy then shares the forward's tiles).
+    hadamard: rows per random Hadamard block of the weight gradient's
+      inputs, a power of two; 0 for none.
+
+  Example:
+    ```python
+    op = ScaledDense.nvfp4()  # NVIDIA's NVFP4 recipe, reads as it does
+    y = op(x, w, b, key=jax.random.key(0), policy=op.recipe_policy)
+    ```
+  """
+
+  x: Rounding | str | None = None
+  kernel: Rounding | str | None = None
+  grad: Rounding | str | None = None
+  grad_dw: Rounding | str | None = None
+  x_dw: Rounding | str | None = None
+  kernel_dx: Rounding | str | None = None
+  kernel_blocks: str = "1d"
+  hadamard: int = 0
+
+  name = "scaled_dense"
+  args = ("x", "kernel", "bias")
+  tensors = ("x", "kernel")
+  table = _TABLE
+  values = VALUES
+
+  def __post_init__(self):
+    self._coerce()
+    for f in ("grad_dw", "x_dw", "kernel_dx"):
+      object.__setattr__(self, f, Rounding.parse(getattr(self, f)))
+    names.check_choice("kernel_blocks", self.kernel_blocks, LAYOUTS)
+    object.__setattr__(self, "hadamard", check_hadamard(self.hadamard))
+
+  # ---- recipes ------------------------------------------------------------
+
+  @classmethod
+  def nvfp4(cls, **changes) -> ScaledDense:
+    """NVIDIA's NVFP4 recipe: NVFP4 everywhere (1 x 16 blocks, E4M3 block
+    scales times a float32 tensor scale), weights in 16 x 16 tiles, inputs
+    and weights rounded to nearest, gradients stochastically, a 16-row
+    random Hadamard transform on the weight gradient's inputs. Read it
+    with `recipe_policy`; `changes` are ablations (`kernel_blocks="1d"`,
+    `hadamard=0`, `grad="nvfp4"`)."""
+    base = dict(
+      x="nvfp4",
+      kernel="nvfp4",
+      grad="nvfp4:stochastic",
+      grad_dw="nvfp4:stochastic",
+      kernel_blocks="2d",
+      hadamard=16,
+    )
+    return cls(**{**base, **changes})
+
+  @classmethod
+  def mxfp8(cls, rule: str = "noclip", **changes) -> ScaledDense:
+    """The MXFP8 recipe: every tensor, gradients included, e4m3 in blocks
+    of 32 with E8M0 scales, rounded to nearest; `rule="noclip"` rounds
+    the scales up (the recipe's), `"ocp"` is the OCP floor rule; weights
+    quantized once per orientation (1 x 32 and 32 x 1)."""
+    fmt = scaled_lib.get_scaled_format("mxfp8_e4m3", rule=rule)
+    base = dict(x=fmt, kernel=fmt, grad=fmt, grad_dw=fmt)
+    return cls(**{**base, **changes})
+
+  @property
+  def recipe_policy(self) -> policy_lib.Policy:
+    """The reads block-scaled hardware makes: both uses `requantized`
+    (the GEMM's own orientation; for square tiles rounded to nearest, the
+    forward's copy)."""
+    return policy_lib.Policy.parse("sdense.in@dw=requantized,"
+                                   "sdense.kernel@dx=requantized")
+
+  # ---- what each read gives ----------------------------------------------
+
+  def requantizer(self, tensor: str) -> Rounding:
+    """The rounding of the `requantized` read of `tensor`."""
+    own = self.x_dw if tensor == "x" else self.kernel_dx
+    return self.rounding(tensor) if own.is_identity else own
+
+  def _requantized_is_forward_grid(self, tensor: str) -> bool:
+    """Whether `requantized` rounds `tensor` onto the forward's grid by the
+    same map (a square-tiled kernel; an unblocked format of `x` without a
+    Hadamard transform)."""
+    q, r = self.requantizer(tensor), self.rounding(tensor)
+    if q.format != r.format:
+      return False
+    if _block(q) is None:
+      return tensor == "kernel" or self.hadamard == 0
+    return tensor == "kernel" and self.kernel_blocks == "2d"
+
+  def produces(self, req: Requirement, value: str) -> str:
+    """`Op.produces`, and for `requantized`: the forward's product when it
+    is the same map onto the same grid (`nearest`), else `requantized` (a
+    different deterministic rounding) or `draw` (a stochastic one,
+    independent of the forward, with mean the original)."""
+    if value != "requantized":
+      return super().produces(req, value)
+    q = self.requantizer(req.tensor)
+    if q.is_identity:
+      return "original"
+    if q.mode == "stochastic":
+      return "draw"
+    if self._requantized_is_forward_grid(req.tensor):
+      return "nearest"
+    return "requantized"
+
+  def grad_roundings(self) -> tuple[Rounding, ...]:
+    return (self.grad, self.grad_dw)
+
+  def unrounded(self) -> ScaledDense:
+    return dataclasses.replace(
+      self, x=None, kernel=None, grad=None, grad_dw=None, x_dw=None,
+      kernel_dx=None, hadamard=0,
+    )  # fmt: skip
+
+  def without_grad_rounding(self) -> ScaledDense:
+    return dataclasses.replace(self, grad=None, grad_dw=None, hadamard=0)
+
+  def _needs_backward_key(self, values) -> bool:
+    if super()._needs_backward_key(values) or self.hadamard:
+      return True
+    if self.grad_dw.stochastic:
+      return True
+    return any(
+      v == "requantized" and self.requantizer(r.tensor).stochastic
+      for r, v in zip(self.table, values, strict=True)
+    )
+
+  # ---- shapes -------------------------------------------------------------
+
+  def check_shapes(self, x_shape, kernel_shape) -> None:
+    """Raises a ValueError naming the fix when a block or the Hadamard
+    size does not divide the axis it runs along."""
+    if len(kernel_shape) != 2 or not x_shape:
+      raise ValueError(
+        f"scaled_dense takes x [..., K] and kernel [K, N], got {x_shape} "
+        f"and {kernel_shape}"
+      )
+    k, n = kernel_shape
+    m = int(np.prod(x_shape[:-1], dtype=np.int64))
+    checks = [
+      ("x (blocks along K)", self.x, k),
+      ("grad (blocks along N)", self.grad, n),
+      ("grad_dw (blocks along M, the tokens)", self.grad_dw, m),
+      ("x_dw (blocks along M, the tokens)", self.requantizer("x"), m),
+      ("kernel (blocks along K)", self.kernel, k),
+      ("kernel_dx (blocks along N)", self.requantizer("kernel"), n),
+    ]
+    if self.kernel_blocks == "2d":
+      checks.append(("kernel (2d tiles, along N)", self.kernel, n))
+    for what, r, size in checks:
+      b = _block(r)
+      if b and size % b:
+        raise ValueError(
+          f"scaled_dense: {what}: {r.format.name} blocks of {b} do not "
+          f"divide {size}. Choose a width or token count that is a "
+          f"multiple of {b} (pad with zeros), or a format with a block "
+          "that divides it (get_scaled_format(..., block=k))"
+        )
+    if self.hadamard and m % self.hadamard:
+      raise ValueError(
+        f"scaled_dense: hadamard={self.hadamard} does not divide the "
+        f"{m} tokens (M) of the weight gradient; use a batch x length "
+        f"that is a multiple of {self.hadamard}, or a smaller power of two"
+      )
+
+  def apply(self, values, args, key, backward_key=None):
+    x, kernel = args[0], args[1]
+    self.check_shapes(jnp.shape(x), jnp.shape(kernel))
+    return super().apply(values, args, key, backward_key)
+
+  # ---- forward and backward ----------------------------------------------
+
+  def _kernel_layout(self) -> Layout:
+    return TILES if self.kernel_blocks == "2d" else COLS
+
+  def _save(self, tensor, t, layout, keys, reads, res):
+    r = self.rounding(tensor)
+    if r.is_identity:
+      if reads is not None:
+        res[tensor] = {"original": t}
+      return t
+    value, stored = layout.round(r, t, keys[tensor])
+    if reads is None:  # straight through: the reference forward
+      return (t - jax.lax.stop_gradient(t)) + jax.lax.stop_gradient(value)
+    kept = {}
+    need = reads[tensor]
+    if "rounded" in need:
+      kept["rounded"] = stored
+    if "nearest" in need:
+      kept["nearest"] = (
+        stored if r.mode == "nearest" else layout.round(r, t, None,
+                                                        mode="nearest")[1]
+      )  # fmt: skip
+    if need & {"original", "fresh", "requantized"}:
+      kept["original"] = t
+    res[tensor] = kept
+    return value
+
+  def _forward(self, values, args, keys):
+    x, kernel, bias = args
+    reads = None if values is None else self.reads(values)
+    res = {}
+    xr = self._save("x", x, ROWS, keys, reads, res)
+    wr = self._save("kernel", kernel, self._kernel_layout(), keys, reads, res)
+    y = jnp.matmul(xr, wr)
+    if bias is not None:
+      y = y + bias
+    return y, res
+
+  def _read_tensor(self, tensor, layout, value, res, t_shape, bkey):
+    """The value one use reads of `tensor` (not `requantized`)."""
+    r = self.rounding(tensor)
+    kept = res[tensor]
+    if r.is_identity or value == "original":
+      return kept["original"].astype(jnp.float32)
+    if value == "fresh":
+      k = saved.key_for(bkey, f"fresh:{tensor}")
+      return layout.round(r, kept["original"], k, mode="stochastic")[0]
+    return layout.value(r, kept[value], t_shape).astype(jnp.float32)
+
+  def _backward(self, values, res, g):
+    bkey = res["backward_key"]
+    kept_x = res["x"]
+    xo = kept_x.get("original")
+    n = g.shape[-1]
+    g2 = g.reshape(-1, n).astype(jnp.float32)
+    m = g2.shape[0]
+
+    def key(name):
+      return None if bkey is None else saved.key_for(bkey, name)
+
+    # Data gradient: dy blocked along N, W as `sdense.kernel@dx` reads it.
+    gx = ROWS.round(self.grad, g2, key("grad:dx"))[0] if not (
+      self.grad.is_identity) else g2
+    kernel_layout = self._kernel_layout()
+    i_w = self.uses.index("sdense.kernel@dx")
+    w_shape = self._kernel_shape(res)
+
+    def read_kernel(v):
+      if v == "requantized":
+        w = res["kernel"]["original"]
+        q = self.requantizer("kernel")
+        if q.is_identity:
+          return w.astype(jnp.float32)
+        lay = TILES if self.kernel_blocks == "2d" else ROWS
+        return lay.round(q, w, key("requantized:kernel"))[0]
+      return self._read_tensor("kernel", kernel_layout, v, res, w_shape, bkey)
+
+    wv = per_value(values[i_w], read_kernel, self.values)
+    dx = jnp.matmul(gx, wv.T)
+
+    # Weight gradient: both inputs through H along M, dy blocked along M.
+    signs = None
+    if self.hadamard:
+      bits = jax.random.bernoulli(key("hadamard"), 0.5, (self.hadamard,))
+      signs = jnp.where(bits, 1.0, -1.0).astype(jnp.float32)
+
+    def h(t):
+      return t if signs is None else random_hadamard(t, signs, self.hadamard)
+
+    gw = h(g2)
+    if not self.grad_dw.is_identity:
+      gw = COLS.round(self.grad_dw, gw, key("grad:dw"))[0]
+    i_x = self.uses.index("sdense.in@dw")
+    k_dim = w_shape[0]
+
+    def read_x(v):
+      if v == "requantized":
+        xo2 = xo.reshape(m, k_dim).astype(jnp.float32)
+        q = self.requantizer("x")
+        hx = h(xo2)
+        if q.is_identity:
+          return hx
+        return COLS.round(q, hx, key("requantized:x"))[0]
+      x_shape = (*g.shape[:-1], k_dim)
+      xv = self._read_tensor("x", ROWS, v, res, x_shape, bkey)
+      return h(xv.reshape(m, k_dim))
+
+    xv = per_value(values[i_x], read_x, self.values)
+    dw = jnp.matmul(xv.T, gw)
+    dx = dx.reshape(*g.shape[:-1], k_dim)
+    return dx, dw, g2.sum(0)
+
+  def _kernel_shape(self, res):
+    kept = res["kernel"]
+    if "original" in kept:
+      return kept["original"].shape
+    stored = next(iter(kept.values()))
+    if self.kernel_blocks == "2d" and _block(self.kernel):
+      b = _block(self.kernel)
+      e = stored.quantized.elements
+      return (e.shape[0] * b, e.shape[1] * b)
+    return stored.value().shape
+
+
+def scaled_dense(x, kernel, bias=None, *, policy=None, key=None, **config):
+  """`ScaledDense(**config)(x, kernel, bias, policy=policy, key=key)`."""
+  return ScaledDense(**config)(x, kernel, bias, policy=policy, key=key)
+
+
+RECIPES = ("nvfp4", "mxfp8")
+_FIELDS = ("x", "kernel", "grad", "grad_dw", "x_dw", "kernel_dx")
+
+
+def recipe(name: str, changes: str | dict = "") -> ScaledDense:
+  """A named recipe with changes: `recipe("nvfp4", "kernel_blocks=1d")`.
+
+  Args:
+    name: `"nvfp4"` (`ScaledDense.nvfp4`) or `"mxfp8"` (`ScaledDense.mxfp8`).
+    changes: `"field=value,..."` or a dict: a rounding field (`x`,
+      `kernel`, `grad`, `grad_dw`, `x_dw`, `kernel_dx`) takes a rounding
+      string or `none`; `kernel_blocks` `1d`/`2d`; `hadamard` an integer;
+      `rule` (MXFP8's scale rule) `noclip`/`ocp`.
+
+  Raises:
+    ValueError: an unknown recipe or field, a malformed item (the message
+      lists the valid ones).
+  """
+  names.check_choice("block-scaled recipe", name, RECIPES)
+  if isinstance(changes, str):
+    items = {}
+    for item in filter(None, (s.strip() for s in changes.split(","))):
+      key, sep, value = item.partition("=")
+      if not sep:
+        raise ValueError(
+          f"malformed recipe change {item!r}: expected 'field=value' items "
+          "separated by commas, e.g. 'kernel_blocks=1d,hadamard=0'"
+        )
+      items[key.strip()] = value.strip()
+    changes = items
+  valid = (*_FIELDS, "kernel_blocks", "hadamard") + (
+    ("rule",) if name == "mxfp8" else ()
+  )
+  kw = {}
+  for key, value in changes.items():
+    names.check_choice(f"{name} recipe field", key, valid)
+    if key == "hadamard":
+      try:
+        value = int(value)
+      except ValueError:
+        raise ValueError(
+          f"hadamard={value!r}: expected an integer (a power of two, or 0)"
+        ) from None
+    elif key in _FIELDS and value in ("none", "None", ""):
+      value = None
+    kw[key] = value
+  return ScaledDense.nvfp4(**kw) if name == "nvfp4" else ScaledDense.mxfp8(**kw)
