@@ -218,6 +218,10 @@ TABLES = {
   "norm_dense": (ops.NormDense(out=SR8, kernel=SR8), NORM_IN),
   "attention": (ops.Attention(probs=SR8, out=SR8), ATTN_IN),
   "activation": (ops.Activation("gelu", x=SR8), (_normal(0, (8, 16), 2.0),)),
+  "scaled_dense": (
+    ops.ScaledDense(x="nvfp4:stochastic", kernel="mxfp8_e4m3:stochastic"),
+    (_normal(0, (16, 32)), _normal(1, (32, 32), 0.2), _normal(2, (32,))),
+  ),
 }
 FLIPPED = 1e-3  # the smallest effect of one flipped row here is 6e-3
 KEY = jax.random.key(5)  # the forward draws

@@ -322,11 +322,11 @@ def _program(
 
 
 def _noisy(predicted: str, op: Op) -> str:
-  """With gradients rounded to nearest every read is `biased` (a
-  deterministic error in every gradient); stochastic gradient rounding
-  makes every `exact` read `unbiased`."""
+  """With gradients rounded to nearest, or stochastically onto scales that
+  can clip (`Rounding.saturates`), every read is `biased`; unbiased
+  stochastic gradient rounding makes every `exact` read `unbiased`."""
   rs = [r for r in op.grad_roundings() if not r.is_identity]
-  if any(r.mode == "nearest" for r in rs):
+  if any(r.mode == "nearest" or r.saturates for r in rs):
     return "biased"
   if predicted == "exact" and rs:
     return "unbiased"

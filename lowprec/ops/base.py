@@ -99,12 +99,11 @@ class Op:
   def produces(self, req: Requirement, value: str) -> str:
     """What reading `value` for `req.use` gives, up to equality (one of
     `requirements.PRODUCTS`)."""
+    r = self.rounding(req.tensor)
     return req_lib.produces(
-      value,
-      self.kind(req.tensor),
-      self.rounding(req.tensor).is_identity,
-      req.storage_only,
-    )
+      value, self.kind(req.tensor), r.is_identity, req.storage_only,
+      r.saturates,
+    )  # fmt: skip
 
   def copy_value(self, tensor: str) -> str | None:
     """The policy value that reads an independent copy of `tensor`'s

@@ -26,7 +26,10 @@ What a read gives, up to equality, is its *product* (`produces`):
                went on with `x`, so nothing downstream saw the draw);
   offset_draw  independent of the forward, but with a mean other than `x`
                (a fresh copy of a value whose rounding chain holds a
-               deterministic rounding).
+               deterministic rounding; a stochastic rounding whose block
+               scales can clip the block's largest values);
+  requantized  a deterministic rounding other than the forward's (a
+               block-scaled tensor quantized along another axis).
 
 `classify` turns (requirement, product read, product required) into a
 prediction:
@@ -44,7 +47,9 @@ from __future__ import annotations
 import dataclasses
 
 KINDS = ("none", "nearest", "deterministic", "stochastic")
-PRODUCTS = ("original", "rounded", "nearest", "draw", "offset_draw")
+PRODUCTS = (
+  "original", "rounded", "nearest", "draw", "offset_draw", "requantized",
+)
 VERDICTS = ("exact", "unbiased", "biased")
 
 
@@ -78,7 +83,11 @@ class Requirement:
 
 
 def produces(
-  value: str, kind: str, own_identity: bool, storage_only: bool = False
+  value: str,
+  kind: str,
+  own_identity: bool,
+  storage_only: bool = False,
+  saturating: bool = False,
 ) -> str:
   """The product (one of `PRODUCTS`) of reading `value` of a saved tensor.
 
@@ -88,16 +97,19 @@ def produces(
     own_identity: whether the tensor's own rounding (used by `fresh` and
       `nearest`) is no rounding.
     storage_only: the forward went on with the original, not the draw.
+    saturating: the tensor's rounding can clip (`Rounding.saturates`): its
+      stochastic draws then have a mean other than `x` (`offset_draw`).
   """
+  draw = "offset_draw" if saturating else "draw"
   if value == "original":
     return "original"
   if value == "rounded":
     if kind == "stochastic" and storage_only:
-      return "draw"
+      return draw
     return {"none": "original", "nearest": "nearest"}.get(kind, "rounded")
   if own_identity:
     return "original"
-  return "draw" if value == "fresh" else "nearest"
+  return draw if value == "fresh" else "nearest"
 
 
 def classify(req: Requirement, got: str, need: str) -> str:

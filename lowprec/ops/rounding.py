@@ -113,6 +113,16 @@ class Rounding:
   def is_scaled_format(self) -> bool:
     return isinstance(self.format, scaled_lib.ScaledFormat)
 
+  @property
+  def saturates(self) -> bool:
+    """Whether the rounding can clip a block's largest magnitudes: a scaled
+    format whose scale rule lets them exceed the element format's top (the
+    OCP floor rule; NVFP4's block scale rounded to nearest in E4M3, which
+    rounds down about half the time). Stochastic rounding then is not
+    unbiased: the clipped elements are pulled toward zero. Rounded-up
+    (`noclip`) and per-tensor scales never clip."""
+    return self.is_scaled_format and self.format.rule in ("ocp", "nvfp4")
+
   def __repr__(self) -> str:
     if self.is_identity:
       return "Rounding('float32')"

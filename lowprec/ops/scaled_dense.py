@@ -286,14 +286,15 @@ class ScaledDense(Op):
     """`Op.produces`, and for `requantized`: the forward's product when it
     is the same map onto the same grid (`nearest`), else `requantized` (a
     different deterministic rounding) or `draw` (a stochastic one,
-    independent of the forward, with mean the original)."""
+    independent of the forward, with mean the original; `offset_draw`
+    where its scales can clip, `Rounding.saturates`)."""
     if value != "requantized":
       return super().produces(req, value)
     q = self.requantizer(req.tensor)
     if q.is_identity:
       return "original"
     if q.mode == "stochastic":
-      return "draw"
+      return "offset_draw" if q.saturates else "draw"
     if self._requantized_is_forward_grid(req.tensor):
       return "nearest"
     return "requantized"

@@ -1,0 +1,382 @@
+"""ops.ScaledDense: block-scaled GEMMs of a recipe, read use by use.
+
+Oracles: `jax.grad` of the plain `x @ W + b` (no rounding, or inputs exact
+on the grid), a float64 numpy / ml_dtypes MX quantizer for the block
+orientations, and Monte Carlo (`audit.verify`) for the predictions.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from lowprec import audit, ops, policy, scaled
+from lowprec import nn as lpnn
+from lowprec.ops.scaled_dense import (
+  ScaledDense,
+  hadamard_matrix,
+  random_hadamard,
+  recipe,
+)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPE = "sdense.in@dw=requantized,sdense.kernel@dx=requantized"
+REUSE = "sdense.in@dw=rounded,sdense.kernel@dx=rounded"  # the reference
+
+
+def _plain_grads(x, w, b, c):
+  return jax.grad(lambda x, w, b: jnp.sum(c * (x @ w + b)), (0, 1, 2))(x, w, b)
+
+
+def _grads(op, x, w, b, c, policy=None, key=0):
+  def f(x, w, b):
+    return jnp.sum(c * op(x, w, b, policy=policy, key=jax.random.key(key)))
+
+  return jax.grad(f, (0, 1, 2))(x, w, b)
+
+
+def _normal(key, shape, scale=1.0):
+  return scale * jax.random.normal(jax.random.key(key), shape)
+
+
+# ---- oracles: no rounding, exact inputs -------------------------------------
+
+
+@pytest.mark.parametrize("hadamard", [0, 16])
+def test_without_rounding_it_is_the_plain_dense_layer(hadamard):
+  x, w = _normal(0, (4, 16, 32)), _normal(1, (32, 48), 0.1)
+  b, c = _normal(2, (48,)), _normal(3, (4, 16, 48))
+  got = _grads(ScaledDense(hadamard=hadamard), x, w, b, c)
+  want = _plain_grads(x, w, b, c)
+  for g, r in zip(got, want, strict=True):
+    # The Hadamard transform is orthogonal: the weight gradient moves by
+    # float32 roundoff only.
+    np.testing.assert_allclose(g, r, rtol=0, atol=2e-6 * float(jnp.abs(r).max()))
+
+
+@pytest.mark.parametrize("rule", ["ocp", "noclip"])
+@pytest.mark.parametrize("blocks", ["1d", "2d"])
+def test_inputs_on_every_grid_give_the_plain_gradients_bit_for_bit(rule, blocks):
+  # Small integers are exact in e4m3 under any power-of-two scale that
+  # keeps the block's largest one below 448, in every orientation.
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.integers(-8, 9, (64, 64)), jnp.float32)
+  w = jnp.asarray(rng.integers(-8, 9, (64, 32)), jnp.float32)
+  c = jnp.asarray(rng.integers(-8, 9, (64, 32)), jnp.float32)
+  b = jnp.zeros(32)
+  op = ScaledDense.mxfp8(rule=rule, kernel_blocks=blocks)
+  got = _grads(op, x, w, b, c, policy=RECIPE)
+  for g, r in zip(got, _plain_grads(x, w, b, c), strict=True):
+    assert np.array_equal(np.asarray(g), np.asarray(r))
+
+
+def _mx_e4m3_oracle(a: np.ndarray, rule: str) -> np.ndarray:
+  """Nearest MXFP8 (e4m3) of each row of `a` (blocks = rows), float64
+  scales from the definition, elements cast by ml_dtypes."""
+  amax = np.abs(a).max(axis=-1, keepdims=True)
+  e = np.floor(np.log2(np.where(amax > 0, amax, 1.0)))
+  if rule == "noclip":
+    e = np.ceil(np.log2(np.where(amax > 0, amax, 1.0) / 448.0)) + 8
+  scale = 2.0 ** (e - 8)
+  q = np.clip(a / scale, -448, 448).astype(ml_dtypes.float8_e4m3fn)
+  return q.astype(np.float64) * scale
+
+
+@pytest.mark.parametrize("rule", ["ocp", "noclip"])
+def test_block_orientations_match_a_numpy_oracle(rule):
+  x = np.asarray(_normal(4, (32, 64)), np.float64)
+  w = np.asarray(_normal(5, (64, 64)), np.float64)
+  op = ScaledDense.mxfp8(rule=rule, grad=None, grad_dw=None)
+  y = op(jnp.float32(x), jnp.float32(w), None)
+  xq = _mx_e4m3_oracle(x.reshape(32, 2, 32), rule).reshape(32, 64)
+  # The kernel is blocked along K: columns of 32.
+  wq = _mx_e4m3_oracle(w.T.reshape(64, 2, 32), rule).reshape(64, 64).T
+  np.testing.assert_allclose(y, xq @ wq, rtol=1e-5, atol=1e-5)
+  # Square tiles: one scale per 32 x 32 tile, from the tile's amax.
+  tiles = w.reshape(2, 32, 2, 32).transpose(0, 2, 1, 3).reshape(2, 2, 1024)
+  wt = _mx_e4m3_oracle(tiles, rule).reshape(2, 2, 32, 32)
+  wt = wt.transpose(0, 2, 1, 3).reshape(64, 64)
+  y2 = ScaledDense.mxfp8(rule=rule, grad=None, grad_dw=None, kernel_blocks="2d")(
+    jnp.float32(x), jnp.float32(w), None
+  )
+  np.testing.assert_allclose(y2, xq @ wt, rtol=1e-5, atol=1e-5)
+
+
+def test_ocp_floor_scales_saturate_what_rounded_up_scales_keep():
+  # A block whose largest value is 1.9 * 2^k: the floor rule's grid tops
+  # out at 448 * 2^(k-8) = 1.75 * 2^k, so it saturates; rounding up does not.
+  x = jnp.full((1, 32), 0.5).at[0, 0].set(1.9)
+  floor = scaled.fake_quantize(x, scaled.get_scaled_format("mxfp8_e4m3"))
+  up = scaled.fake_quantize(
+    x, scaled.get_scaled_format("mxfp8_e4m3", rule="noclip")
+  )
+  assert float(floor[0, 0]) == 1.75 and float(up[0, 0]) == 1.875
+
+
+# ---- what each read gives ---------------------------------------------------
+
+
+def test_square_tiles_give_the_data_gradient_the_forward_copy():
+  x, w = _normal(6, (64, 32)), _normal(7, (32, 48), 0.1)
+  b, c = jnp.zeros(48), _normal(8, (64, 48))
+  two = ScaledDense.nvfp4(kernel_blocks="2d")
+  one = ScaledDense.nvfp4(kernel_blocks="1d")
+  for op, same in ((two, True), (one, False)):
+    req = _grads(op, x, w, b, c, policy=RECIPE)
+    fwd = _grads(
+      op, x, w, b, c,
+      policy="sdense.in@dw=requantized,sdense.kernel@dx=rounded",
+    )  # fmt: skip
+    assert np.array_equal(req[0], fwd[0]) == same
+    assert np.array_equal(req[1], fwd[1])  # the weight gradient: same reads
+
+
+def test_weights_on_the_2d_grid_are_their_own_copies_in_both_orientations():
+  # Weights stored on the 2D grid (as a write-back without a master would
+  # keep them): the forward's rounding, the data gradient's re-quantization
+  # and the original are one array. On a 1D grid along K they are not.
+  tiled = scaled.get_scaled_format("mxfp8_e4m3", block=16)
+  w = _normal(9, (32, 32)).reshape(2, 16, 2, 16).transpose(0, 2, 1, 3)
+  w = scaled.fake_quantize(
+    w.reshape(2, 2, 256), scaled.get_scaled_format("mxfp8_e4m3", block=256)
+  )
+  w = w.reshape(2, 2, 16, 16).transpose(0, 2, 1, 3).reshape(32, 32)
+  x, c, b = _normal(10, (16, 32)), _normal(11, (16, 32)), jnp.zeros(32)
+
+  def dx(op, w, value):
+    pol = f"sdense.in@dw=rounded,sdense.kernel@dx={value}"
+    return _grads(op, x, w, b, c, policy=pol)[0]
+
+  two = ScaledDense(kernel=tiled, kernel_blocks="2d")
+  got = {v: dx(two, w, v) for v in ("rounded", "requantized", "original")}
+  assert np.array_equal(got["rounded"], got["requantized"])
+  assert np.array_equal(got["rounded"], got["original"])
+  one = ScaledDense(kernel=tiled)
+  w1 = scaled.fake_quantize(
+    w, scaled.get_scaled_format("mxfp8_e4m3", block=16, axis=0)
+  )
+  assert np.array_equal(dx(one, w1, "rounded"), dx(one, w1, "original"))
+  assert not np.array_equal(dx(one, w1, "rounded"), dx(one, w1, "requantized"))
+
+
+def test_hadamard_matrix_is_orthogonal_and_the_transform_cancels():
+  h = hadamard_matrix(16)
+  np.testing.assert_allclose(h @ h.T, np.eye(16), atol=1e-6)
+  a, c = _normal(12, (64, 8)), _normal(13, (64, 5))
+  s = jnp.where(jax.random.bernoulli(jax.random.key(1), 0.5, (16,)), 1.0, -1.0)
+  np.testing.assert_allclose(
+    random_hadamard(a, s, 16).T @ random_hadamard(c, s, 16), a.T @ c,
+    rtol=1e-5, atol=1e-5,
+  )  # fmt: skip
+
+
+# ---- predictions, verified by Monte Carlo -----------------------------------
+
+X = _normal(20, (64, 32))
+W = _normal(21, (32, 32), 0.1)
+B = jnp.zeros(32)
+
+# NVFP4's E4M3 block scale is rounded to nearest, so where it rounds down
+# the block's largest values exceed 6 and clip: its stochastic rounding is
+# biased. MXFP4 with rounded-up scales and NVFP4's 16-element blocks
+# never clips: unbiased.
+SR16 = ops.Rounding(
+  scaled.get_scaled_format("mxfp4_e2m1", rule="noclip", block=16),
+  "stochastic",
+)
+
+# (operator, policy, {use: predicted verdict of the policy's read}, whole)
+CASES = {
+  "nvfp4_2d": (
+    ScaledDense.nvfp4(grad=None, grad_dw=None, hadamard=0), RECIPE,
+    {"sdense.kernel@dx": "exact", "sdense.in@dw": "biased"}, "biased",
+  ),
+  "nvfp4_1d": (
+    ScaledDense.nvfp4(grad=None, grad_dw=None, hadamard=0, kernel_blocks="1d"),
+    RECIPE, {"sdense.kernel@dx": "biased"}, "biased",
+  ),
+  "grads_nearest": (
+    ScaledDense(grad="nvfp4", grad_dw="nvfp4"), REUSE, {}, "biased",
+  ),
+  "grads_stochastic_nvfp4": (
+    ScaledDense(grad="nvfp4:stochastic", grad_dw="nvfp4:stochastic"), REUSE,
+    {}, "biased",
+  ),
+  "grads_stochastic_rounded_up": (
+    ScaledDense(grad=SR16, grad_dw=SR16), REUSE,
+    {"sdense.in@dw": "unbiased"}, "unbiased",
+  ),
+  "x_unrounded_sr_requantized": (
+    ScaledDense(x_dw=SR16),
+    "sdense.in@dw=requantized,sdense.kernel@dx=rounded",
+    {"sdense.in@dw": "unbiased"}, "unbiased",
+  ),
+  "x_unrounded_sr_requantized_nvfp4": (
+    ScaledDense(x_dw="nvfp4:stochastic"),
+    "sdense.in@dw=requantized,sdense.kernel@dx=rounded",
+    {"sdense.in@dw": "biased"}, "biased",
+  ),
+  "x_rounded_sr_requantized": (
+    ScaledDense(x="nvfp4", x_dw=SR16),
+    "sdense.in@dw=requantized,sdense.kernel@dx=rounded",
+    {"sdense.in@dw": "biased"}, "biased",
+  ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_monte_carlo_verifies_every_prediction(name):
+  op, pol, uses, whole = CASES[name]
+  v = audit.verify(op, pol, (X, W, B), 256, 1, jax.random.key(7))
+  assert v.agrees, str(v)
+  for use, verdict in uses.items():
+    assert v[use].predicted == verdict, str(v)
+  assert v.total_predicted == whole and v.agrees
+
+
+def test_hadamard_keeps_the_mean_and_lowers_the_variance():
+  # Seed 0, 512 backward draws on one forward (x not rounded), x with one
+  # outlier per 16 rows: the transform spreads it over the block.
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((128, 32))
+  x[::16] *= 20.0
+  x, c = jnp.float32(x), _normal(31, (128, 32))
+  exact = x.T @ c
+
+  def draws(hadamard):
+    op = ScaledDense(grad_dw=SR16, x_dw=SR16, hadamard=hadamard)
+    pol = "sdense.in@dw=requantized,sdense.kernel@dx=rounded"
+
+    def dw(k):
+      f = lambda w: jnp.sum(c * op(x, w, None, policy=pol, key=k))
+      return jax.grad(f)(W)
+
+    return jax.vmap(dw)(jax.random.split(jax.random.key(5), 512))
+
+  with_h, without = draws(16), draws(0)
+  for d in (with_h, without):
+    # Unbiased: the mean's error is within 5 standard errors everywhere.
+    se = d.std(0) / np.sqrt(d.shape[0])
+    assert float(jnp.max(jnp.abs(d.mean(0) - exact) / se)) < 5.0
+  var = lambda d: float(jnp.mean(jnp.sum((d - exact) ** 2, (1, 2))))
+  assert var(with_h) < 0.8 * var(without)  # measured 0.63
+
+
+def test_the_derived_table_of_the_forward_is_the_operator_table():
+  def fwd(x, w, read):
+    return read("sdense.in@dw", x) @ read("sdense.kernel@dx", w)
+
+  mirror = ops.Custom(
+    "block_mirror", fwd, args=("x", "kernel"),
+    saved={"sdense.in": "nvfp4", "sdense.kernel": "float8_e4m3fn"},
+    uses=("sdense.in@dw", "sdense.kernel@dx"),
+  )  # fmt: skip
+  d = audit.derive(mirror, (X, W), jax.random.key(0), n_forward=64)
+  assert d.agrees
+  for got, want in zip(d.table, ScaledDense.table, strict=True):
+    assert (got.use, got.must_read, got.linear, got.feeds) == (
+      want.use, want.must_read, want.linear, want.feeds,
+    )  # fmt: skip
+
+
+# ---- bad input ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+  "make, call, match",
+  [
+    (lambda: ScaledDense.nvfp4(), ((64, 24), (24, 32)), "multiple of 16"),
+    (lambda: ScaledDense(hadamard=32), ((16, 32), (32, 32)), "hadamard=32"),
+    (lambda: ScaledDense.mxfp8(), ((64, 32), (32, 48)), "multiple of 32"),
+    (lambda: ScaledDense(kernel_blocks="3d"), None, "kernel_blocks"),
+    (lambda: ScaledDense(hadamard=12), None, "power of two"),
+    (lambda: recipe("nvfp8"), None, "nvfp4"),
+    (lambda: recipe("nvfp4", "kernel_blocks"), None, "field=value"),
+    (lambda: recipe("nvfp4", "rule=ocp"), None, "recipe field"),
+  ],
+)
+def test_bad_input_is_answered_with_the_fix(make, call, match):
+  with pytest.raises(ValueError, match=match):
+    op = make()
+    xs, ws = call
+    op(jnp.ones(xs), jnp.ones(ws), None, key=jax.random.key(0),
+       policy=RECIPE)  # fmt: skip
+
+
+def test_requantized_is_refused_by_operators_that_cannot_read_it():
+  with pytest.raises(ValueError, match="block-scaled operators"):
+    ops.Dense().resolve("dense.in@dw=requantized,dense.kernel@dx=rounded")
+  assert "requantized" in policy.VALUES
+
+
+# ---- in users' code ---------------------------------------------------------
+
+
+def test_a_linen_model_trains_with_the_recipe_in_numerics():
+  import flax.linen as fnn
+  import optax
+
+  num = lpnn.Numerics(
+    policy=ops.REFERENCE.override(RECIPE), compute=ScaledDense.nvfp4()
+  )
+
+  class Net(fnn.Module):
+    @fnn.compact
+    def __call__(self, x):
+      h = jax.nn.gelu(lpnn.Dense(64, numerics=num)(x))
+      return lpnn.Dense(16, numerics=num)(h)
+
+  x = _normal(40, (32, 32))
+  y = _normal(41, (32, 16))
+  net = Net()
+  params = net.init(jax.random.key(0), x)
+  tx = optax.adam(1e-2)
+  opt = tx.init(params)
+
+  @jax.jit
+  def step(params, opt, k):
+    def loss(p):
+      return jnp.mean((net.apply(p, x, rngs={"lowprec": k}) - y) ** 2)
+
+    val, g = jax.value_and_grad(loss)(params)
+    upd, opt = tx.update(g, opt)
+    return optax.apply_updates(params, upd), opt, val
+
+  losses = []
+  for i in range(60):
+    params, opt, val = step(params, opt, jax.random.key(i))
+    losses.append(float(val))
+  assert losses[-1] < 0.5 * losses[0]
+
+
+@pytest.mark.slow
+def test_one_and_eight_devices_train_the_same_bits(tmp_path):
+  def run(devices):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    out = tmp_path / str(devices)
+    p = subprocess.run(
+      [sys.executable, "-m", "experiments.run",
+       "--config=configs/fp4_recipe.py:scale=smoke,arm=nvfp4_all",
+       f"--config.log.results_dir={out}"],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    d = out / "fp4_recipe" / "nvfp4_all" / "seed0"
+    summary = json.loads((d / "summary.json").read_text())
+    return summary["param_digest"], (d / "metrics.jsonl").read_text()
+
+  one, eight = run(1), run(8)
+  assert one[0] == eight[0]
+  strip = lambda t: [
+    {k: v for k, v in json.loads(line).items() if "per_s" not in k
+     and "time" not in k and "elapsed" not in k}
+    for line in t.splitlines()
+  ]  # fmt: skip
+  assert strip(one[1]) == strip(eight[1])
