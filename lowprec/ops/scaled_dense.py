@@ -321,6 +321,33 @@ class ScaledDense(Op):
       for r, v in zip(self.table, values, strict=True)
     )
 
+  # ---- bytes --------------------------------------------------------------
+
+  def kernel_bytes(self, k: int, n: int) -> tuple[float, float]:
+    """Bytes a `[k, n]` kernel takes on hardware that contracts along the
+    block axis: `(forward copy, data-gradient copy)`. The data gradient's
+    copy is 0 with square tiles (it is the forward's) and the re-quantized
+    copy along N otherwise (block-scaled GEMMs cannot read the forward's
+    copy transposed). Elements at their bit width, one byte per block
+    scale (E8M0 or E4M3), 4 bytes per tensor scale (NVFP4)."""
+    def one(r: Rounding) -> float:
+      if r.is_identity:
+        return 4.0 * k * n
+      fmt = r.format
+      if not r.is_scaled_format:
+        return fmt.bits / 8 * k * n + (4 if r.scaled else 0)
+      out = fmt.element.bits / 8 * k * n
+      if fmt.block is None:
+        return out + 4
+      tiles = self.kernel_blocks == "2d"
+      out += k * n / (fmt.block**2 if tiles else fmt.block)
+      return out + (4 if fmt.scale_type == "e4m3" else 0)
+
+    first = one(self.kernel)
+    if self._requantized_is_forward_grid("kernel"):
+      return first, 0.0
+    return first, one(self.requantizer("kernel"))
+
   # ---- shapes -------------------------------------------------------------
 
   def check_shapes(self, x_shape, kernel_shape) -> None:
