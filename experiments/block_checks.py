@@ -153,22 +153,24 @@ def check(choice: Choice, n_forward: int, key, data=None) -> Checked:
 
 
 def rms_error(choice: Choice, data, draws: int = 256) -> float:
-  """Root-mean-square relative error of one gradient draw of the kernel
-  against the reference gradient, over `draws` keys (the noise)."""
+  """Root-mean-square relative error of one draw of the input and kernel
+  gradients together against the reference gradient, over `draws` keys
+  (a deterministic bias and the noise alike)."""
   x, w, b = data
   c = jax.random.normal(jax.random.key(3), (x.shape[0], w.shape[1]))
   op = choice.op
 
   def grad(o, pol, k):
-    f = lambda w: jnp.sum(c * o(x, w, b, policy=pol, key=k))
-    return jax.grad(f)(w)
+    f = lambda x, w: jnp.sum(c * o(x, w, b, policy=pol, key=k))
+    gx, gw = jax.grad(f, (0, 1))(x, w)
+    return jnp.concatenate([gx.ravel(), gw.ravel()])
 
   ref_op = op.without_grad_rounding()
   keys = jax.random.split(jax.random.key(4), draws)
   g = jax.vmap(lambda k: grad(op, choice.policy, k))(keys)
   r = jax.vmap(lambda k: grad(ref_op, REUSE, k))(keys)
-  num = jnp.mean(jnp.sum((g - r) ** 2, (1, 2)))
-  den = jnp.mean(jnp.sum(r**2, (1, 2)))
+  num = jnp.mean(jnp.sum((g - r) ** 2, 1))
+  den = jnp.mean(jnp.sum(r**2, 1))
   return float(jnp.sqrt(num / den))
 
 

@@ -52,6 +52,8 @@ NON_RESULT_KEYS = (
   "ckpt.keep",
   "study.arms",
   "study.seeds",
+  "study.analysis",  # how the results are tabulated and drawn
+  "study.figure",
 )
 AMENDABLE = "opt."  # keys `allow_opt_change` lets an unfinished run change
 LOCK_FILE = ".lock"

@@ -102,9 +102,7 @@ class Numerics:
     compute = self.compute
     if compute is not None:
       compute = compute.without_grad_rounding()
-    return dataclasses.replace(
-      self, policy=None, grads=None, compute=compute
-    )
+    return dataclasses.replace(self, policy=None, grads=None, compute=compute)
 
   @classmethod
   def fp8(cls, policy=None, *, saved_mode: str = "stochastic", **kw):

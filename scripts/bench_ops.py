@@ -6,7 +6,10 @@ FP8 rows round every saved activation to float8_e4m3fn (stochastic), every
 kernel to float8_e4m3fn (nearest) and every gradient entering a backward
 matmul to float8_e5m2 (stochastic), all with per-tensor scaling, and read
 each use as the policy says. The baseline is the same block with rounding
-off (plain float32).
+off (plain float32). The block-scaled rows run every dense layer as
+`ops.ScaledDense` (the NVFP4 and MXFP8 recipes, reads `requantized`), the
+rest of the block as the FP8 rows do; their ratios to the FP8 row are the
+cost of the recipe's three block-scaled GEMMs over per-tensor FP8.
 """
 
 from __future__ import annotations
@@ -70,6 +73,17 @@ def run(quick: bool = False) -> Result:
     cases[f"FP8 e4m3 SR / e5m2 SR grads, {name} reads"] = nn.Numerics.fp8(
       policy
     )
+  fp8_ref = "FP8 e4m3 SR / e5m2 SR grads, reference reads"
+  recipe = ops.REFERENCE.override(
+    "sdense.in@dw=requantized,sdense.kernel@dx=requantized"
+  )
+  for name, op in (
+    ("NVFP4 recipe", ops.ScaledDense.nvfp4()),
+    ("MXFP8 recipe", ops.ScaledDense.mxfp8()),
+  ):
+    cases[f"{name} (ScaledDense), requantized reads"] = nn.Numerics.fp8(
+      recipe, compute=op
+    )
   args = (params, x, key)
   calls = {name: (_step(num, x), args) for name, num in cases.items()}
   times = interleave(calls, rounds=rounds)
@@ -77,7 +91,7 @@ def run(quick: bool = False) -> Result:
     f"ops: GPT block fwd+bwd (batch {batch}, length {length}, width "
     f"{width}, 4 heads), {jax.devices()[0].platform}",
     times,
-    ("float32 (no rounding)",),
+    ("float32 (no rounding)", fp8_ref),
   )
 
 

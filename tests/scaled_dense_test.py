@@ -58,12 +58,16 @@ def test_without_rounding_it_is_the_plain_dense_layer(hadamard):
   for g, r in zip(got, want, strict=True):
     # The Hadamard transform is orthogonal: the weight gradient moves by
     # float32 roundoff only.
-    np.testing.assert_allclose(g, r, rtol=0, atol=2e-6 * float(jnp.abs(r).max()))
+    np.testing.assert_allclose(
+      g, r, rtol=0, atol=2e-6 * float(jnp.abs(r).max())
+    )
 
 
 @pytest.mark.parametrize("rule", ["ocp", "noclip"])
 @pytest.mark.parametrize("blocks", ["1d", "2d"])
-def test_inputs_on_every_grid_give_the_plain_gradients_bit_for_bit(rule, blocks):
+def test_inputs_on_every_grid_give_the_plain_gradients_bit_for_bit(
+  rule, blocks
+):
   # Small integers are exact in e4m3 under any power-of-two scale that
   # keeps the block's largest one below 448, in every orientation.
   rng = np.random.default_rng(0)
@@ -103,9 +107,9 @@ def test_block_orientations_match_a_numpy_oracle(rule):
   tiles = w.reshape(2, 32, 2, 32).transpose(0, 2, 1, 3).reshape(2, 2, 1024)
   wt = _mx_e4m3_oracle(tiles, rule).reshape(2, 2, 32, 32)
   wt = wt.transpose(0, 2, 1, 3).reshape(64, 64)
-  y2 = ScaledDense.mxfp8(rule=rule, grad=None, grad_dw=None, kernel_blocks="2d")(
-    jnp.float32(x), jnp.float32(w), None
-  )
+  y2 = ScaledDense.mxfp8(
+    rule=rule, grad=None, grad_dw=None, kernel_blocks="2d"
+  )(jnp.float32(x), jnp.float32(w), None)
   np.testing.assert_allclose(y2, xq @ wt, rtol=1e-5, atol=1e-5)
 
 
@@ -349,7 +353,10 @@ def test_kernel_bytes_count_one_tiled_copy_or_two_oriented_ones():
   k = n = 1024
   # NVFP4 in 16 x 16 tiles: 4-bit elements, one E4M3 scale per 256, one
   # float32 tensor scale; the data gradient reads the same copy.
-  assert ScaledDense.nvfp4().kernel_bytes(k, n) == (k * n / 2 + k * n / 256 + 4, 0)
+  assert ScaledDense.nvfp4().kernel_bytes(k, n) == (
+    k * n / 2 + k * n / 256 + 4,
+    0,
+  )
   # MXFP8 in 1 x 32 blocks: a second copy along N (TE's two copies).
   one = k * n + k * n / 32
   assert ScaledDense.mxfp8().kernel_bytes(k, n) == (one, one)

@@ -373,8 +373,6 @@ def norm_store_table(runs):
   return probe_table(runs, "per_use")
 
 
-
-
 def fp4_recipe_table(runs):
   """fp4_recipe: `probe_table` against `bf16` (same seed), and per arm the
   paired loss gap to bf16 with its 95% t-interval."""

@@ -183,9 +183,7 @@ def verify(
   n_chunks = -(-n_forward // chunk)
   loss_key, key = jax.random.split(key)
   kfs = jax.random.split(key, n_chunks * chunk).reshape(n_chunks, chunk)
-  rows = jnp.array(
-    [[op.values.index(v) for v in r] for r in (*table, values)]
-  )
+  rows = jnp.array([[op.values.index(v) for v in r] for r in (*table, values)])
   parts = [
     jax.device_get(
       _program(op, ref_values, loss, n_backward, inputs, kfs[c], loss_key, rows)

@@ -48,7 +48,12 @@ import dataclasses
 
 KINDS = ("none", "nearest", "deterministic", "stochastic")
 PRODUCTS = (
-  "original", "rounded", "nearest", "draw", "offset_draw", "requantized",
+  "original",
+  "rounded",
+  "nearest",
+  "draw",
+  "offset_draw",
+  "requantized",
 )
 VERDICTS = ("exact", "unbiased", "biased")
 

@@ -101,7 +101,7 @@ def random_hadamard(t, signs, n: int):
   `a^T c` leave it unchanged: `(H D a)^T (H D c) = a^T c`."""
   m, c = t.shape
   h = jnp.asarray(hadamard_matrix(n))
-  blocks = (signs[:, None] * t.reshape(m // n, n, c).astype(jnp.float32))
+  blocks = signs[:, None] * t.reshape(m // n, n, c).astype(jnp.float32)
   return jnp.einsum("ij,bjc->bic", h, blocks).reshape(m, c)
 
 
@@ -122,8 +122,10 @@ def _block(r: Rounding) -> int | None:
 
 def _to_tiles(w, b):
   k, n = w.shape
-  return w.reshape(k // b, b, n // b, b).transpose(0, 2, 1, 3).reshape(
-    k // b, n // b, b * b
+  return (
+    w.reshape(k // b, b, n // b, b)
+    .transpose(0, 2, 1, 3)
+    .reshape(k // b, n // b, b * b)
   )
 
 
@@ -261,8 +263,9 @@ class ScaledDense(Op):
     """The reads block-scaled hardware makes: both uses `requantized`
     (the GEMM's own orientation; for square tiles rounded to nearest, the
     forward's copy)."""
-    return policy_lib.Policy.parse("sdense.in@dw=requantized,"
-                                   "sdense.kernel@dx=requantized")
+    return policy_lib.Policy.parse(
+      "sdense.in@dw=requantized,sdense.kernel@dx=requantized"
+    )
 
   # ---- what each read gives ----------------------------------------------
 
@@ -330,6 +333,7 @@ class ScaledDense(Op):
     copy along N otherwise (block-scaled GEMMs cannot read the forward's
     copy transposed). Elements at their bit width, one byte per block
     scale (E8M0 or E4M3), 4 bytes per tensor scale (NVFP4)."""
+
     def one(r: Rounding) -> float:
       if r.is_identity:
         return 4.0 * k * n
@@ -453,8 +457,11 @@ class ScaledDense(Op):
       return None if bkey is None else saved.key_for(bkey, name)
 
     # Data gradient: dy blocked along N, W as `sdense.kernel@dx` reads it.
-    gx = ROWS.round(self.grad, g2, key("grad:dx"))[0] if not (
-      self.grad.is_identity) else g2
+    gx = (
+      ROWS.round(self.grad, g2, key("grad:dx"))[0]
+      if not (self.grad.is_identity)
+      else g2
+    )
     kernel_layout = self._kernel_layout()
     i_w = self.uses.index("sdense.kernel@dx")
     w_shape = self._kernel_shape(res)
