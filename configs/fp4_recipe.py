@@ -63,7 +63,8 @@ tokens) excludes 0; gaps whose intervals overlap are not ranked.
 
 CPU scale (default): the 2-layer d=64 GPT on the built-in corpus, 500
 steps, AdamW lr 1e-3, 8 arms x 3 seeds. Full scale (`:scale=full`): the
-390M preset on token files in data.path (24 blocks: the last 4 in bf16).
+390M preset on token files in data.path (27 blocks: the last 4 in bf16,
+15% of the dense layers).
 """
 
 from configs import common, presets

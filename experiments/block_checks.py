@@ -138,8 +138,11 @@ class Checked:
     return (self.predicted == "biased") == (self.verdict == "biased")
 
 
-def check(choice: Choice, n_forward: int, key, data=None) -> Checked:
-  """Predicts and verifies one choice (`n_forward` forward draws)."""
+def check(
+  choice: Choice, n_forward: int, key, data=None, rms: bool = True
+) -> Checked:
+  """Predicts and verifies one choice (`n_forward` forward draws); `rms`:
+  also measures the error of one draw (`rms_error`, else NaN)."""
   data = inputs() if data is None else data
   v = audit.verify(choice.op, choice.policy, data, n_forward, 1, key)
   if choice.use == "gradients":
@@ -149,7 +152,8 @@ def check(choice: Choice, n_forward: int, key, data=None) -> Checked:
     c = u.check(u.value)
     ests, verdict, predicted = c.estimates, c.verdict, c.predicted
   top = max(ests, key=lambda e: (e.deterministic, abs(e.z), abs(e.bias)))
-  return Checked(choice, v, verdict, predicted, top, rms_error(choice, data))
+  err = rms_error(choice, data) if rms else float("nan")
+  return Checked(choice, v, verdict, predicted, top, err)
 
 
 def rms_error(choice: Choice, data, draws: int = 256) -> float:
