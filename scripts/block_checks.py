@@ -11,10 +11,16 @@ bytes each weight-orientation scheme stores. The tables of
 docs/block_scaled.md.
 """
 
-from absl import app, flags
+if not __package__:  # run as a file, `python scripts/block_checks.py`
+  raise SystemExit(
+    "run it from the repository root as a module: "
+    "python -m scripts.block_checks ..."
+  )
 
-from experiments import block_checks
-from lowprec.ops import ScaledDense
+from absl import app, flags  # noqa: E402
+
+from experiments import block_checks  # noqa: E402
+from lowprec.ops import ScaledDense  # noqa: E402
 
 _N = flags.DEFINE_integer("n_forward", 1024, "Forward draws per check.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the Monte Carlo keys.")

@@ -457,3 +457,22 @@ def test_every_common_field_the_studies_use_exists():
     c = _load(name)
     assert c.study.kind in study.RUNNERS
     assert set(c.train.keys()) == set(base.train.keys())
+
+
+@pytest.mark.slow
+def test_fp4_recipe_smoke_tabulates_gaps_and_the_kernel_probe(tmp_path):
+  c, md = _smoke("fp4_recipe", tmp_path)
+  assert set(c.study.arms) == {"bf16", "nvfp4_all", "mxfp8_up"}
+  assert "- nvfp4_all minus bf16: " in md
+  assert "kernels: 1 - cos" in md
+  runs = tables.load_runs(tmp_path, "fp4_recipe")
+  probed = [
+    r["step"]
+    for r in results.read_metrics(
+      os.path.join(
+        tmp_path, "fp4_recipe", "nvfp4_all", "seed0", "metrics.jsonl"
+      )
+    )
+    if "probe/kernels/bias2" in r
+  ]
+  assert probed == [0, 2, 4] and len(runs) == 3

@@ -352,3 +352,14 @@ def test_one_and_eight_devices_train_the_same_bits(tmp_path):
   # The training bits; the gradient probe's statistics (a diagnostic with
   # its own reductions) may differ in their last bits across devices.
   assert training(one[1]) == training(eight[1])
+
+
+@pytest.mark.parametrize("fmt", ["mxfp6_e3m2", "mxfp6_e2m3", "mxfp4_e2m1"])
+def test_narrow_mx_formats_round_each_operand_along_its_contraction_axis(fmt):
+  x, w = _normal(50, (32, 64)), _normal(51, (64, 32))
+  y = ScaledDense(x=fmt, kernel=fmt)(x, w, None)
+  f = scaled.get_scaled_format(fmt)
+  want = scaled.fake_quantize(x, f) @ scaled.fake_quantize(
+    w, scaled.get_scaled_format(f, axis=0)
+  )
+  np.testing.assert_allclose(y, want, rtol=1e-6, atol=1e-6)

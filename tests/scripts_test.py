@@ -9,7 +9,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENTRY = ["bench", "make_tables", "plan_full_scale", "plot", "prepare_text"]
 ENTRY += ["reproduce", "bench_ops", "device_report", "refresh_goldens"]
-ENTRY += ["peer_stream", "advise"]
+ENTRY += ["peer_stream", "advise", "block_checks"]
 
 
 @pytest.mark.parametrize("name", ENTRY)
