@@ -85,20 +85,7 @@ def get_config(arg=None):
   c.ckpt.every_steps = 100
   c.log.progress_every_steps = 50
   if c.study.scale == "full":
-    presets.use(c, "gpt_390m")
-    c.data.update(dict(name="tokens", batch_size=256, eval_batches=20))
-    # Microbatches of 4 x 1024 tokens: their activations (not the batch's)
-    # are what a device holds (docs/scaling.md, scripts/plan_full_scale.py).
-    c.train.virtual_shards = 64
-    c.opt.update(dict(lr=3e-4, warmup_steps=1000))
-    c.train.steps = 20000
-    c.train.eval_every_steps = 500
-    c.train.probe_every_steps = 100
-    c.train.probe_draws = 4
-    c.train.probe_batch_size = 8
-    c.train.probe_chunk_rows = 1  # memory of one row's backward, not eight
-    c.train.probe_lean = True  # one backward pass compiled and live at once
-    c.ckpt.every_steps = 1000
+    presets.gpt_390m_probe_run(c, probe_every_steps=100)
     c.log.progress_every_steps = 100
   if c.study.scale == "smoke":
     common.shrink_to_smoke(c, 4)

@@ -116,21 +116,10 @@ def get_config(arg=None):
   c.ckpt.every_steps = 250
   c.log.progress_every_steps = 100
   if c.study.scale == "full":
-    presets.use(c, "gpt_390m")
-    c.data.update(dict(name="tokens", batch_size=256, eval_batches=20))
-    c.train.virtual_shards = 64
-    c.opt.update(dict(lr=3e-4, warmup_steps=1000))
-    c.train.steps = 20000
-    c.train.eval_every_steps = 500
-    c.train.probe_every_steps = 1000
-    c.train.probe_draws = 4
-    c.train.probe_batch_size = 8
-    c.train.probe_chunk_rows = 1
-    c.train.probe_lean = True
+    presets.gpt_390m_probe_run(c, probe_every_steps=1000)
     for arm in c.study.arms.values():
       if arm.lowprec.compute == "nvfp4" and arm.lowprec.compute_keep_last:
         arm.lowprec.compute_keep_last = 4
-    c.ckpt.every_steps = 1000
   if c.study.scale == "smoke":
     common.shrink_to_smoke(c, 4)
     c.study.seeds = (0,)

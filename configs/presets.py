@@ -27,6 +27,27 @@ def use(c, name: str) -> None:
   c.model.update(PRESETS[name])
 
 
+def gpt_390m_probe_run(c, probe_every_steps: int) -> None:
+  """The 390M GPT on token files, 20000 steps of 256 x 1024 tokens (AdamW
+  at 3e-4, 1000 warmup), evaluated every 500 steps and checkpointed every
+  1000, with the lean gradient probe every `probe_every_steps`: the
+  full-scale run of the backward-state training studies."""
+  use(c, "gpt_390m")
+  c.data.update(dict(name="tokens", batch_size=256, eval_batches=20))
+  # Microbatches of 4 x 1024 tokens: their activations (not the batch's)
+  # are what a device holds (docs/scaling.md, scripts/plan_full_scale.py).
+  c.train.virtual_shards = 64
+  c.opt.update(dict(lr=3e-4, warmup_steps=1000))
+  c.train.steps = 20000
+  c.train.eval_every_steps = 500
+  c.train.probe_every_steps = probe_every_steps
+  c.train.probe_draws = 4
+  c.train.probe_batch_size = 8
+  c.train.probe_chunk_rows = 1  # memory of one row's backward, not eight
+  c.train.probe_lean = True  # one backward pass compiled and live at once
+  c.ckpt.every_steps = 1000
+
+
 def gpt2_124m_run(c) -> None:
   """GPT-2 124M on token files, 10000 steps of AdamW at 6e-4 (500 warmup),
   evaluated every 500 steps and checkpointed every 1000: the full-scale
