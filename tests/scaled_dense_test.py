@@ -190,7 +190,7 @@ SR16 = block_checks.SR16
 # The one prediction that does not hold: MXFP8's copy along N is another
 # rounding in general, but with power-of-two scales rounded up it differs
 # only at elements below e4m3's normal range for one of the two block
-# scales (2^-15 of a block's largest): under float32 roundoff here.
+# scales (below about 2^-14 of a block's largest): under float32 roundoff here.
 DOES_NOT_HOLD = "W in 1x32 blocks, re-quantized along N (two copies)"
 
 
