@@ -82,11 +82,7 @@ def _gpt_probe(t, model, batch):
   ref_loss = _lm_loss(models.GPT(cfg, ref))
   run = model.numerics
   if not t.probe_grad_rounding:
-    run = dataclasses.replace(
-      run,
-      grads=None,
-      compute=run.compute and run.compute.without_grad_rounding(),
-    )
+    run = run.without_grad_rounding()
   loss = _lm_loss(models.GPT(cfg, run))
   if t.probe_batch_size:
     batch = tuple(x[: t.probe_batch_size] for x in batch)

@@ -96,13 +96,18 @@ class Numerics:
         f"ops.ScaledDense.nvfp4()), got {self.compute!r}"
       )
 
-  def reference(self) -> Numerics:
-    """The same forward, the reference reads, no gradient rounding: the
-    numerics whose gradient is the reference gradient."""
+  def without_grad_rounding(self) -> Numerics:
+    """The same numerics with no gradient rounding (`grads`, and the
+    recipe's, `ops.ScaledDense.without_grad_rounding`)."""
     compute = self.compute
     if compute is not None:
       compute = compute.without_grad_rounding()
-    return dataclasses.replace(self, policy=None, grads=None, compute=compute)
+    return dataclasses.replace(self, grads=None, compute=compute)
+
+  def reference(self) -> Numerics:
+    """The same forward, the reference reads, no gradient rounding: the
+    numerics whose gradient is the reference gradient."""
+    return dataclasses.replace(self.without_grad_rounding(), policy=None)
 
   @classmethod
   def fp8(cls, policy=None, *, saved_mode: str = "stochastic", **kw):

@@ -134,32 +134,57 @@ def _from_tiles(t, shape, b):
   return t.reshape(k // b, n // b, b, b).transpose(0, 2, 1, 3).reshape(k, n)
 
 
+@jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass(frozen=True)
-class Layout:
-  """How one tensor is cut into blocks for one GEMM: `"rows"` (blocks
-  along the last axis), `"cols"` (along the first axis of a matrix) or
-  `"tiles"` (square `b x b` tiles of a matrix, `b` the format's block)."""
+class _TiledStored:
+  """A tensor's narrow form kept in `b x b` tiles; `value()` in its shape."""
 
+  stored: object  # the rounding's narrow form of the tiled tensor
+  shape: tuple[int, int]
+  b: int
+
+  def value(self) -> jax.Array:
+    return _from_tiles(self.stored.value(), self.shape, self.b)
+
+  def tree_flatten(self):
+    return (self.stored,), (self.shape, self.b)
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    return cls(children[0], *aux)
+
+
+@dataclasses.dataclass(frozen=True)
+class Oriented:
+  """A `Rounding` applied with its blocks in one layout: `"rows"` (along
+  the last axis), `"cols"` (along the first axis of a matrix) or `"tiles"`
+  (square `b x b` tiles of a matrix, `b` the format's block). It has what
+  `lowprec.ops.saved` asks of a rounding, so saved tensors are kept and
+  read by that module in any layout."""
+
+  rounding: Rounding
   kind: str
 
-  def round(self, r: Rounding, t, key, mode=None):
-    """`(value, stored)`: `t` rounded by `r` in this layout (`stored` is
-    the narrow form `self.value` reads back)."""
-    if self.kind == "tiles" and _block(r):
-      b = _block(r)
+  @property
+  def is_identity(self) -> bool:
+    return self.rounding.is_identity
+
+  @property
+  def mode(self) -> str:
+    return self.rounding.mode
+
+  def round(self, t, key=None, *, mode=None):
+    """`(value, stored)`: `t` rounded in this layout; `stored.value()` is
+    the value again, in `t`'s shape."""
+    r, b = self.rounding, _block(self.rounding)
+    if self.kind == "tiles" and b:
       v, s = _oriented(r, -1, b * b).round(_to_tiles(t, b), key, mode=mode)
-      return _from_tiles(v, t.shape, b), s
+      return _from_tiles(v, t.shape, b), _TiledStored(s, t.shape, b)
     axis = 0 if self.kind == "cols" else -1
     return _oriented(r, axis).round(t, key, mode=mode)
 
-  def value(self, r: Rounding, stored, shape):
-    v = stored.value()
-    if self.kind == "tiles" and _block(r):
-      return _from_tiles(v, shape, _block(r))
-    return v
-
-
-ROWS, COLS, TILES = Layout("rows"), Layout("cols"), Layout("tiles")
+  def quantize(self, t, key=None, *, mode=None):
+    return self.round(t, key, mode=mode)[1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -397,53 +422,40 @@ class ScaledDense(Op):
 
   # ---- forward and backward ----------------------------------------------
 
-  def _kernel_layout(self) -> Layout:
-    return TILES if self.kernel_blocks == "2d" else COLS
+  def _oriented(self, tensor: str) -> Oriented:
+    """`tensor`'s forward rounding in its forward layout: x in rows, the
+    kernel in columns or tiles."""
+    kind = "rows"
+    if tensor == "kernel":
+      kind = "tiles" if self.kernel_blocks == "2d" else "cols"
+    return Oriented(self.rounding(tensor), kind)
 
-  def _save(self, tensor, t, layout, keys, reads, res):
-    r = self.rounding(tensor)
-    if r.is_identity:
-      if reads is not None:
-        res[tensor] = {"original": t}
-      return t
-    value, stored = layout.round(r, t, keys[tensor])
+  def _save(self, tensor, t, keys, reads, res):
+    o = self._oriented(tensor)
     if reads is None:  # straight through: the reference forward
-      return (t - jax.lax.stop_gradient(t)) + jax.lax.stop_gradient(value)
-    kept = {}
+      return saved.straight_through(o, t, keys[tensor])
     need = reads[tensor]
-    if "rounded" in need:
-      kept["rounded"] = stored
-    if "nearest" in need:
-      kept["nearest"] = (
-        stored if r.mode == "nearest" else layout.round(r, t, None,
-                                                        mode="nearest")[1]
-      )  # fmt: skip
-    if need & {"original", "fresh", "requantized"}:
-      kept["original"] = t
-    res[tensor] = kept
+    if "requantized" in need:  # a new quantization of the original
+      need = need | {"original"}
+    value, res[tensor] = saved.save(o, t, keys[tensor], need)
     return value
 
   def _forward(self, values, args, keys):
     x, kernel, bias = args
     reads = None if values is None else self.reads(values)
     res = {}
-    xr = self._save("x", x, ROWS, keys, reads, res)
-    wr = self._save("kernel", kernel, self._kernel_layout(), keys, reads, res)
+    xr = self._save("x", x, keys, reads, res)
+    wr = self._save("kernel", kernel, keys, reads, res)
     y = jnp.matmul(xr, wr)
     if bias is not None:
       y = y + bias
     return y, res
 
-  def _read_tensor(self, tensor, layout, value, res, t_shape, bkey):
+  def _read_tensor(self, tensor, value, res, bkey):
     """The value one use reads of `tensor` (not `requantized`)."""
-    r = self.rounding(tensor)
-    kept = res[tensor]
-    if r.is_identity or value == "original":
-      return kept["original"].astype(jnp.float32)
-    if value == "fresh":
-      k = saved.key_for(bkey, f"fresh:{tensor}")
-      return layout.round(r, kept["original"], k, mode="stochastic")[0]
-    return layout.value(r, kept[value], t_shape).astype(jnp.float32)
+    k = None if bkey is None else saved.key_for(bkey, f"fresh:{tensor}")
+    o = self._oriented(tensor)
+    return saved.read(o, res[tensor], value, k).astype(jnp.float32)
 
   def _backward(self, values, res, g):
     bkey = res["backward_key"]
@@ -457,12 +469,9 @@ class ScaledDense(Op):
       return None if bkey is None else saved.key_for(bkey, name)
 
     # Data gradient: dy blocked along N, W as `sdense.kernel@dx` reads it.
-    gx = (
-      ROWS.round(self.grad, g2, key("grad:dx"))[0]
-      if not (self.grad.is_identity)
-      else g2
-    )
-    kernel_layout = self._kernel_layout()
+    gx = g2
+    if not self.grad.is_identity:
+      gx = Oriented(self.grad, "rows").round(g2, key("grad:dx"))[0]
     i_w = self.uses.index("sdense.kernel@dx")
     w_shape = self._kernel_shape(res)
 
@@ -472,9 +481,9 @@ class ScaledDense(Op):
         q = self.requantizer("kernel")
         if q.is_identity:
           return w.astype(jnp.float32)
-        lay = TILES if self.kernel_blocks == "2d" else ROWS
-        return lay.round(q, w, key("requantized:kernel"))[0]
-      return self._read_tensor("kernel", kernel_layout, v, res, w_shape, bkey)
+        kind = "tiles" if self.kernel_blocks == "2d" else "rows"
+        return Oriented(q, kind).round(w, key("requantized:kernel"))[0]
+      return self._read_tensor("kernel", v, res, bkey)
 
     wv = per_value(values[i_w], read_kernel, self.values)
     dx = jnp.matmul(gx, wv.T)
@@ -490,7 +499,7 @@ class ScaledDense(Op):
 
     gw = h(g2)
     if not self.grad_dw.is_identity:
-      gw = COLS.round(self.grad_dw, gw, key("grad:dw"))[0]
+      gw = Oriented(self.grad_dw, "cols").round(gw, key("grad:dw"))[0]
     i_x = self.uses.index("sdense.in@dw")
     k_dim = w_shape[0]
 
@@ -501,10 +510,8 @@ class ScaledDense(Op):
         hx = h(xo2)
         if q.is_identity:
           return hx
-        return COLS.round(q, hx, key("requantized:x"))[0]
-      x_shape = (*g.shape[:-1], k_dim)
-      xv = self._read_tensor("x", ROWS, v, res, x_shape, bkey)
-      return h(xv.reshape(m, k_dim))
+        return Oriented(q, "cols").round(hx, key("requantized:x"))[0]
+      return h(self._read_tensor("x", v, res, bkey).reshape(m, k_dim))
 
     xv = per_value(values[i_x], read_x, self.values)
     dw = jnp.matmul(xv.T, gw)
@@ -515,12 +522,7 @@ class ScaledDense(Op):
     kept = res["kernel"]
     if "original" in kept:
       return kept["original"].shape
-    stored = next(iter(kept.values()))
-    if self.kernel_blocks == "2d" and _block(self.kernel):
-      b = _block(self.kernel)
-      e = stored.quantized.elements
-      return (e.shape[0] * b, e.shape[1] * b)
-    return stored.value().shape
+    return next(iter(kept.values())).value().shape
 
 
 def scaled_dense(x, kernel, bias=None, *, policy=None, key=None, **config):
