@@ -363,3 +363,135 @@ def test_narrow_mx_formats_round_each_operand_along_its_contraction_axis(fmt):
     w, scaled.get_scaled_format(f, axis=0)
   )
   np.testing.assert_allclose(y, want, rtol=1e-6, atol=1e-6)
+
+
+# ---- in users' own modules: NNX, Equinox, plain JAX ------------------------
+
+
+def _plain_mlp_loss(params, x, y, key):
+  """The two-layer model in plain JAX: the oracle for the modules below."""
+  op = ScaledDense.nvfp4()
+  pol = ops.REFERENCE.override(RECIPE)
+  (w1, b1), (w2, b2) = params
+  k1, k2 = jax.random.split(key)
+  h = jax.nn.gelu(op(x, w1, b1, key=k1, policy=pol))
+  return jnp.mean((op(h, w2, b2, key=k2, policy=pol) - y) ** 2)
+
+
+def _mlp_data():
+  x = _normal(50, (32, 32))
+  return x, jnp.tanh(x[:, :16])
+
+
+def test_an_nnx_module_calling_the_op_trains_with_the_plain_jax_gradients():
+  import optax
+  from flax import nnx
+
+  op = ScaledDense.nvfp4()
+  pol = ops.REFERENCE.override(RECIPE)
+
+  class Linear(nnx.Module):
+    def __init__(self, k, n, rngs):
+      init = nnx.initializers.lecun_normal()
+      self.kernel = nnx.Param(init(rngs(), (k, n)))
+      self.bias = nnx.Param(jnp.zeros(n))
+
+    def __call__(self, x, key):
+      return op(x, self.kernel[...], self.bias[...], key=key, policy=pol)
+
+  class MLP(nnx.Module):
+    def __init__(self, rngs):
+      self.l1, self.l2 = Linear(32, 64, rngs), Linear(64, 16, rngs)
+
+    def __call__(self, x, key):
+      k1, k2 = jax.random.split(key)
+      return self.l2(jax.nn.gelu(self.l1(x, k1)), k2)
+
+  x, y = _mlp_data()
+  model = MLP(nnx.Rngs(0))
+  opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+  def params(m):
+    return [
+      (m.l1.kernel[...], m.l1.bias[...]),
+      (m.l2.kernel[...], m.l2.bias[...]),
+    ]
+
+  # The module's gradients are those of the same function in plain JAX.
+  key = jax.random.key(7)
+  _, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x, key) - y) ** 2))(model)
+  want = jax.grad(_plain_mlp_loss)(params(model), x, y, key)
+  for got, exp in zip(
+    jax.tree.leaves(params(grads)), jax.tree.leaves(want), strict=True
+  ):
+    np.testing.assert_array_equal(got, exp)
+
+  @nnx.jit
+  def step(model, opt, key):
+    loss, g = nnx.value_and_grad(lambda m: jnp.mean((m(x, key) - y) ** 2))(
+      model
+    )
+    opt.update(model, g)
+    return loss
+
+  losses = [float(step(model, opt, jax.random.key(i))) for i in range(60)]
+  assert losses[-1] < 0.1 * losses[0], losses[::10]
+
+
+def test_an_equinox_module_calling_the_op_trains_with_the_plain_jax_gradients():
+  eqx = pytest.importorskip("equinox")
+  import optax
+
+  op = ScaledDense.nvfp4()
+  pol = ops.REFERENCE.override(RECIPE)
+
+  class Linear(eqx.Module):
+    kernel: jax.Array
+    bias: jax.Array
+
+    def __init__(self, k, n, key):
+      self.kernel = jax.random.normal(key, (k, n)) / np.sqrt(k)
+      self.bias = jnp.zeros(n)
+
+    def __call__(self, x, key):
+      return op(x, self.kernel, self.bias, key=key, policy=pol)
+
+  class MLP(eqx.Module):
+    l1: Linear
+    l2: Linear
+
+    def __init__(self, key):
+      k1, k2 = jax.random.split(key)
+      self.l1, self.l2 = Linear(32, 64, k1), Linear(64, 16, k2)
+
+    def __call__(self, x, key):
+      k1, k2 = jax.random.split(key)
+      return self.l2(jax.nn.gelu(self.l1(x, k1)), k2)
+
+  def loss(model, x, y, key):
+    return jnp.mean((model(x, key) - y) ** 2)
+
+  x, y = _mlp_data()
+  model = MLP(jax.random.key(0))
+  key = jax.random.key(7)
+  grads = eqx.filter_grad(loss)(model, x, y, key)
+  params = [(model.l1.kernel, model.l1.bias), (model.l2.kernel, model.l2.bias)]
+  want = jax.grad(_plain_mlp_loss)(params, x, y, key)
+  got = [(grads.l1.kernel, grads.l1.bias), (grads.l2.kernel, grads.l2.bias)]
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_array_equal(g, w)
+
+  tx = optax.adam(1e-2)
+  opt = tx.init(eqx.filter(model, eqx.is_array))
+
+  @eqx.filter_jit
+  def step(model, opt, key):
+    val, g = eqx.filter_value_and_grad(loss)(model, x, y, key)
+    upd, opt = tx.update(g, opt)
+    return eqx.apply_updates(model, upd), opt, val
+
+  losses = []
+  for i in range(60):
+    model, opt, val = step(model, opt, jax.random.key(i))
+    losses.append(float(val))
+  assert losses[-1] < 0.1 * losses[0], losses[::10]
