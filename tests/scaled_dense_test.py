@@ -342,16 +342,30 @@ def test_one_and_eight_devices_train_the_same_bits(tmp_path):
   one, eight = run(1), run(8)
   assert one[0] == eight[0]
 
-  def training(text):
-    keep = ("step", "loss", "val_loss", "grad_norm")
-    return [
-      {k: v for k, v in json.loads(line).items() if k in keep}
-      for line in text.splitlines()
-    ]
+  def records(text):
+    return [json.loads(line) for line in text.splitlines()]
 
-  # The training bits; the gradient probe's statistics (a diagnostic with
-  # its own reductions) may differ in their last bits across devices.
-  assert training(one[1]) == training(eight[1])
+  def training(r):
+    keep = ("step", "loss", "val_loss", "grad_norm")
+    return {k: v for k, v in r.items() if k in keep}
+
+  def probe(r):
+    return {k: v for k, v in r.items() if k.startswith("probe/")}
+
+  # The training bits are equal. The gradient probe's are not: it takes
+  # the gradient of its whole batch in one pass, and XLA:CPU splits a
+  # matmul with a small output and a long contraction (the 64 x 64 kernel
+  # gradients over the batch's tokens) across threads in a way that
+  # depends on the number of host devices (docs/scaling.md). They agree to
+  # float32 rounding.
+  ones, eights = records(one[1]), records(eight[1])
+  assert [training(r) for r in ones] == [training(r) for r in eights]
+  probes_1, probes_8 = [probe(r) for r in ones], [probe(r) for r in eights]
+  assert [sorted(r) for r in probes_1] == [sorted(r) for r in probes_8]
+  assert any(probes_1), "no probe statistics"
+  for a, b in zip(probes_1, probes_8, strict=True):
+    for k in a:
+      np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-9, err_msg=k)
 
 
 @pytest.mark.parametrize("fmt", ["mxfp6_e3m2", "mxfp6_e2m3", "mxfp4_e2m1"])
