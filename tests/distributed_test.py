@@ -28,7 +28,7 @@ ARGS = (
 TIMEOUT_S = 400  # per process; a healthy run takes well under a minute
 # A process silent this long counts as dead. Generous for the runs that must
 # finish: on 2 loaded cores (three processes compiling beside another test)
-# a live process can miss a 10 s heartbeat, and the runtime then aborts it.
+# a live process may miss a 10 s heartbeat, and the runtime then aborts it.
 HEARTBEAT_S = 60
 # Short only where the test measures how fast a lost process is noticed.
 KILL_HEARTBEAT_S = 10
