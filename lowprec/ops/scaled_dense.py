@@ -44,6 +44,7 @@ from lowprec import policy as policy_lib
 from lowprec import scaled as scaled_lib
 from lowprec.ops import saved
 from lowprec.ops.base import Op, per_value
+from lowprec.ops.dense import Dense
 from lowprec.ops.requirements import Requirement
 from lowprec.ops.rounding import Rounding
 
@@ -430,7 +431,9 @@ class ScaledDense(Op):
       kind = "tiles" if self.kernel_blocks == "2d" else "cols"
     return Oriented(self.rounding(tensor), kind)
 
-  def _save(self, tensor, t, keys, reads, res):
+  def _round(self, tensor, t, keys, reads, res):
+    """`Op._round` with the rounding in its forward layout, and the
+    original kept where a use re-quantizes it."""
     o = self._oriented(tensor)
     if reads is None:  # straight through: the reference forward
       return saved.straight_through(o, t, keys[tensor])
@@ -440,16 +443,9 @@ class ScaledDense(Op):
     value, res[tensor] = saved.save(o, t, keys[tensor], need)
     return value
 
-  def _forward(self, values, args, keys):
-    x, kernel, bias = args
-    reads = None if values is None else self.reads(values)
-    res = {}
-    xr = self._save("x", x, keys, reads, res)
-    wr = self._save("kernel", kernel, keys, reads, res)
-    y = jnp.matmul(xr, wr)
-    if bias is not None:
-      y = y + bias
-    return y, res
+  # The forward is `ops.Dense`'s: round x, round W (by `_round` above),
+  # multiply, add the bias.
+  _forward = Dense._forward
 
   def _read_tensor(self, tensor, value, res, bkey):
     """The value one use reads of `tensor` (not `requantized`)."""
