@@ -227,6 +227,36 @@ def read_metrics(path: str) -> list[dict]:
   return [r for _, _, r in _parse_lines(path)[0]]
 
 
+def read_whole_metrics(path: str) -> list[tuple[int, dict]]:
+  """`(line number, record)` of every line of a metrics.jsonl, for readers
+  that take a run's records as its measurements (`scripts.advise`).
+
+  Stricter than `read_metrics`: a cut last line is refused too (a run
+  being written, or killed mid-line), and the steps must run 0, 1, ...,
+  one line each, as `MetricsWriter` leaves them.
+
+  Raises:
+    MetricsError: an unreadable line (cut or not) or a step out of place;
+      the message names the file, the line and the fix.
+  """
+  parsed, torn = _parse_lines(path)
+  if torn:
+    raise MetricsError(
+      f"{path}:{len(parsed) + 1}: the last line is not a whole record (a "
+      "run being written, or one killed mid-line): wait for the run, or "
+      "resume it (its rerun writes that step again), then read it again"
+    )
+  for k, (i, _, r) in enumerate(parsed):
+    if r["step"] != k:
+      raise MetricsError(
+        f"{path}:{i}: step {r['step']} where step {k} belongs: a run writes "
+        "one line per step, in order, from step 0, so the file was edited "
+        "or mixed with another run's. Restore the file, or rerun the run "
+        "with --restart (deletes its files)"
+      )
+  return [(i, r) for i, _, r in parsed]
+
+
 def git_revision() -> str:
   here = os.path.dirname(os.path.abspath(__file__))
   try:

@@ -32,15 +32,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Two leaves in two groups; 100 and 300 parameters.
 SIZES = {"wte": 100, "h/mlp/kernel": 300}
 GROUPS = (("embeddings", "wte"), ("mlp", ".*"))
+# 20 steps: their second half, the window, holds the advisor's minimum.
+STEPS = range(1, 21)
 
 
-def _record(step, near=0.5, move=0.3, lost_e5m2=0.0, nu=0.2, props=None):
+def _record(
+  step, near=0.5, move=0.3, lost_e5m2=0.0, nu=0.2, props=None, sizes=SIZES
+):
   """One step's float32-run telemetry: bf16 nearest erased share `near`,
   stochastic move probability `move`, a Kahan e5m2 buffer losing
   `lost_e5m2` of the proposals, the bf16 store stalling `nu` of nu's
   updates (mu never), for every leaf."""
   r = {"step": step, "loss": 1.0}
-  for leaf, n in SIZES.items():
+  for leaf, n in sizes.items():
     p = n if props is None else props[leaf]
     r[f"pred/bfloat16/proposals/{leaf}"] = p
     r[f"pred/bfloat16/erased_fraction/{leaf}"] = near
@@ -61,15 +65,18 @@ def _rows(advice, group):
 
 
 def test_predictions_are_proposal_weighted_over_the_second_half():
-  # Steps 1-2 (first half) would make every bf16 recipe unsafe; steps 3-4
-  # have erased 0.2 / 0.6 with 1 and 3 proposals per parameter.
-  recs = [_record(t, near=1.0, move=0.0, lost_e5m2=1.0) for t in (1, 2)]
+  # Steps 1-10 (first half) would make every bf16 recipe unsafe; steps
+  # 11-20 alternate erased 0.2 / 0.6 with 1 and 3 proposals per parameter.
+  recs = [_record(t, near=1.0, move=0.0, lost_e5m2=1.0) for t in STEPS[:10]]
   props1 = {k: v for k, v in SIZES.items()}
   props3 = {k: 3 * v for k, v in SIZES.items()}
-  recs.append(_record(3, near=0.2, move=0.5, props=props1))
-  recs.append(_record(4, near=0.6, move=0.1, props=props3))
+  for t in STEPS[10:]:
+    if t % 2:
+      recs.append(_record(t, near=0.2, move=0.5, props=props1))
+    else:
+      recs.append(_record(t, near=0.6, move=0.1, props=props3))
   a = advise(recs, SIZES, groups=GROUPS)
-  assert a.steps == (3, 4)
+  assert a.steps == (11, 20) and a.window_steps == 10
   row = _rows(a, "mlp")["bf16_rn"]
   assert row.erased == pytest.approx((0.2 * 1 + 0.6 * 3) / 4)
   assert row.lost == row.erased  # nearest loses what it erases
@@ -81,7 +88,7 @@ def test_predictions_are_proposal_weighted_over_the_second_half():
 def test_choice_is_the_cheapest_safe_recipe_and_store():
   # bf16 moves with probability 0.3 >= 0.1: stochastic write-back (2 B)
   # is safe; fp8 has no trace, ECO and split no prediction: never chosen.
-  a = advise([_record(t) for t in range(1, 5)], SIZES, groups=GROUPS)
+  a = advise([_record(t) for t in STEPS], SIZES, groups=GROUPS)
   assert a.choice == {"embeddings": "bf16_sr+bf16", "mlp": "bf16_sr+bf16"}
   rows = _rows(a, "mlp")
   assert not rows["fp8_sr"].safe
@@ -98,7 +105,7 @@ def test_choice_is_the_cheapest_safe_recipe_and_store():
 
 
 def test_thresholds_move_the_choice():
-  recs = [_record(t, move=0.05, lost_e5m2=0.005, nu=0.95) for t in range(4)]
+  recs = [_record(t, move=0.05, lost_e5m2=0.005, nu=0.95) for t in STEPS]
   a = advise(recs, SIZES, groups=GROUPS)
   # SR moves too rarely (0.05 < 0.1); Kahan's e5m2 buffer loses 0.5%.
   assert a.choice["mlp"] == "bf16_kahan_e5m2+float32"
@@ -114,7 +121,7 @@ def test_a_grid_that_resolves_no_step_takes_no_deterministic_compensation():
   # Every late proposal below half a gap (erased 1.0): the Kahan buffers
   # lose nothing, but the weight lags by up to half a gap; stochastic
   # rounding that moves too rarely is refused too: float32 is left.
-  recs = [_record(t, near=1.0, move=0.05, lost_e5m2=0.0) for t in range(4)]
+  recs = [_record(t, near=1.0, move=0.05, lost_e5m2=0.0) for t in STEPS]
   a = advise(recs, SIZES, groups=GROUPS)
   rows = _rows(a, "mlp")
   assert rows["bf16_kahan_e5m2"].lost == 0.0
@@ -127,7 +134,7 @@ def test_a_grid_that_resolves_no_step_takes_no_deterministic_compensation():
 
 
 def test_a_budget_trades_the_least_predicted_risk_per_byte():
-  recs = [_record(t, move=0.05, lost_e5m2=0.005, nu=0.95) for t in range(4)]
+  recs = [_record(t, move=0.05, lost_e5m2=0.005, nu=0.95) for t in STEPS]
   free = advise(recs, SIZES, groups=GROUPS)
   assert free.bytes_per_param == pytest.approx(11.0)  # 3 + 8
   a = advise(recs, SIZES, groups=GROUPS, budget=10.0)
@@ -143,7 +150,9 @@ def test_bad_input_is_refused_with_the_fix():
   with pytest.raises(ValueError, match="window"):
     advise([_record(1)], SIZES, window=0)
   with pytest.raises(ValueError, match="in no group"):
-    advise([_record(1)], SIZES, groups=(("embeddings", "wte"),))
+    advise(
+      [_record(t) for t in STEPS], SIZES, groups=(("embeddings", "wte"),)
+    )
 
 
 # ----------------------------------------------------- groups, recipes
@@ -194,8 +203,8 @@ def test_recipe_bytes_are_the_stored_bytes(monkeypatch):
 
 
 def _advice():
-  recs = [_record(t, move=0.05, lost_e5m2=0.005, nu=0.2) for t in range(4)]
   sizes = {"wte": 96, "h/attn/kernel": 48, "h/mlp/kernel": 48, "h/bias": 6}
+  recs = [_record(t, 0.5, 0.05, 0.005, 0.2, sizes=sizes) for t in STEPS]
   groups = (
     ("embeddings", "wte"),
     ("attention", ".*attn.*"),
@@ -466,7 +475,7 @@ def test_plain_jax_float32_run_to_advice_to_training():
     return optax.apply_updates(params, updates), state
 
   records = []
-  for t in range(12):
+  for t in range(20):
     params, state = step(params, state)
     records.append({"step": t + 1, **lowprec.telemetry(state)})
   a = advise(records, params)

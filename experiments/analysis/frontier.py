@@ -166,7 +166,11 @@ def predicted(ref_run, config: dict, sizes: dict[str, int], cache) -> dict:
   def advice(groups):
     key = (ref_run.path, groups)
     if key not in cache:
-      cache[key] = lowprec.freeze.advise(recs, sizes, groups=groups)
+      # Shares of the reference's traces, not advice: any window (a smoke
+      # run's too); the table reads no choice from it.
+      cache[key] = lowprec.freeze.advise(
+        recs, sizes, groups=groups, min_steps=1
+      )
     return cache[key]
 
   weights, state = name.split("+")

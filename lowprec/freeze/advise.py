@@ -31,7 +31,8 @@ without a trace) are listed as unpredicted and never recommended.
     print(advice.optax_code("optax.adamw(1e-3)"))
 
 `records` are the float32 run's per-step `lowprec.telemetry` dicts, in
-step order (the `metrics.jsonl` lines of `experiments.run`).
+step order (the `metrics.jsonl` lines of `experiments.run`), checked as
+`lowprec.freeze.records` says; the window must hold `MIN_WINDOW_STEPS`.
 """
 
 from __future__ import annotations
@@ -46,7 +47,17 @@ import numpy as np
 
 from lowprec import groups as groups_lib
 from lowprec import recipes
+from lowprec.freeze import records as records_lib
 from lowprec.freeze.remedies import remedy_name
+
+# The fewest steps the window must hold. The advice compares means over
+# the window with thresholds whose time scale is 10 steps: `Thresholds.move`
+# asks a stochastic write-back to move at least once per 10 steps, the
+# first moment's time constant 1 / (1 - b1) at b1 = 0.9. Over fewer steps a
+# share measures a few steps' fluctuation rather than the regime a recipe
+# would train in, and a write-back moving at that rate may not move at all.
+MIN_WINDOW_STEPS = 10
+_SHOWN = 4  # tensors a note names before "and N more"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +132,7 @@ class Advice:
       (`lowprec.recipes.get` reads it).
     groups: the group regexes used, `(name, regex)`.
     thresholds: the `Thresholds` applied.
-    steps: the steps the predictions were added over.
+    steps: the first and last step the predictions were added over.
     budget: the bytes-per-parameter budget asked for, or None.
     notes: what the advice could not do (unpredicted recipes, a budget
       that forces a risk).
@@ -136,6 +147,7 @@ class Advice:
   steps: tuple[int, int]
   budget: float | None = None
   notes: list[str] = dataclasses.field(default_factory=list)
+  window_steps: int = 0  # records in the window
 
   @property
   def bytes_per_param(self) -> float:
@@ -155,8 +167,9 @@ class Advice:
     th = self.thresholds
     lines = [
       f"Predicted from steps {self.steps[0]}-{self.steps[1]} of the float32 "
-      f"run; thresholds: lost <= {th.lost}, move >= {th.move}, erased <= "
-      f"{th.erased} under a deterministic compensation.",
+      f"run ({self.window_steps} steps; the advice needs at least "
+      f"{MIN_WINDOW_STEPS}); thresholds: lost <= {th.lost}, move >= "
+      f"{th.move}, erased <= {th.erased} under a deterministic compensation.",
       "",
       "| group | params | weights | bytes | erased (nearest) | move (SR) "
       "| lost | safe |",
@@ -213,7 +226,14 @@ class Advice:
     """The choice as Python a user can paste: one `optax.multi_transform`
     over the groups, each group's recipe (`lowprec.recipes.chain`) around
     `optimizer` (an expression), keyed by `lowprec.groups.labels`; group
-    `i`'s randomness is `fold_in(key, i)`."""
+    `i`'s randomness is `fold_in(key, i)`.
+
+    Raises:
+      ValueError: `optimizer` or `key` is not a Python expression (each is
+        compiled, never run).
+    """
+    _check_expression("optimizer", optimizer, "optax.adamw(1e-3)")
+    _check_expression("key", key, "jax.random.key(0)")
     lines = [
       "import jax",
       "import optax",
@@ -230,6 +250,23 @@ class Advice:
       lines.append(f"    {g!r}: {recipes.code(c, optimizer, k)},")
     lines += ["  },", "  lowprec.groups.labels(GROUPS),", ")"]
     return "\n".join(lines) + "\n"
+
+
+def _check_expression(what: str, text, example: str) -> None:
+  """Compiles `text` as one Python expression (nothing is run)."""
+  if not isinstance(text, str):
+    raise ValueError(
+      f"{what} must be a Python expression as a string, e.g. {example!r}; "
+      f"got {type(text).__name__}"
+    )
+  try:
+    compile(text, f"<{what}>", "eval")
+  except (SyntaxError, ValueError) as e:
+    why = getattr(e, "msg", None) or str(e)
+    raise ValueError(
+      f"{what} {text!r} is not a Python expression ({why}), so the code "
+      f"written around it would not compile: give one, e.g. {example!r}"
+    ) from None
 
 
 def _docstring(a: Advice) -> str:
@@ -257,8 +294,8 @@ class _Sums:
   """Per leaf, the window's sums of a trace's per-step counts, each
   summed once (recipes on one grid share its traces)."""
 
-  def __init__(self, records: Sequence[dict]):
-    self.records = records
+  def __init__(self, records: Sequence[dict[str, float]]):
+    self.records = records  # checked: prediction values as floats
     self._totals: dict[tuple, float] = {}
 
   def has_any(self, key: str, leaves: Sequence[str]) -> bool:
@@ -304,8 +341,10 @@ def share(
   last `window` share of a run: `pred/<trace>/<field>/<leaf>` weighted by
   `pred/<trace>/proposals/<leaf>`, over `leaves` (e.g. the erased share a
   Kahan buffer's trace predicts: `trace="bfloat16_kahan_bfloat16"`,
-  `field="erased_fraction"`); None where there were no proposals."""
-  return _Sums(_tail(records, window)).ratio(trace, field, leaves, True)
+  `field="erased_fraction"`); None where there were no proposals. The
+  records are checked as `advise` checks them."""
+  checked = records_lib.check(records)
+  return _Sums(_tail(checked, window)).ratio(trace, field, leaves, True)
 
 
 def _ratio(num: float, den: float) -> float | None:
@@ -401,16 +440,21 @@ def advise(
   thresholds: Thresholds | None = None,
   budget: float | None = None,
   window: float = 0.5,
+  sources: Sequence[str] | None = None,
+  min_steps: int = MIN_WINDOW_STEPS,
 ) -> Advice:
   """Per group, the cheapest recipe a float32 run predicts to be safe.
 
   Args:
     records: the float32 run's per-step telemetry (`lowprec.telemetry`
-      of its state), in step order, each with its "step" where known.
+      of its state), in step order, each with its "step" where known;
+      checked as `lowprec.freeze.records.check` says (non-finite values
+      may be spelled "nan", "inf", "-inf", as metrics.jsonl spells them).
     params: the parameters (a pytree of arrays or abstract arrays), or
-      `{path: number of elements}`.
+      `{path: number of elements}`: the tensors the run traced, each one.
     groups: `(name, regex)` pairs (`lowprec.groups`), default
-      `lowprec.groups.DEFAULT_GROUPS`.
+      `lowprec.groups.DEFAULT_GROUPS`; each given group must take a
+      parameter.
     thresholds: the risks a recipe must stay under (`Thresholds()`).
     budget: bytes per parameter (weights, write-back state and AdamW's
       moments) the recommendation must fit; None for no limit. Under a
@@ -418,28 +462,38 @@ def advise(
       predicted recipes, largest saving per unit of predicted risk first,
       and a note says which risk it takes.
     window: the share of the run, at its end, the predictions add up.
+    sources: where each record came from ("metrics.jsonl:12"), named by
+      the errors.
+    min_steps: the fewest records the window may hold
+      (`MIN_WINDOW_STEPS`); a lower value is noted in the advice.
 
   Returns:
     An `Advice`.
 
   Raises:
-    ValueError: no records, a window outside (0, 1], or a budget no
-      predicted recipe fits.
+    ValueError: no records, a damaged record, a window outside (0, 1] or
+      shorter than `min_steps`, parameters and traced tensors that do not
+      match, a group that takes no parameter, or a budget no predicted
+      recipe fits.
   """
   if not records:
     raise ValueError("advise needs the float32 run's telemetry records")
   if not 0 < window <= 1:
     raise ValueError(f"window must be in (0, 1], got {window}")
+  checked = records_lib.check(records, sources)
   th = thresholds or Thresholds()
   compiled = groups_lib.as_groups(groups)
   sizes = _leaf_sizes(params)
+  _check_traced(checked[-1], sizes)
   members = groups_lib.members(list(sizes), compiled)
-  recs = _tail(records, window)
+  if groups is not None:
+    _check_groups(compiled, members, sizes)
+  recs = _window(checked, window, min_steps)
   first = len(records) - len(recs)
   sums = _Sums(recs)
   steps = (recs[0].get("step", first + 1), recs[-1].get("step", len(records)))
   group_sizes = {g: sum(sizes[x] for x in xs) for g, xs in members.items()}
-  rows, state_rows, choice, notes = [], [], {}, []
+  rows, state_rows, choice = [], [], {}
   by_bytes = sorted(recipes.WEIGHTS.values(), key=lambda w: w.bytes)
   for g, leaves in members.items():
     wrows = [_weights_row(sums, g, leaves, w, th) for w in by_bytes]
@@ -452,11 +506,7 @@ def advise(
     w = next(r for r in wrows if r.safe)  # float32 is always safe
     s = next(r for r in srows if r.safe)
     choice[g] = f"{w.recipe}+{s.state}"
-  unpredicted = sorted({r.recipe for r in rows if r.lost is None})
-  if unpredicted:
-    notes.append(
-      "not predicted by this run, never recommended: " + ", ".join(unpredicted)
-    )
+  notes = _notes(rows, recs, sizes)
   advice = Advice(
     group_sizes,
     rows,
@@ -467,10 +517,93 @@ def advise(
     steps,
     budget,
     notes,
+    len(recs),
   )
   if budget is not None and advice.bytes_per_param > budget:
     _fit(advice, budget)
   return advice
+
+
+def _window(checked, window: float, min_steps: int) -> list[dict]:
+  """The window's records; refused below `min_steps`."""
+  recs = _tail(checked, window)
+  if len(recs) >= min_steps:
+    return recs
+  need = min_steps
+  while max(1, round(need * window)) < min_steps:
+    need += 1
+  raise ValueError(
+    f"the window (the last {window:g} of the run's {len(checked)} records) "
+    f"holds {len(recs)} step(s); the advice needs at least {min_steps}: "
+    "one time constant of Adam's first moment at b1 = 0.9, the time scale "
+    f"of the move threshold. Train the float32 run longer (at least {need} "
+    "steps)"
+  )
+
+
+def _check_traced(last: dict, sizes: dict[str, int]) -> None:
+  """Parameters and the tensors the weight traces report must be the same
+  names (where the run traced any)."""
+  traced = records_lib.traced(last)
+  if not traced:
+    return
+  untraced = [x for x in sizes if x not in set(traced)]
+  unknown = [x for x in traced if x not in sizes]
+  if untraced or unknown:
+    what = []
+    if untraced:
+      what.append(
+        f"{len(untraced)} parameter(s) match no traced tensor "
+        f"({records_lib.quote(untraced)})"
+      )
+    if unknown:
+      what.append(
+        f"{len(unknown)} traced tensor(s) match no parameter "
+        f"({records_lib.quote(unknown)})"
+      )
+    raise ValueError(
+      f"{'; '.join(what)}. The traced tensors: "
+      f"{records_lib.quote(traced, 8)}. Pass the parameters of the model "
+      "the float32 run trained (their paths as the trace names them), or "
+      "trace every parameter"
+    )
+
+
+def _check_groups(compiled, members, sizes) -> None:
+  empty = [(n, r.pattern) for n, r in compiled if n not in members]
+  if empty:
+    listed = ", ".join(f"{n} ({r!r})" for n, r in empty)
+    raise ValueError(
+      f"group(s) that take no parameter: {listed} (the regex matches none "
+      "of the parameters, or groups before it take every match; the first "
+      "full match wins). The parameters: "
+      f"{records_lib.quote(list(sizes), 8)}. Fix the regex, or drop the "
+      "group"
+    )
+
+
+def _notes(rows, recs, sizes) -> list[str]:
+  notes = []
+  unpredicted = sorted({r.recipe for r in rows if r.lost is None})
+  if unpredicted:
+    notes.append(
+      "not predicted by this run, never recommended: " + ", ".join(unpredicted)
+    )
+  idle = records_lib.no_proposals(recs, sizes)
+  if idle:
+    shown = [f"{x} at {n}" for x, n in list(idle.items())[:_SHOWN]]
+    more = f", and {len(idle) - _SHOWN} more" if len(idle) > _SHOWN else ""
+    notes.append(
+      f"steps without proposals, left out of those tensors' shares (NaN, "
+      f"not zero risk): {', '.join(shown)}{more} of the window's "
+      f"{len(recs)} steps"
+    )
+  if len(recs) < MIN_WINDOW_STEPS:
+    notes.append(
+      f"the window holds {len(recs)} steps, fewer than the "
+      f"{MIN_WINDOW_STEPS} the advice needs: a longer float32 run decides"
+    )
+  return notes
 
 
 def _risk(row) -> float | None:
