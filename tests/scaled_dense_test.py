@@ -113,6 +113,37 @@ def test_block_orientations_match_a_numpy_oracle(rule):
   np.testing.assert_allclose(y2, xq @ wt, rtol=1e-5, atol=1e-5)
 
 
+def _along_tokens(a: np.ndarray, rule: str) -> np.ndarray:
+  """`_mx_e4m3_oracle` of `a [M, C]` with blocks of 32 along M (columns)."""
+  m, c = a.shape
+  cols = a.T.reshape(c, m // 32, 32)
+  return _mx_e4m3_oracle(cols, rule).reshape(c, m).T
+
+
+@pytest.mark.parametrize("rule", ["ocp", "noclip"])
+def test_the_weight_gradient_blocks_x_and_dy_along_the_tokens(rule):
+  # dW = Q(x)^T Q(dy), both quantized along M, the axis the weight
+  # gradient contracts. Each row of x and dy has its own magnitude
+  # (2^-6 .. 2^6), so a block along M holds 32 magnitudes and one along
+  # K or N a single one: blocked along the wrong axis, dW differs by the
+  # quantization error itself (about 2^-4 relative), not by roundoff.
+  rng = np.random.default_rng(7)
+  m, k, n = 64, 32, 32
+  rows = 2.0 ** rng.integers(-6, 7, (m, 1))
+  x = (rng.standard_normal((m, k)) * rows).astype(np.float32)
+  dy = (rng.standard_normal((m, n)) * rows[::-1]).astype(np.float32)
+  w = rng.standard_normal((k, n)).astype(np.float32)
+  op = ScaledDense.mxfp8(rule=rule, grad=None)
+  _, dw, _ = _grads(op, x, w, jnp.zeros(n), dy, policy=RECIPE)
+  xq = _along_tokens(x.astype(np.float64), rule)
+  gq = _along_tokens(dy.astype(np.float64), rule)
+  want = xq.T @ gq
+  # float32 accumulation of 64 exact products: roundoff of the sum only.
+  bound = 64 * 2.0**-24 * (np.abs(xq.T) @ np.abs(gq))
+  assert np.all(np.abs(np.asarray(dw, np.float64) - want) <= bound)
+  assert not np.allclose(xq, x) and not np.allclose(gq, dy)  # it rounds
+
+
 def test_ocp_floor_scales_saturate_what_rounded_up_scales_keep():
   # A block whose largest value is 1.9 * 2^k: the floor rule's grid tops
   # out at 448 * 2^(k-8) = 1.75 * 2^k, so it saturates; rounding up does not.
@@ -262,6 +293,13 @@ def test_the_derived_table_of_the_forward_is_the_operator_table():
     (lambda: ScaledDense(hadamard=32), ((16, 32), (32, 32)), "hadamard=32"),
     (lambda: ScaledDense.mxfp8(), ((64, 32), (32, 48)), "multiple of 32"),
     (lambda: ScaledDense(kernel_blocks="3d"), None, "kernel_blocks"),
+    (
+      lambda: ScaledDense.mxfp8(),
+      ((32, 64), (32, 32)),
+      r"x \(32, 64\) and kernel \(32, 32\) do not contract.*\[64, N\]",
+    ),
+    (lambda: ScaledDense(x="mxfp8"), None, "also valid here: mxfp8_e4m3"),
+    (lambda: ScaledDense(grad="nvfp5"), None, r"mxfp4_e2m1, nvfp4"),
     (lambda: ScaledDense(hadamard=12), None, "power of two"),
     (lambda: recipe("nvfp8"), None, "nvfp4"),
     (lambda: recipe("nvfp4", "kernel_blocks"), None, "field=value"),
@@ -274,6 +312,35 @@ def test_bad_input_is_answered_with_the_fix(make, call, match):
     xs, ws = call
     op(jnp.ones(xs), jnp.ones(ws), None, key=jax.random.key(0),
        policy=RECIPE)  # fmt: skip
+
+
+def test_the_reference_checks_the_contraction_before_it_multiplies():
+  with pytest.raises(ValueError, match=r"K = 48\) must equal"):
+    ScaledDense.mxfp8().reference(jnp.ones((32, 48)), jnp.ones((32, 32)))
+
+
+@pytest.mark.parametrize(
+  "make, top", [(ScaledDense.mxfp8, 1.75), (ScaledDense.nvfp4, 1.0)]
+)
+def test_an_infinite_operand_is_saturated_and_counted(make, top):
+  # The formats put inf on their grid (a block of ones around it keeps
+  # 1.75 in MXFP8, 1.0 in NVFP4): y is finite where x @ W is not, and
+  # the telemetry counts what the rounding hid, under jit.
+  op = make()
+  x = jnp.ones((32, 32)).at[3, 5].set(jnp.inf)
+  w = jnp.ones((32, 32)).at[0, 1].set(-jnp.inf).at[2, 2].set(jnp.nan)
+  y = op(x, jnp.ones((32, 32)), None, key=jax.random.key(0))
+  assert bool(jnp.isinf((x @ jnp.ones((32, 32)))[3]).all())
+  assert bool(jnp.isfinite(y).all())
+  assert float(y[3, 0]) == 31 + top  # 31 ones and the saturated inf
+  tel = jax.jit(op.telemetry)(x, w)
+  assert {k: int(v) for k, v in tel.items()} == {
+    "nonfinite": 3,
+    "nonfinite/x": 1,
+    "nonfinite/kernel": 2,
+  }
+  clean = op.telemetry(jnp.ones((32, 32)), jnp.ones((32, 32)))
+  assert int(clean["nonfinite"]) == 0
 
 
 def test_requantized_is_refused_by_operators_that_cannot_read_it():

@@ -77,7 +77,8 @@ class Rounding:
         )
       object.__setattr__(self, "scaled", True)
       return
-    fmt = get_format(self.format)
+    # An unknown name's error lists the scaled formats a rounding takes too.
+    fmt = get_format(self.format, also_valid=scaled_lib.SCALED)
     object.__setattr__(self, "format", fmt)
     if self.scaled is None:
       object.__setattr__(self, "scaled", fmt.is_float and fmt.bits <= 8)

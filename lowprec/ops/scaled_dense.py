@@ -389,6 +389,12 @@ class ScaledDense(Op):
         f"and {kernel_shape}"
       )
     k, n = kernel_shape
+    if x_shape[-1] != k:
+      raise ValueError(
+        f"scaled_dense: x {tuple(x_shape)} and kernel {tuple(kernel_shape)} "
+        f"do not contract: x's last axis (K = {x_shape[-1]}) must equal the "
+        f"kernel's first ({k}); a kernel for this x is [{x_shape[-1]}, N]"
+      )
     m = int(np.prod(x_shape[:-1], dtype=np.int64))
     checks = [
       ("x (blocks along K)", self.x, k),
@@ -417,9 +423,41 @@ class ScaledDense(Op):
       )
 
   def apply(self, values, args, key, backward_key=None):
-    x, kernel = args[0], args[1]
-    self.check_shapes(jnp.shape(x), jnp.shape(kernel))
+    if len(args) >= 2:  # Op.apply counts the arguments
+      self.check_shapes(jnp.shape(args[0]), jnp.shape(args[1]))
     return super().apply(values, args, key, backward_key)
+
+  def reference(self, *args, key=None):
+    if len(args) >= 2:
+      self.check_shapes(jnp.shape(args[0]), jnp.shape(args[1]))
+    return super().reference(*args, key=key)
+
+  # ---- telemetry ----------------------------------------------------------
+
+  def telemetry(self, x, kernel) -> dict[str, jax.Array]:
+    """Counts of what the forward meets, as int32 arrays (traceable).
+
+    `nonfinite/x` and `nonfinite/kernel`: the elements of each operand
+    that are NaN or infinite; `nonfinite`: their sum. A block-scaled
+    rounding saturates an infinite element onto its grid (by design of
+    the formats: with a block whose other values are at most 1, inf
+    becomes 1.75 in MXFP8 and 1.0 in NVFP4), so `y` stays finite where
+    `x @ W` is not, and a diverged weight or activation would not show
+    in the loss. Read the counts beside the loss, e.g. return
+    `op.telemetry(x, w)` as an auxiliary output of the loss function.
+
+    Example:
+      >>> op = ScaledDense.mxfp8()
+      >>> x = jnp.ones((32, 32)).at[0, 0].set(jnp.inf)
+      >>> int(op.telemetry(x, jnp.ones((32, 32)))["nonfinite"])
+      1
+    """
+    self.check_shapes(jnp.shape(x), jnp.shape(kernel))
+    counts = {
+      f"nonfinite/{name}": jnp.sum(~jnp.isfinite(t), dtype=jnp.int32)
+      for name, t in (("x", x), ("kernel", kernel))
+    }
+    return {"nonfinite": sum(counts.values()), **counts}
 
   # ---- forward and backward ----------------------------------------------
 
