@@ -150,9 +150,264 @@ def test_bad_input_is_refused_with_the_fix():
   with pytest.raises(ValueError, match="window"):
     advise([_record(1)], SIZES, window=0)
   with pytest.raises(ValueError, match="in no group"):
-    advise(
-      [_record(t) for t in STEPS], SIZES, groups=(("embeddings", "wte"),)
-    )
+    advise([_record(t) for t in STEPS], SIZES, groups=(("embeddings", "wte"),))
+
+
+# ------------------------------------------- what the advisor reads
+
+
+def _telemetry(**kw):
+  return [_record(t, **kw) for t in STEPS]
+
+
+NEAR = "pred/bfloat16/erased_fraction/wte"
+PROPS = "pred/bfloat16/proposals/wte"
+
+
+@pytest.mark.parametrize("nan", [float("nan"), "nan"], ids=["float", "str"])
+def test_a_nan_share_with_proposals_is_refused_not_read_as_zero_risk(nan):
+  # Every erased share NaN while the tensors had proposals: read as 0, it
+  # made nearest write-back look lossless and recommended it.
+  recs = _telemetry(near=0.5)
+  for r in recs:
+    for leaf in SIZES:
+      r[f"pred/bfloat16/erased_fraction/{leaf}"] = nan
+  with pytest.raises(ValueError) as e:
+    advise(recs, SIZES, groups=GROUPS)
+  msg = str(e.value)
+  assert msg.startswith("record 0 (step 1): pred/bfloat16/erased_fraction/")
+  assert "with 100 proposals" in msg or "with 300 proposals" in msg
+  assert "a share is NaN only where its tensor had no proposals" in msg
+
+
+@pytest.mark.parametrize("nan", [float("nan"), "nan"], ids=["float", "str"])
+def test_a_step_without_proposals_is_left_out_of_that_tensor_and_said(nan):
+  # wte had no proposals at steps 14 and 17 (a masked or frozen tensor),
+  # where its shares are NaN: they weigh nothing, and a note says so. The
+  # other steps of the window have erased 0.2 at 100 proposals each.
+  recs = _telemetry(near=0.2, move=0.3)
+  for t in (14, 17):
+    r = recs[t - 1]
+    for trace in ("bfloat16", "bfloat16_sr"):
+      r[f"pred/{trace}/proposals/wte"] = 0
+    r[NEAR] = nan
+    r["pred/bfloat16_sr/move_prob/wte"] = nan
+  a = advise(recs, SIZES, groups=GROUPS)
+  row = _rows(a, "embeddings")["bf16_rn"]
+  assert row.erased == pytest.approx(0.2) and row.lost == row.erased
+  assert _rows(a, "embeddings")["bf16_sr"].move == pytest.approx(0.3)
+  assert (
+    "steps without proposals, left out of those tensors' shares (NaN, not "
+    "zero risk): wte at 2 of the window's 10 steps" in a.notes
+  )
+  assert "wte at 2" in a.table()
+  # Without proposals in the whole window: no prediction, never chosen.
+  for r in recs[10:]:
+    r[PROPS] = r["pred/bfloat16_sr/proposals/wte"] = 0
+    r[NEAR] = r["pred/bfloat16_sr/move_prob/wte"] = nan
+  a = advise(recs, SIZES, groups=GROUPS)
+  rows = _rows(a, "embeddings")
+  assert rows["bf16_rn"].erased is None and not rows["bf16_rn"].safe
+  assert rows["bf16_sr"].why == "no proposals in the window"
+  assert a.choice["embeddings"].startswith("float32+")
+
+
+def _refused(recs, match, **kw):
+  with pytest.raises(ValueError, match=match):
+    advise(recs, SIZES, groups=GROUPS, **kw)
+
+
+@pytest.mark.parametrize(
+  "value, ok",
+  [
+    ("nan", False),  # with proposals: refused (above)
+    ("inf", False),
+    ("-inf", False),
+    ("NaN", False),  # not the runner's spelling
+    ("0.5", False),
+    (True, False),
+    (None, False),
+    ([0.5], False),
+    (0, True),
+    (1, True),
+    (0.5, True),
+    (np.float32(0.5), True),
+    (jnp.float32(0.5), True),
+    (-1e-9, False),
+    (1 + 1e-9, False),
+  ],
+)
+def test_a_share_is_a_number_in_0_1(value, ok):
+  recs = _telemetry()
+  recs[12][NEAR] = value
+  if ok:
+    advise(recs, SIZES, groups=GROUPS)
+  else:
+    _refused(recs, rf"^record 12 \(step 13\): {NEAR} = ")
+
+
+@pytest.mark.parametrize(
+  "key, value, ok",
+  [
+    (PROPS, 0, True),
+    (PROPS, -1, False),
+    (PROPS, "inf", False),
+    (PROPS, "nan", False),
+    ("pred/bfloat16_kahan_float8_e5m2/lost/wte", -1, False),
+    ("pred/bfloat16_kahan_float8_e5m2/lost/wte", 0, True),
+    ("pred_state/bf16/changed/0/mu/wte", -1, False),
+    ("pred_state/bf16/erased/0/nu/wte", "-inf", False),
+    ("pred_state/bf16/erased/0/nu/wte", 0, True),
+  ],
+)
+def test_a_count_is_finite_and_not_negative(key, value, ok):
+  recs = _telemetry()
+  recs[12][key] = value
+  if key == PROPS and value == 0:
+    recs[12][NEAR] = "nan"
+  if ok:
+    advise(recs, SIZES, groups=GROUPS)
+  else:
+    _refused(recs, rf"^record 12 \(step 13\): {key} = ")
+
+
+def test_every_record_carries_the_same_prediction_keys():
+  recs = _telemetry()
+  del recs[5]["pred/bfloat16_sr/move_prob/wte"]
+  _refused(
+    recs,
+    r"^record 5 \(step 6\) lacks 1 prediction key\(s\) the other records "
+    r"carry \('pred/bfloat16_sr/move_prob/wte'\)",
+  )
+  recs = _telemetry()
+  recs[19]["pred/bfloat16/erased_fraction/wtee"] = 0.0
+  _refused(recs, r"^record 19 \(step 20\) carries 1 prediction key")
+  recs = _telemetry() + [{"step": 21, "loss": 1.0}]  # an extra, foreign record
+  _refused(recs, r"^record 20 \(step 21\) lacks 20 prediction key")
+
+
+@pytest.mark.parametrize(
+  "steps, match",
+  [
+    ((1, 2, 2), r"record 2 \(step 2\): step 2 after step 2"),
+    ((1, 3, 2), r"record 2 \(step 2\): step 2 after step 3"),
+    ((1, True, 3), r"record 1 \(step True\): step True is not an integer"),
+    ((1, 2.0, 3), r"step 2.0 is not an integer"),
+    ((1, None, 3), r"record 1 has no 'step'"),
+  ],
+)
+def test_steps_are_integers_in_order(steps, match):
+  recs = _telemetry()[:3]
+  for r, s in zip(recs, steps, strict=True):
+    r["step"] = s
+  if steps[1] is None:
+    del recs[1]["step"]
+  _refused(recs, match)
+
+
+def test_errors_name_where_each_record_came_from():
+  recs = _telemetry()
+  recs[3][NEAR] = "bad"
+  lines = [f"results/x/metrics.jsonl:{t + 1}" for t in STEPS]
+  _refused(recs, rf"^results/x/metrics.jsonl:5: {NEAR} = 'bad'", sources=lines)
+
+
+@pytest.mark.parametrize(
+  "n, window, ok",
+  [(10, 1.0, True), (9, 1.0, False), (20, 0.5, True), (18, 0.5, False)],
+)
+def test_the_window_holds_at_least_ten_steps(n, window, ok):
+  recs = [_record(t) for t in range(1, n + 1)]
+  if ok:
+    a = advise(recs, SIZES, groups=GROUPS, window=window)
+    assert a.window_steps == 10
+    assert "(10 steps; the advice needs at least 10)" in a.table()
+    return
+  with pytest.raises(ValueError) as e:
+    advise(recs, SIZES, groups=GROUPS, window=window)
+  assert f"holds {n // round(1 / window)} step(s); the advice needs at " in (
+    str(e.value)
+  )
+  need = 10 if window == 1 else 19  # round(19 / 2) = 10 (to even)
+  assert str(e.value).endswith(
+    f"Train the float32 run longer (at least {need} steps)"
+  )
+  # Asked for, a shorter window is advised with a note saying so.
+  a = advise(recs, SIZES, groups=GROUPS, window=window, min_steps=1)
+  assert a.notes[-1] == (
+    f"the window holds {a.window_steps} steps, fewer than the 10 the advice "
+    "needs: a longer float32 run decides"
+  )
+
+
+@pytest.mark.parametrize(
+  "move, safe", [(0.25, True), (np.nextafter(0.25, 0), False), (0.5, True)]
+)
+def test_stochastic_rounding_is_safe_from_the_move_threshold_on(move, safe):
+  # The boundary itself is safe: move >= threshold (0.25: exact in binary,
+  # so the proposal-weighted mean is exactly the threshold).
+  th = Thresholds(move=0.25)
+  a = advise(_telemetry(move=move), SIZES, groups=GROUPS, thresholds=th)
+  row = _rows(a, "mlp")["bf16_sr"]
+  assert row.move == move
+  assert row.safe is safe
+  assert row.why == ("" if safe else f"move {move:.3f} < 0.25")
+
+
+def test_parameters_and_traced_tensors_must_match():
+  recs = _telemetry()
+  with pytest.raises(ValueError) as e:
+    advise(recs, {**SIZES, "h/attn/kernel": 10}, groups=GROUPS)
+  assert str(e.value).startswith(
+    "1 parameter(s) match no traced tensor ('h/attn/kernel'). The traced "
+    "tensors: 'wte', 'h/mlp/kernel'. Pass the parameters"
+  )
+  renamed = {f"params/{k}": v for k, v in SIZES.items()}
+  with pytest.raises(ValueError) as e:
+    advise(recs, renamed, groups=(("all", ".*"),))
+  assert str(e.value).startswith(
+    "2 parameter(s) match no traced tensor ('params/wte', "
+    "'params/h/mlp/kernel'); 2 traced tensor(s) match no parameter ('wte', "
+    "'h/mlp/kernel')."
+  )
+
+
+@pytest.mark.parametrize(
+  "groups, empty",
+  [
+    ((("embeddings", "wte"), ("norms", ".*norm.*"), ("rest", ".*")), "norms"),
+    ((("all", ".*"), ("mlp", ".*mlp.*")), "mlp"),  # taken by the one before
+  ],
+  ids=["matches-none", "shadowed"],
+)
+def test_a_group_that_takes_no_parameter_is_refused(groups, empty):
+  with pytest.raises(ValueError) as e:
+    advise(_telemetry(), SIZES, groups=groups)
+  regex = dict(groups)[empty]
+  assert str(e.value).startswith(
+    f"group(s) that take no parameter: {empty} ({regex!r})"
+  )
+  assert "The parameters: 'wte', 'h/mlp/kernel'." in str(e.value)
+
+
+@pytest.mark.parametrize(
+  "text, ok",
+  [
+    ("optax.adamw(", False),
+    ("optax.adamw(1e-3); import os", False),
+    ("", False),
+    ("optax.adamw(1e-3)", True),
+    ("optax.chain(optax.clip(1.0), optax.sgd(0.1))", True),
+  ],
+)
+def test_optax_code_compiles_the_optimizer_expression(text, ok):
+  a = advise(_telemetry(), SIZES, groups=GROUPS)
+  if not ok:
+    with pytest.raises(ValueError, match="is not a Python expression"):
+      a.optax_code(text)
+    return
+  compile(a.optax_code(text), "<optax_advice>", "exec")
+  assert text in a.optax_code(text)
 
 
 # ----------------------------------------------------- groups, recipes
