@@ -492,6 +492,77 @@ def test_small_proposals_are_erased_on_a_scaled_grid_and_not_under_sr():
     lowprec.check_on_grid(optax.apply_updates(w, updates), "mxfp8_e4m3")
 
 
+def _sr_mx_oracle(x, bits, fmt):
+  """Stochastic MX rounding of float32 `x` given 32 random bits per
+  element, in float64 numpy: scales as `_reference_mx`, then each element
+  `y` goes away from zero to the next grid magnitude iff `bits <
+  floor(2^32 (|y| - lo) / (hi - lo))`, `lo <= |y| < hi` neighbours in the
+  element grid (enumerated by ml_dtypes). No element past max_E here."""
+  dtype = ELEMENT_DTYPES[fmt.element.name]
+  codes = np.arange(256, dtype=np.uint8).view(dtype).astype(np.float64)
+  grid = np.unique(np.abs(codes[np.isfinite(codes)]))
+  _, _, k = _reference_mx(x, fmt)
+  y = x.astype(np.float64).reshape(x.shape[0], -1, fmt.block)
+  y = (y / np.exp2(k)[..., None]).reshape(x.shape)
+  a = np.abs(y)
+  i = np.searchsorted(grid, a, side="right") - 1
+  lo, hi = grid[i], grid[np.minimum(i + 1, len(grid) - 1)]
+  frac = np.where(hi > lo, (a - lo) / np.where(hi > lo, hi - lo, 1), 0)
+  away = bits.astype(np.float64) < np.floor(frac * 2.0**32)
+  q = np.sign(y) * np.where(away, hi, lo)
+  q = q.reshape(x.shape[0], -1, fmt.block) * np.exp2(k)[..., None]
+  return q.reshape(x.shape)
+
+
+def test_deadzone_on_an_mx_grid_is_nearest_where_it_moves_else_sr():
+  # Deterministic: the write-back's 32 bits per element are drawn as it
+  # draws them (the step's key folded by the path), and the outcome of
+  # each rounding is recomputed from them in numpy. Each row has blocks
+  # at their own magnitudes (max 1.5 * 2^j: no element saturates); half
+  # the proposals are below a quarter of the element gap (nearest erases
+  # them), half are up to three gaps (nearest moves them).
+  import optax
+
+  import lowprec
+  from lowprec import rng as rng_lib
+
+  fmt = scaled.get_scaled_format("mxfp8_e4m3")
+  r = np.random.default_rng(21)
+  shape = (4, 64)
+  mag = r.uniform(0.1, 1.0, shape) * np.exp2(r.integers(-6, 7, (4, 1)))
+  w0 = np.sign(r.standard_normal(shape)) * mag
+  w0[:, ::32] = np.sign(w0[:, ::32]) * 1.5 * np.abs(w0[:, ::32]).max()
+  w = _reference_mx(w0.astype(np.float32), fmt)[0].astype(np.float32)
+  # The gap at w: 2^(e - 3) in the element's binade 2^e, times the scale.
+  scale = np.repeat(np.exp2(_reference_mx(w, fmt)[2]), 32, axis=1)
+  gap = np.exp2(np.floor(np.log2(np.abs(w) / scale)) - 3) * scale
+  small = r.uniform(-0.25, 0.25, shape) * gap
+  large = r.uniform(-3, 3, shape) * gap
+  u = np.where(r.random(shape) < 0.5, small, large).astype(np.float32)
+  u[:, ::32] = 0.0  # the block maxima stay: the scales stay
+  key = jax.random.key(3)
+  words, impl = rng_lib.state_key(key, "test")
+  _, step_key = rng_lib.next_step(words, impl)
+  leaf_key = rng_lib.leaf_keys(step_key, ["w"])["w"]
+  bits = np.asarray(rng_lib.random_bits(leaf_key, shape))
+
+  def written(rounding):
+    tx = lowprec.writeback(fmt, rounding, key=key)
+    params = {"w": jnp.asarray(w)}
+    d, _ = jax.jit(tx.update)({"w": jnp.asarray(u)}, tx.init(params), params)
+    return np.asarray(optax.apply_updates(params, d)["w"], np.float64)
+
+  x = (w + u).astype(np.float32)
+  rn = _reference_mx(x, fmt)[0]
+  sr = _sr_mx_oracle(x, bits, fmt)
+  erased = rn == w
+  assert 40 < erased.sum() < 200 and (sr != rn)[~erased].any()
+  assert (sr != w)[erased].sum() > 5  # SR moves some that nearest erases
+  np.testing.assert_array_equal(written("nearest"), rn)
+  np.testing.assert_array_equal(written("stochastic"), sr)
+  np.testing.assert_array_equal(written("deadzone"), np.where(erased, sr, rn))
+
+
 def test_under_the_ocp_rule_a_block_just_below_a_power_of_two_saturates():
   # 1 - 0.001: floor(log2 amax) drops, the scale halves to 2^-9 and
   # 0.999 / 2^-9 = 511.5 saturates at 448: the block lands on 0.875. The
