@@ -19,12 +19,18 @@ numerics change. These cases are compared with fixed values in
              (stochastic) under a fixed key: the sha256 of the bytes of
              every input's gradient.
 
-Floating-point results can differ between jax/jaxlib versions and between
-CPUs (XLA:CPU and its kernels run other code with AVX-512 than with AVX2),
-so the file holds one set of values per environment it was made on
-(`environments`, each with its `made_on`), and the tests compare the set
-made here, or skip where there is none. To change the values on purpose,
-or to pin them on a new kind of machine:
+Floating-point results depend on the code XLA:CPU runs, and that code is
+chosen by the machine: LLVM compiles for the host CPU (its model and every
+feature it has: AVX-512 subsets, AVX-VNNI, AMX, SVE...), and the kernel
+libraries pick their kernels from the same features at run time. So the
+file holds one set of values per environment it was made on (`made_on`:
+jax and jaxlib versions, `cpu_arch`, `cpu_model` and `cpu_features`, see
+`environment`), and the tests compare the set made on exactly this kind of
+machine, or skip, naming what differs. Each case runs in a fresh process
+pinned to one CPU, with one CPU device and fixed XLA flags (`compute`), so
+the number of cores, the caller's `XLA_FLAGS` and JAX settings do not
+enter. To change the values on purpose, or to pin them on a new kind of
+machine:
 
   python -m scripts.refresh_goldens --why "what changed and why"
 
@@ -37,6 +43,7 @@ sets that can no longer be made (`--only-here`).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -51,60 +58,177 @@ from experiments import xla_flags  # noqa: F401  (before jax starts)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GOLDENS = os.path.join(ROOT, "tests", "goldens.json")
 REFRESH = 'python -m scripts.refresh_goldens --why "..."'
+CPUINFO = "/proc/cpuinfo"
 
 
 # ---- where the values were made ----------------------------------------------
 
+# What a set of values is keyed by: they are compared only where every
+# field is equal (and known).
+KEY = ("jax", "jaxlib", "cpu_arch", "cpu_model", "cpu_features")
 
-def cpu_vector_isa() -> str:
-  """The widest x86 vector extension the CPU has (`avx512f`, `avx2`, ...),
-  from /proc/cpuinfo; else the machine name (e.g. `arm64`)."""
-  flags = set()
+# CPU features that change the code XLA:CPU generates (LLVM is handed every
+# feature of the host CPU) or the kernels its libraries (XNNPACK/YNNPACK,
+# oneDNN) pick at run time, in /proc/cpuinfo's spelling. Features outside
+# these lists that a new CPU brings come with a new `cpu_model`.
+X86_FEATURES = tuple(
+  """sse4_1 sse4_2 avx f16c fma fma4 avx2 avx512f avx512cd avx512bw avx512dq
+  avx512vl avx512ifma avx512vbmi avx512_vbmi2 avx512_vnni avx512_bitalg
+  avx512_vpopcntdq avx512_bf16 avx512_fp16 avx512_vp2intersect avx_vnni
+  avx_vnni_int8 avx_ne_convert avx_ifma gfni amx_tile amx_bf16 amx_int8
+  amx_fp16 amx_complex""".split()
+)
+ARM64_FEATURES = tuple(
+  """asimd fphp asimdhp asimdrdm asimddp asimdfhm bf16 i8mm sve sve2 svebf16
+  svei8mm svef32mm svef64mm sme sme2""".split()
+)
+_ARCH = {"x86_64": "x86_64", "amd64": "x86_64", "aarch64": "arm64"}
+
+
+def _spelling(feature: str) -> str:
+  """One spelling for `avx512_vnni`, `avx512vnni`, `amx-tile`, ..."""
+  return feature.lower().replace("_", "").replace("-", "")
+
+
+def _processors(cpuinfo: str) -> list[dict[str, str]]:
+  """/proc/cpuinfo as one `{field: value}` per block (processor)."""
+  blocks, block = [], {}
+  for line in [*cpuinfo.splitlines(), ""]:
+    field, sep, value = line.partition(":")
+    if sep:
+      block[field.strip().lower()] = value.strip()
+    elif not line.strip() and block:
+      blocks.append(block)
+      block = {}
+  return blocks
+
+
+def read_cpuinfo(path: str = CPUINFO) -> str | None:
+  """The text of `path` (/proc/cpuinfo), or None where there is none."""
   try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("flags"):
-          flags = set(line.split(":", 1)[1].split())
-          break
+    with open(path) as f:
+      return f.read()
   except OSError:
-    pass
-  for isa in ("avx512f", "avx2", "avx", "sse4_2"):
-    if isa in flags:
-      return isa
-  return platform.machine() or "unknown"
+    return None
 
 
-def environment() -> dict[str, str]:
-  """What floating-point results here depend on: versions and vector ISA."""
-  import jax
-  import jaxlib
+# arch -> (field of the features, fields naming the CPU, their form, features)
+_LAYOUT = {
+  "x86_64": (
+    "flags",
+    ("vendor_id", "cpu family", "model"),
+    "{} family {} model {}",
+    X86_FEATURES,
+  ),
+  "arm64": (
+    "features",
+    ("cpu implementer", "cpu part"),
+    "implementer {} part {}",
+    ARM64_FEATURES,
+  ),
+}
 
+
+def cpu(cpuinfo: str | None, arch: str) -> dict[str, str | None]:
+  """The CPU part of an environment: what XLA:CPU's code depends on.
+
+  Args:
+    cpuinfo: the text of /proc/cpuinfo, or None.
+    arch: the machine's architecture (`platform.machine()`).
+
+  Returns:
+    `cpu_arch` (`x86_64`, `arm64`, ...); `cpu_model`, what LLVM names the
+    CPU it tunes for from (x86: vendor, family and model; arm64:
+    implementer and part; each distinct one of the processors);
+    `cpu_features`, those of `X86_FEATURES` / `ARM64_FEATURES` the CPU
+    has, space-separated. A field that cannot be read (no /proc/cpuinfo,
+    another architecture) is None, and an environment with a None field
+    matches none.
+  """
+  arch = _ARCH.get(arch.lower(), arch.lower()) or "unknown"
+  if arch not in _LAYOUT:
+    return {"cpu_arch": arch, "cpu_model": None, "cpu_features": None}
+  field, names, form, wanted = _LAYOUT[arch]
+  blocks = _processors(cpuinfo or "")
+  models = {
+    form.format(*(b[k] for k in names))
+    for b in blocks
+    if all(b.get(k) for k in names)
+  }
+  features = None
+  if any(field in b for b in blocks):
+    have = {_spelling(f) for b in blocks for f in b.get(field, "").split()}
+    features = " ".join(f for f in wanted if _spelling(f) in have)
   return {
-    "jax": jax.__version__,
-    "jaxlib": jaxlib.__version__,
-    "cpu_vector_isa": cpu_vector_isa(),
+    "cpu_arch": arch,
+    "cpu_model": " + ".join(sorted(models)) or None,
+    "cpu_features": features,
   }
 
 
-def _difference(made_on: dict, here: dict) -> list[str]:
-  return [
-    f"{k} {made_on.get(k)} there, {here.get(k)} here"
-    for k in sorted(set(made_on) | set(here))
-    if made_on.get(k) != here.get(k)
-  ]
+def environment(cpuinfo_path: str = CPUINFO, arch: str | None = None):
+  """What floating-point results here depend on (`KEY`): jax and jaxlib
+  versions and the CPU (`cpu`, read from `cpuinfo_path`)."""
+  import jax
+  import jaxlib
+
+  here = cpu(read_cpuinfo(cpuinfo_path), arch or platform.machine())
+  return {"jax": jax.__version__, "jaxlib": jaxlib.__version__, **here}
 
 
-def mismatch(made_on, here: dict) -> str | None:
+def _unknown(env: dict) -> list[str]:
+  return [k for k in KEY if env.get(k) is None]
+
+
+def same(made_on: dict, here: dict) -> bool:
+  """Whether values made on `made_on` were made on the code path `here`
+  takes: every field of `KEY` known and equal (features as sets)."""
+  if _unknown(made_on) or _unknown(here):
+    return False
+  features = [set(e["cpu_features"].split()) for e in (made_on, here)]
+  return features[0] == features[1] and all(
+    made_on[k] == here[k] for k in KEY if k != "cpu_features"
+  )
+
+
+def _difference(made_on: dict, here: dict) -> str:
+  """What differs between `made_on` and `here`, in words."""
+  if _unknown(made_on):
+    return (
+      f"made before the CPU's model and features were recorded "
+      f"({json.dumps(made_on, sort_keys=True)})"
+    )
+  out = []
+  for k in KEY:
+    if k == "cpu_features":
+      there, mine = (set(e[k].split()) for e in (made_on, here))
+      if mine - there:
+        out.append(f"CPU features {' '.join(sorted(mine - there))} here only")
+      if there - mine:
+        out.append(f"CPU features {' '.join(sorted(there - mine))} there only")
+    elif made_on[k] != here[k]:
+      out.append(f"{k} {made_on[k]} there, {here[k]} here")
+  return "; ".join(out)
+
+
+def mismatch(made_on, here: dict, remedy: str = REFRESH) -> str | None:
   """Why values made on `made_on` (one environment, or a list of them)
-  may not hold `here` (None: one of them is this environment)."""
+  may not hold `here` (None: one of them is this environment's code path).
+  `remedy` is the command that pins values here."""
+  if _unknown(here):
+    return (
+      f"this machine's {', '.join(_unknown(here))} cannot be read (from "
+      f"{CPUINFO}), so no pinned value can be shown to be made on its code "
+      "path: the goldens are not compared here, and cannot be pinned here"
+    )
   envs = [made_on] if isinstance(made_on, dict) else list(made_on)
-  if any(not _difference(e, here) for e in envs):
+  if any(same(e, here) for e in envs):
     return None
-  diff = " | ".join("; ".join(_difference(e, here)) for e in envs)
+  diff = " | ".join(_difference(e, here) for e in envs)
   return (
-    f"the goldens were made elsewhere ({diff or 'none made'}): "
-    "floating-point results may differ, so they are not compared. "
-    f"To pin this environment too: {REFRESH}"
+    f"the goldens were made on other machines ({diff or 'none made'}): "
+    "XLA:CPU runs other code there, so they are not compared. "
+    f"To pin values for this machine: {remedy}"
   )
 
 
@@ -124,10 +248,7 @@ def _sha256(*arrays) -> str:
 
 def smoke() -> dict:
   """`configs/smoke.py` through `experiments.run`, one CPU device."""
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
-  env["JAX_PLATFORMS"] = "cpu"
-  env.pop("LOWPREC_FAULT", None)
+  out = {}
   out = {}
   with tempfile.TemporaryDirectory() as tmp:
     subprocess.run(
@@ -139,7 +260,7 @@ def smoke() -> dict:
         f"--config.log.results_dir={tmp}",
       ],
       cwd=ROOT,
-      env=env,
+      env=pinned_env(),
       check=True,
       capture_output=True,
       timeout=1800,
@@ -260,6 +381,78 @@ CASES: dict[str, Callable[[], dict]] = {
   "ops": operators,
 }
 
+# ---- one case in a fresh process ---------------------------------------------
+
+# Environment variables a case process keeps of its caller's JAX_* / XLA_*:
+# the persistent compilation cache (whose programs are the compiled ones).
+_CACHE_VARIABLES = ("JAX_PERSISTENT_CACHE_", "JAX_ENABLE_COMPILATION_CACHE")
+
+
+def pinned_env() -> dict[str, str]:
+  """The environment a case runs in: the CPU backend, one device, the
+  XLA flags of `experiments.xla_flags` only, no other JAX setting.
+
+  XLA:CPU splits some work across its devices' threads, and the split
+  changes last bits, so the device count is fixed; the caller's flags and
+  settings (`--xla_cpu_max_isa`, `JAX_ENABLE_X64`...) could change the
+  code too. A compilation cache is kept, in a directory of its own: it only
+  ever holds programs compiled under these settings on one CPU.
+  """
+  env = {
+    k: v
+    for k, v in os.environ.items()
+    if not k.startswith(("JAX_", "XLA_")) or k.startswith(_CACHE_VARIABLES)
+  }
+  env.pop("LOWPREC_FAULT", None)
+  cache = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+  if cache:
+    env["JAX_COMPILATION_CACHE_DIR"] = cache.rstrip("/") + "-goldens"
+  env["JAX_PLATFORMS"] = "cpu"
+  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+  return env
+
+
+def compute(case: str) -> dict:
+  """Case `case` of `CASES` computed in a fresh process (`pinned_env`)
+  that runs on one CPU, so that XLA:CPU's threads split nothing
+  differently on a machine with more or fewer cores.
+
+  Raises:
+    RuntimeError: the case failed (with the end of its error output).
+  """
+  out = subprocess.run(
+    [sys.executable, "-m", "experiments.goldens", case],
+    cwd=ROOT,
+    env=pinned_env(),
+    capture_output=True,
+    text=True,
+    timeout=3600,
+  )
+  if out.returncode != 0:
+    raise RuntimeError(f"golden case {case} failed:\n{out.stderr[-4000:]}")
+  return json.loads(out.stdout.splitlines()[-1])
+
+
+def _one_cpu() -> None:
+  """Keeps this process (and what it starts) on one CPU: XLA:CPU sizes its
+  thread pool from the CPUs a process may use."""
+  if "jax" in sys.modules:
+    raise RuntimeError("pin the CPU before jax starts")
+  if hasattr(os, "sched_setaffinity"):
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+
+
+def main(argv=None) -> int:
+  """`python -m experiments.goldens CASE`: prints the case's entries as one
+  line of JSON (what `compute` runs)."""
+  args = sys.argv[1:] if argv is None else argv
+  if len(args) != 1 or args[0] not in CASES:
+    print(f"usage: python -m experiments.goldens {{{','.join(CASES)}}}")
+    return 2
+  _one_cpu()
+  print(json.dumps(CASES[args[0]]()))
+  return 0
+
 
 # ---- the file ----------------------------------------------------------------
 
@@ -281,15 +474,19 @@ def load(path: str = GOLDENS) -> dict:
 
 
 def pinned(data: dict, here: dict) -> dict | None:
-  """The entries `data` holds for environment `here`, or None."""
+  """The entries `data` holds for environment `here` (`same`), or None."""
   for env in data["environments"]:
-    if env["made_on"] == here:
+    if same(env["made_on"], here):
       return env["entries"]
   return None
 
 
 def refresh(
-  why: str, path: str = GOLDENS, cases=None, only_here: bool = False
+  why: str,
+  path: str = GOLDENS,
+  cases=None,
+  only_here: bool = False,
+  here: dict | None = None,
 ) -> list[str]:
   """Recomputes every case here and rewrites this environment's values.
 
@@ -298,19 +495,31 @@ def refresh(
   `{"why": why, "old": ..., "new": ...}` (`old` None when new). The values
   of other environments are kept, unless `only_here`.
 
+  Args:
+    why: the reason, recorded with each change.
+    path: the goldens file.
+    cases: `{case: function returning its entries}`; default every case of
+      `CASES`, each computed by `compute`.
+    only_here: drop the sets of other environments.
+    here: this environment (default `environment()`).
+
   Returns:
     One line per change (`name: old -> new`), or none.
 
   Raises:
-    ValueError: `why` is empty.
+    ValueError: `why` is empty, or this machine's CPU cannot be read (its
+      values could not be told apart from another machine's).
   """
   if not why or not why.strip():
     raise ValueError(
       f"say why the goldens change: {REFRESH} (the reason is recorded)"
     )
-  cases = CASES if cases is None else cases
+  here = environment() if here is None else here
+  if _unknown(here):
+    raise ValueError(mismatch([], here))
+  if cases is None:
+    cases = {c: functools.partial(compute, c) for c in CASES}
   old = load(path) if os.path.exists(path) else {"environments": []}
-  here = environment()
   before_here = pinned(old, here) or {}
   entries = {}
   changes = []
@@ -329,7 +538,7 @@ def refresh(
   for name in sorted(set(before_here) - set(entries)):
     changes.append(f"{name}: removed")
   others = [] if only_here else [
-    e for e in old["environments"] if e["made_on"] != here
+    e for e in old["environments"] if not same(e["made_on"], here)
   ]  # fmt: skip
   mine = {"made_on": here, "entries": dict(sorted(entries.items()))}
   data = {
@@ -350,3 +559,7 @@ def brief(value) -> str:
   """`value` as JSON, cut to 80 characters."""
   text = json.dumps(value)
   return text if len(text) <= 80 else text[:77] + "..."
+
+
+if __name__ == "__main__":
+  sys.exit(main())

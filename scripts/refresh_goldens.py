@@ -2,12 +2,14 @@
 
   python -m scripts.refresh_goldens --why "what changed and why"
 
-Every case of experiments/goldens.py is recomputed (the smoke study runs
-through the entry point: a few minutes on 2 CPU cores) and stored as the
-values of this environment (jax/jaxlib version and CPU vector ISA); the
-values pinned on other machines stay, unless `--only-here`. Each entry
-whose value changed records the reason and its old and new value. Without
-`--why` nothing runs.
+Every case of experiments/goldens.py is recomputed, each in a fresh
+process on one CPU (the smoke study runs through the entry point: a few
+minutes) and stored as the values of this environment (jax and jaxlib
+versions, the CPU's architecture, model and the features that change
+XLA:CPU's code); the values pinned on other kinds of machine stay, unless
+`--only-here`. Each entry whose value changed records the reason and its
+old and new value. Without `--why`, or where the CPU cannot be read (no
+/proc/cpuinfo), nothing runs.
 """
 
 from __future__ import annotations
@@ -39,9 +41,12 @@ def main(argv=None) -> int:
     parser.error("--why must say why the goldens change")
   from experiments import goldens
 
-  changes = goldens.refresh(
-    args.why, args.path or goldens.GOLDENS, only_here=args.only_here
-  )
+  try:
+    changes = goldens.refresh(
+      args.why, args.path or goldens.GOLDENS, only_here=args.only_here
+    )
+  except ValueError as e:  # this machine cannot be told apart from others
+    parser.exit(2, f"refresh_goldens: {e}\n")
   print("\n".join(changes) if changes else "no value changed")
   return 0
 

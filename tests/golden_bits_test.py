@@ -3,7 +3,10 @@
 The file holds, for fixed float32 inputs, every storage recipe's stored
 arrays and integer counts after a few steps (experiments/golden_bits.py).
 Its values depend only on IEEE float32 arithmetic and the recipes' own
-roundings, so they hold on every CPU, and a device must reproduce them.
+roundings, so they hold on every CPU, and a device must reproduce them;
+the `adamw/` records, which run AdamW's arithmetic too, are compared only
+on the code path the file was made on (its `made_with`, keyed as
+experiments/goldens.py keys its sets).
 """
 
 import json
@@ -15,7 +18,7 @@ from experiments import golden_bits, goldens
 
 FILE = json.load(open(golden_bits.GOLDEN_BITS))
 WANT = FILE["recipes"]
-SAME_CPU = FILE["made_with"]["cpu_vector_isa"] == goldens.cpu_vector_isa()
+HERE = goldens.environment()
 
 
 def test_the_file_covers_every_recipe():
@@ -35,8 +38,9 @@ def test_the_file_covers_every_recipe():
 
 @pytest.mark.parametrize("name", sorted(WANT))
 def test_recipe_equals_its_golden_bits(name):
-  if golden_bits.informational(name) and not SAME_CPU:
-    pytest.skip("an AdamW record: its FMA contractions follow the CPU's ISA")
+  reason = golden_bits.not_compared(name, FILE["made_with"], HERE)
+  if reason:
+    pytest.skip(reason)
   got = golden_bits.compute([name])[name]
   assert golden_bits.first_difference(WANT[name], got) is None, (
     golden_bits.first_difference(WANT[name], got)
@@ -75,3 +79,51 @@ def test_fixed_inputs_cancel_and_span_magnitudes():
   assert (u0[:, ::16] == 0).all()
   mag = np.abs(u0[u0 != 0])
   assert mag.min() < 2.0**-16 and mag.max() > 2.0**-4
+
+
+def _machine(model: int, features: str) -> dict:
+  """`goldens.environment()` on an Intel x86-64 machine (this jax)."""
+  cpuinfo = (
+    "processor\t: 0\nvendor_id\t: GenuineIntel\ncpu family\t: 6\n"
+    f"model\t\t: {model}\nflags\t\t: {features}\n"
+  )
+  return {
+    "jax": HERE["jax"],
+    "jaxlib": HERE["jaxlib"],
+    **goldens.cpu(cpuinfo, "x86_64"),
+  }
+
+
+AVX512 = "sse4_2 avx fma f16c avx2 avx512f avx512bw avx512dq avx512vl"
+AMX = AVX512 + " avx512_vnni avx512_bf16 avx512_fp16 amx_tile amx_bf16"
+
+
+def test_adamw_records_are_compared_only_on_their_code_path():
+  """On an AMX machine, an AVX-512 one without AMX, or against a file that
+  names only the widest vector ISA, the AdamW records skip with the
+  difference and the command that remakes the file; the other records
+  are compared on every machine."""
+  made_with = _machine(143, AVX512)
+  legacy = {"jax": HERE["jax"], "backend": "cpu", "cpu_vector_isa": "avx2"}
+  for name in golden_bits.ADAMW:
+    assert (
+      golden_bits.not_compared("adamw/" + name, made_with, made_with) is None
+    )
+    why = golden_bits.not_compared(
+      "adamw/" + name, made_with, _machine(143, AMX)
+    )
+    assert why.startswith("an AdamW record: ") and "amx_tile" in why, why
+    assert "python -m experiments.golden_bits --write" in why
+    why = golden_bits.not_compared(
+      "adamw/" + name, made_with, _machine(85, AVX512)
+    )
+    assert "cpu_model GenuineIntel family 6 model 143 there" in why, why
+    assert golden_bits.not_compared("adamw/" + name, legacy, made_with)
+    assert golden_bits.not_compared(name, made_with, _machine(143, AMX)) is None
+    assert golden_bits.not_compared(name, legacy, made_with) is None
+
+
+def test_the_file_names_the_code_path_it_was_made_on():
+  made_with = FILE["made_with"]
+  assert set(goldens.KEY) <= set(made_with), made_with
+  assert not goldens._unknown(made_with), made_with
