@@ -464,6 +464,23 @@ def test_refresh_refuses_a_machine_it_cannot_identify(tmp_path):
   assert not path.exists()
 
 
+def test_refresh_command_on_an_unidentified_machine_says_so_in_one_line(
+  monkeypatch, tmp_path, capsys
+):
+  """`python -m scripts.refresh_goldens` where /proc/cpuinfo is missing:
+  one line naming what cannot be read, exit status 2, nothing written."""
+  from scripts import refresh_goldens
+
+  monkeypatch.setattr(goldens, "read_cpuinfo", lambda path: None)
+  path = tmp_path / "goldens.json"
+  with pytest.raises(SystemExit) as stopped:
+    refresh_goldens.main(["--why", "a new machine", "--path", str(path)])
+  assert stopped.value.code == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and "cannot be read" in err, err
+  assert not path.exists()
+
+
 @pytest.mark.parametrize(
   "why", [None, "", "   "], ids=["missing", "empty", "blank"]
 )
