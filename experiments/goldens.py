@@ -166,7 +166,9 @@ def cpu(cpuinfo: str | None, arch: str) -> dict[str, str | None]:
   }
 
 
-def environment(cpuinfo_path: str = CPUINFO, arch: str | None = None):
+def environment(
+  cpuinfo_path: str = CPUINFO, arch: str | None = None
+) -> dict[str, str | None]:
   """What floating-point results here depend on (`KEY`): jax and jaxlib
   versions and the CPU (`cpu`, read from `cpuinfo_path`)."""
   import jax
@@ -218,8 +220,9 @@ def mismatch(made_on, here: dict, remedy: str = REFRESH) -> str | None:
   if _unknown(here):
     return (
       f"this machine's {', '.join(_unknown(here))} cannot be read (from "
-      f"{CPUINFO}), so no pinned value can be shown to be made on its code "
-      "path: the goldens are not compared here, and cannot be pinned here"
+      f"{CPUINFO}, on x86-64 and arm64), so no pinned value can be shown to "
+      "be made on its code path: the goldens are not compared here, and "
+      "cannot be pinned here"
     )
   envs = [made_on] if isinstance(made_on, dict) else list(made_on)
   if any(same(e, here) for e in envs):
@@ -248,7 +251,6 @@ def _sha256(*arrays) -> str:
 
 def smoke() -> dict:
   """`configs/smoke.py` through `experiments.run`, one CPU device."""
-  out = {}
   out = {}
   with tempfile.TemporaryDirectory() as tmp:
     subprocess.run(
@@ -404,9 +406,11 @@ def pinned_env() -> dict[str, str]:
     if not k.startswith(("JAX_", "XLA_")) or k.startswith(_CACHE_VARIABLES)
   }
   env.pop("LOWPREC_FAULT", None)
-  cache = os.environ.get("JAX_COMPILATION_CACHE_DIR")
-  if cache:
-    env["JAX_COMPILATION_CACHE_DIR"] = cache.rstrip("/") + "-goldens"
+  cache = os.environ.get("JAX_COMPILATION_CACHE_DIR", "").rstrip("/")
+  if cache:  # the same directory in a case's process and what it starts
+    env["JAX_COMPILATION_CACHE_DIR"] = cache.removesuffix("-goldens") + (
+      "-goldens"
+    )
   env["JAX_PLATFORMS"] = "cpu"
   env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
   return env

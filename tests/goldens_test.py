@@ -343,9 +343,17 @@ def test_a_fresh_process_reads_the_same_key():
 def test_a_case_runs_on_one_cpu_without_the_callers_flags(monkeypatch):
   monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_max_isa=AVX")
   monkeypatch.setenv("JAX_ENABLE_X64", "1")
+  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/tmp/cache/")
   env = goldens.pinned_env()
   assert env["XLA_FLAGS"] == "--xla_force_host_platform_device_count=1"
   assert "JAX_ENABLE_X64" not in env and env["JAX_PLATFORMS"] == "cpu"
+  # Its own cache, the same one for the runs a case starts in turn.
+  assert env["JAX_COMPILATION_CACHE_DIR"] == "/tmp/cache-goldens"
+  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/tmp/cache-goldens")
+  assert goldens.pinned_env()["JAX_COMPILATION_CACHE_DIR"] == (
+    "/tmp/cache-goldens"
+  )
+  env.pop("JAX_COMPILATION_CACHE_DIR")
   if not hasattr(os, "sched_getaffinity"):
     pytest.skip("no CPU affinity on this system")
   out = subprocess.run(
