@@ -12,10 +12,15 @@ the default groups), the predicted erased / lost / move / stalled shares
 and bytes of every recipe, and the cheapest safe one. `--budget` is in
 bytes per parameter (weights, write-back state and AdamW's moments).
 
+The run is read as the results ledger writes it (docs/advise.md): its
+config.json must match the config given, and metrics.jsonl must be whole,
+one line per step; a damaged record is refused with its file and line.
+
 It prints the table, writes the recommendation as a config fragment
 (`--out`, default `configs/advice/<study>.py`: `LOWPREC`, the per-group
 keys `experiments.run` takes) and as optax code to paste (`--code`,
-default `<results>/<study>/advice/optax_advice.py`).
+default `<results>/<study>/advice/optax_advice.py`), each file replaced
+whole or not at all. A mistake prints one line and exits with status 2.
 """
 
 if not __package__:  # run as a file, `python scripts/advise.py`
@@ -24,39 +29,29 @@ if not __package__:  # run as a file, `python scripts/advise.py`
   )
 
 import argparse
+import difflib
+import math
 import os
 import sys
+import tempfile
+
+TRACE_KEYS = ("trace_targets", "trace_remedies", "state_targets")
 
 
 def _fail(message: str) -> None:
-  print(f"error: {message}", file=sys.stderr, flush=True)
+  print("error: " + " ".join(str(message).split()), file=sys.stderr)
+  sys.stderr.flush()
   raise SystemExit(2)
 
 
-def _reference_arm(config) -> str:
-  """The first arm (in the config's order) that carries traces."""
-  for arm, over in config.study.arms.items():
-    lp = over.get("lowprec", {})
-    if lp.get("trace_targets") or lp.get("state_targets"):
-      return arm
-  _fail(
-    f"no arm of {config.study.name!r} carries traces (lowprec.trace_targets "
-    "or state_targets); name one with --arm"
-  )
+class _Parser(argparse.ArgumentParser):
+  def error(self, message: str) -> None:
+    _fail(f"{message} (python -m scripts.advise --help lists the arguments)")
 
 
-def _records(run_dir: str) -> list[dict]:
-  """The run's metrics records that carry predictions."""
-  from experiments.analysis.runs import Run
-
-  return [
-    r for r in Run(run_dir).metrics if any(k.startswith("pred") for k in r)
-  ]
-
-
-def main(argv=None) -> None:
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--config", required=True, help="configs/<study>.py")
+def _args(argv) -> argparse.Namespace:
+  ap = _Parser(description=__doc__.splitlines()[0])
+  ap.add_argument("--config", required=True, help="configs/<study>.py[:ARG]")
   ap.add_argument("--budget", type=float, default=None, help="bytes/param")
   ap.add_argument("--arm", default="", help="the float32 arm (default: traced)")
   ap.add_argument("--seed", type=int, default=None)
@@ -69,60 +64,254 @@ def main(argv=None) -> None:
     help="the optimizer expression in the optax code (default: the config's)",
   )
   args = ap.parse_args(argv)
-
-  from experiments import cli, study, tasks
-
-  config = cli._load(args.config)
-  arm = args.arm or _reference_arm(config)
-  if arm not in config.study.arms:
-    _fail(f"--arm {arm!r} is not an arm of {config.study.name!r}")
-  seed = config.study.seeds[0] if args.seed is None else args.seed
-  c = study.resolve(config, arm, seed)
-  run_dir = os.path.join(args.results, c.study.name, arm, f"seed{seed}")
-  metrics = os.path.join(run_dir, "metrics.jsonl")
-  if not os.path.exists(metrics):
+  if args.budget is not None and not (
+    math.isfinite(args.budget) and args.budget > 0
+  ):
     _fail(
-      f"no {metrics}: run the float32 arm first, `python -m experiments.run "
-      f"--config {args.config.partition(':')[0]}:arm={arm},seed={seed}`"
+      f"--budget {args.budget}: give a positive number of bytes per "
+      "parameter, e.g. --budget 6"
     )
-  records = _records(run_dir)
-  if not records:
-    _fail(f"{metrics} holds no predictions: arm {arm!r} carries no traces")
+  if args.optimizer is not None:
+    try:
+      compile(args.optimizer, "<optimizer>", "eval")
+    except (SyntaxError, ValueError) as e:
+      _fail(
+        f"--optimizer {args.optimizer!r} is not a Python expression "
+        f"({getattr(e, 'msg', e)}), so the optax code would not compile: "
+        "give one, e.g. --optimizer 'optax.adamw(1e-3)'"
+      )
+  for flag in ("out", "code"):
+    if getattr(args, flag) is not None:
+      _check_target(f"--{flag}", getattr(args, flag))
+  return args
 
-  import jax
 
-  import lowprec
+def _check_target(flag: str, path: str) -> None:
+  """A file to write: its folder exists, and it is not a folder."""
+  folder = os.path.dirname(os.path.abspath(path))
+  if os.path.isdir(path):
+    _fail(f"{flag} {path} is a folder: name a file in it, e.g. {path}/x.py")
+  if not os.path.isdir(folder):
+    _fail(
+      f"{flag} {path}: no folder {folder}; create it (mkdir -p {folder}) or "
+      "name a file in an existing folder"
+    )
 
-  params = jax.eval_shape(tasks.build(c).init, jax.random.key(0))
-  groups = tuple(c.lowprec.groups) or None
+
+def _suggest(name: str, valid) -> str:
+  close = difflib.get_close_matches(name, list(valid), n=1)
+  return f" Did you mean {close[0]!r}?" if close else ""
+
+
+def _traced_arms(config) -> list[str]:
+  return [
+    arm
+    for arm, over in config.study.arms.items()
+    if any(over.get("lowprec", {}).get(k) for k in TRACE_KEYS)
+  ]
+
+
+def _arm(config, args) -> str:
+  """The arm asked for (`--arm` or the config's `arm=`), else the first
+  that carries traces; it must be an arm, and carry traces."""
+  arms = list(config.study.arms.keys())
+  traced = _traced_arms(config)
+  name = config.study.name
+  given = config.study.arm
+  if args.arm and given and args.arm != given:
+    _fail(
+      f"--arm {args.arm} and the config argument's arm={given} differ: name "
+      "the arm once"
+    )
+  arm = args.arm or given
+  if not arm:
+    if not traced:
+      _fail(
+        f"no arm of {name!r} carries traces (lowprec."
+        f"{', '.join(TRACE_KEYS)}): the advice needs a float32 run that does"
+      )
+    return traced[0]
+  flag = "--arm" if args.arm else f"--config {args.config}"
+  if arm not in arms:
+    _fail(
+      f"{flag}: {arm!r} is not an arm of {name!r}.{_suggest(arm, arms)} "
+      f"Arms: {', '.join(arms)}"
+    )
+  if arm not in traced:
+    _fail(
+      f"{flag}: arm {arm!r} carries no traces (lowprec."
+      f"{', '.join(TRACE_KEYS)}), so its run predicts nothing; arms that "
+      f"do: {', '.join(traced) or 'none'}"
+    )
+  return arm
+
+
+def _seed(config, arm: str, args) -> int:
+  """`--seed` or the config's `seed=`, else the arm's first seed."""
+  given = config.study.seed if config.study.seed >= 0 else None
+  if args.seed is not None and given is not None and args.seed != given:
+    _fail(
+      f"--seed {args.seed} and the config argument's seed={given} differ: "
+      "name the seed once"
+    )
+  over = config.study.arms[arm].get("study", {})
+  seeds = list(over.get("seeds", config.study.seeds))
+  seed = args.seed if args.seed is not None else given
+  if seed is None:
+    return seeds[0]
+  if seed not in seeds:
+    _fail(
+      f"seed {seed} is not a seed of arm {arm!r} of {config.study.name!r}: "
+      f"its seeds are {', '.join(map(str, seeds))}"
+    )
+  return seed
+
+
+def _run_command(args, arm: str, seed: int) -> str:
+  """The runner's command for this run (the config argument's scale)."""
+  path, _, arg = args.config.partition(":")
+  keep = [x for x in arg.split(",") if x.strip().startswith("scale=")]
+  arg = ",".join([*keep, f"arm={arm}", f"seed={seed}"])
+  return f"python -m experiments.run --config {path}:{arg}"
+
+
+def _check_config(run_dir: str, c, args, arm: str, seed: int) -> None:
+  """The run's config.json is the config given, as the ledger checks it."""
+  from experiments import ledger, results
+
+  file = os.path.join(run_dir, "config.json")
+  rerun = f"{_run_command(args, arm, seed)} --restart"
+  if not os.path.exists(file):
+    _fail(
+      f"{run_dir} has metrics.jsonl but no config.json, so its records "
+      f"cannot be checked against --config {args.config}: restore "
+      f"config.json, or rerun the float32 arm: {rerun}"
+    )
   try:
-    advice = lowprec.freeze.advise(
-      records, params, groups=groups, budget=args.budget
-    )
+    old = results.read_json(file)
   except ValueError as e:
-    _fail(str(e))
-  steps = records[-1].get("step")
-  if steps is not None and steps < c.train.steps:
-    advice.notes.append(
-      f"the float32 run stopped at step {steps} of {c.train.steps}"
+    _fail(f"{e}; restore it, or rerun the float32 arm: {rerun}")
+  diff = ledger.config_diff(old, c.to_dict())
+  if diff:
+    shown = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff.items())
+    _fail(
+      f"{run_dir} was run with another config than --config {args.config} "
+      f"(run -> given: {shown}): advise with the config it ran with, or "
+      f"rerun it with this one: {rerun}"
     )
-  print(f"{c.study.name}/{arm}/seed{seed}")
-  print(advice.table())
+
+
+def _records(run_dir: str, c, args, arm: str, seed: int):
+  """The run's training-step records and their file:line."""
+  from experiments import results
+
+  metrics = os.path.join(run_dir, "metrics.jsonl")
+  if not os.path.isfile(metrics):
+    _fail(
+      f"no {metrics}: run the float32 arm first, `"
+      f"{_run_command(args, arm, seed)}`"
+    )
+  _check_config(run_dir, c, args, arm, seed)
+  try:
+    lines = results.read_whole_metrics(metrics)
+  except (results.MetricsError, OSError) as e:
+    _fail(str(e))
+  lines = [(i, r) for i, r in lines if r["step"] >= 1]
+  if not any(k.startswith("pred") for _, r in lines for k in r):
+    _fail(f"{metrics} holds no predictions: arm {arm!r} carries no traces")
+  return [r for _, r in lines], [f"{metrics}:{i}" for i, _ in lines]
+
+
+def _write_all(files: dict[str, str]) -> None:
+  """Writes every file whole or none: temp files first, then renames."""
+  temps = {}
+  try:
+    for path, text in files.items():
+      fd, tmp = tempfile.mkstemp(
+        dir=os.path.dirname(os.path.abspath(path)),
+        prefix="." + os.path.basename(path) + ".",
+        suffix=".tmp",
+      )
+      temps[path] = tmp
+      with os.fdopen(fd, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+      os.chmod(tmp, 0o644)
+  except OSError as e:
+    for tmp in temps.values():
+      os.remove(tmp)
+    _fail(f"cannot write {e.filename or path}: {e.strerror or e}")
+  for path, tmp in temps.items():
+    os.replace(tmp, path)
+
+
+def _outputs(args, c) -> tuple[str, str]:
   out = args.out or os.path.join("configs", "advice", f"{c.study.name}.py")
-  with open(out, "w") as f:
-    f.write(advice.fragment())
+  code = args.code or os.path.join(
+    args.results, c.study.name, "advice", "optax_advice.py"
+  )
+  if args.out is None:
+    _check_target("--out", out)
+  if os.path.realpath(out) == os.path.realpath(code):
+    _fail(f"--out and --code name the same file {out}: give two files")
+  return out, code
+
+
+def main(argv=None) -> None:
+  args = _args(argv)
+  from experiments import cli  # jax loads later, after the cheap checks
+
+  try:
+    config = cli._load(args.config)
+  except (AttributeError, TypeError) as e:
+    _fail(f"--config {args.config} is not a study config ({e})")
+  arm = _arm(config, args)
+  seed = _seed(config, arm, args)
+  from experiments import study
+
+  try:
+    c = study.resolve(config, arm, seed)
+  except ValueError as e:
+    _fail(f"--config {args.config}: {e}")
+  out, code = _outputs(args, c)
+  run_dir = os.path.join(args.results, c.study.name, arm, f"seed{seed}")
+  records, sources = _records(run_dir, c, args, arm, seed)
+  advice = _advise(c, args, records, sources)
   o = c.opt
   optimizer = args.optimizer or (
     f"optax.adamw({o.lr}, b1={o.b1}, b2={o.b2}, eps={o.eps}, "
     f"weight_decay={o.weight_decay})"
   )
-  code = args.code or os.path.join(
-    args.results, c.study.name, "advice", "optax_advice.py"
-  )
-  os.makedirs(os.path.dirname(code) or ".", exist_ok=True)
-  with open(code, "w") as f:
-    f.write(advice.optax_code(optimizer))
+  texts = {out: advice.fragment(), code: advice.optax_code(optimizer)}
+  print(f"{c.study.name}/{arm}/seed{seed}")
+  print(advice.table())
+  if args.code is None:
+    os.makedirs(os.path.dirname(code) or ".", exist_ok=True)
+  _write_all(texts)
   print(f"\nwrote {out} (config fragment) and {code} (optax code)")
+
+
+def _advise(c, args, records, sources):
+  import jax
+
+  import lowprec
+  from experiments import tasks
+
+  try:
+    params = jax.eval_shape(tasks.build(c).init, jax.random.key(0))
+    groups = tuple(c.lowprec.groups) or None
+    advice = lowprec.freeze.advise(
+      records, params, groups=groups, budget=args.budget, sources=sources
+    )
+  except (ValueError, FileNotFoundError) as e:
+    _fail(str(e))
+  steps = records[-1].get("step")
+  if steps < c.train.steps:
+    advice.notes.append(
+      f"the float32 run stopped at step {steps} of {c.train.steps}"
+    )
+  return advice
 
 
 if __name__ == "__main__":
