@@ -484,6 +484,12 @@ def advise(
   th = thresholds or Thresholds()
   compiled = groups_lib.as_groups(groups)
   sizes = _leaf_sizes(params)
+  if not sum(sizes.values()):
+    raise ValueError(
+      "advise: the params hold no elements (every tensor has a zero-size "
+      "axis), so there are no bytes per parameter to advise on; pass the "
+      "model's parameters (arrays or jax.eval_shape of them)"
+    )
   _check_traced(checked[-1], sizes)
   members = groups_lib.members(list(sizes), compiled)
   if groups is not None:
@@ -626,6 +632,8 @@ def _fit(advice: Advice, budget: float) -> None:
   total = sum(advice.sizes.values())
   options = {}
   for g in advice.sizes:
+    if not advice.sizes[g]:
+      continue  # a group of zero-size tensors: no bytes to gain
     ws = [r for r in advice.rows if r.group == g and _risk(r) is not None]
     ss = [r for r in advice.state_rows if r.group == g and _risk(r) is not None]
     options[g] = [
