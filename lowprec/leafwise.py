@@ -12,6 +12,7 @@ step, `(path, w, u, fmt, bits) -> (delta, kept)`.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -23,6 +24,7 @@ from lowprec import rng as rng_lib
 from lowprec import scaled
 from lowprec.formats import Format, check_writeback_format
 from lowprec.storage import (
+  Float8ParamsWarning,
   check_on_grid,
   check_shape,
   check_storage,
@@ -67,12 +69,37 @@ def weights(lookup, params, spec) -> dict[str, tuple[Any, Any, Any]]:
     f = weight_format(lookup, path, w)
     if f is not None:
       out[path_name(path)] = (path, f, w)
+  _warn_narrow(out)
   if _concrete(params):
     # Concrete params may still meet init inside a trace (closed over
     # under jit or vmap): evaluate the check now rather than stage it.
     with jax.ensure_compile_time_eval():
       check_on_grid(params, spec)
   return out
+
+
+def _warn_narrow(weights: dict) -> None:
+  """Warns, once per `init`, where weights are stored in a one-byte float
+  dtype: the deltas are float32, which `optax.apply_updates` cannot add
+  to them (JAX refuses to promote 8-bit floats), and its error does not
+  name the fix."""
+  narrow = [
+    (n, np.dtype(w.dtype).name)
+    for n, (_, _, w) in weights.items()
+    if jnp.issubdtype(w.dtype, jnp.floating) and np.dtype(w.dtype).itemsize == 1
+  ]
+  if not narrow:
+    return
+  (name, dtype), more = narrow[0], len(narrow) - 1
+  others = f" and {more} more" if more else ""
+  warnings.warn(
+    f"parameter {name!r}{others} stored as {dtype}: land the write-back's "
+    "float32 deltas with lowprec.apply_updates(params, updates), which "
+    "keeps the dtype; optax.apply_updates fails on them (JAX does not add "
+    "float8 and float32 implicitly: a TypePromotionError)",
+    Float8ParamsWarning,
+    stacklevel=4,
+  )
 
 
 def step(
@@ -144,9 +171,13 @@ def _concrete(tree) -> bool:
 class Plain(NamedTuple):
   """The plain write-back of one tensor, `w' = Q(w + u)`: a `LeafStep`
   giving the delta that lands `w'` and, with telemetry, the counts
-  `(proposals, moved, saturated, unreachable, nonfinite)` (then, on a
-  scaled format, its block count and the blocks whose scale changed).
-  `writeback` is this step over the tree; `eco` adds a fold."""
+  `(proposals, moved, saturated, unreachable, nonfinite, offgrid)` (then,
+  on a scaled format, its block count and the blocks whose scale
+  changed). `offgrid` counts the finite weights `w` that are off their
+  grid: the write-back's previous deltas put every weight on it, so
+  they show that something changed the params after them (a transform
+  chained after the write-back). `writeback` is this step over the
+  tree; `eco` adds a fold."""
 
   rounding: str
   overflow: str
@@ -155,7 +186,7 @@ class Plain(NamedTuple):
   scales: str
 
   def __call__(self, path, w, u, fmt, bits):
-    """Delta and, with telemetry, the `_COUNTS` of one tensor (then, for a
+    """Delta and, with telemetry, the counts of one tensor (then, for a
     scaled format, its block count and the blocks whose scale changed)."""
     del path
     on_scaled = isinstance(fmt, scaled.ScaledFormat)
@@ -181,7 +212,10 @@ class Plain(NamedTuple):
       return delta, ()
     # The delta is -0 exactly where the weight stays, nonzero where it moves.
     moved = proposed & (delta != 0)
-    counts = tally(proposed, moved, enc.over & proposed, ~lands, ~finite)
+    offgrid = jnp.isfinite(w) & ~_on_grid(w, fmt)
+    counts = tally(
+      proposed, moved, enc.over & proposed, ~lands, ~finite, offgrid
+    )
     if not on_scaled:
       return delta, counts
     new = enc.block_scales.block
@@ -191,3 +225,11 @@ class Plain(NamedTuple):
     code = lambda s: jax.lax.bitcast_convert_type(s, jnp.uint8)  # noqa: E731
     changed = jnp.sum(code(old) != code(new), dtype=jnp.int32)
     return delta, (*counts, jnp.int32(old.size), changed)
+
+
+def _on_grid(w, fmt):
+  """Whether each value of `w` is on `fmt`'s grid (a scaled format's: of
+  the block scales of `w` itself, which nearest rounding gives back)."""
+  if isinstance(fmt, scaled.ScaledFormat):
+    return scaled.fake_quantize(w, fmt) == w
+  return fmt.is_on_grid(w)

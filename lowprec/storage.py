@@ -55,6 +55,13 @@ from lowprec.rules import (  # noqa: F401  (the parameter dialect, re-exported)
 STORAGES = ("float32", "native")
 
 
+class Float8ParamsWarning(UserWarning):
+  """A write-back's `init` met params stored in a one-byte float dtype:
+  land its deltas with `lowprec.apply_updates`, not `optax.apply_updates`.
+  Silence it where that is done already:
+  `warnings.simplefilter("ignore", lowprec.storage.Float8ParamsWarning)`."""
+
+
 def leaf_format(lookup: FormatLookup, path, x) -> Format | None:
   """The format of the leaf `x` at `path`; None for a leaf that is not an
   array (it is no parameter, and needs no rule) or that the spec leaves

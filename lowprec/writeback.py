@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from lowprec import counting, leafwise, names, scaled
@@ -32,6 +33,7 @@ NONFINITE_MODES = ("keep", "propagate")
 SCALE_MODES = ("recompute", "keep")  # block scales of a scaled write-back
 
 _COUNTS = ("proposals", "moved", "saturated", "unreachable", "nonfinite")
+_COUNTS += ("offgrid",)  # checked by `report()`, not reported
 _REPORTED = ("proposals", "erased", "moved", "saturated", "unreachable")
 _REPORTED += ("nonfinite",)
 
@@ -56,6 +58,9 @@ class WritebackState(NamedTuple):
   # Parameters on a scaled grid only (None without any): int32 [] per path.
   blocks: dict[str, jax.Array] | None = None  # scale blocks of the tensor.
   rescaled: dict[str, jax.Array] | None = None  # blocks whose scale moved.
+  # int32 [] per path: finite weights off their grid when the update
+  # began (None without telemetry): `report()` raises where one is not 0.
+  offgrid: dict[str, jax.Array] | None = None
 
   def arrays(self) -> dict[str, jax.Array]:
     """The counts as arrays, traceable: `{name: int32 or float32 array}`.
@@ -80,8 +85,36 @@ class WritebackState(NamedTuple):
     Parameters on a scaled (MX) grid add `blocks`, `rescaled` (blocks whose
     scale changed this step) and `rescaled_fraction`, in total and per
     path.
+
+    Raises:
+      ValueError: the last update found weights off their grid (the
+        `offgrid` counts): something changed the params after the
+        write-back's deltas, e.g. a transform chained after it.
     """
-    return _telemetry(jax.device_get(self._replace(key=None)), host=True)
+    st = jax.device_get(self._replace(key=None))
+    check_offgrid(st.offgrid)
+    return _telemetry(st, host=True)
+
+
+def check_offgrid(offgrid) -> None:
+  """Raises where the `offgrid` counts of a write-back's state (`{path:
+  count}`, concrete, any leading ensemble axes) are not all zero."""
+  if not offgrid:
+    return
+  bad = {n: int(np.sum(c)) for n, c in offgrid.items() if np.any(c)}
+  if not bad:
+    return
+  (name, n), more = next(iter(bad.items())), len(bad) - 1
+  others = f" (and values of {more} other parameters)" if more else ""
+  raise ValueError(
+    f"lowprec.writeback met {n} values of parameter {name!r}{others} off "
+    "their grid at its last update: the params changed after its deltas "
+    "landed, so they are no longer weights on the grid. The write-back "
+    "goes last in the chain, so that its deltas are what is added to the "
+    "params: optax.chain(optax.adam(1e-3), lowprec.writeback(fmt)), not "
+    "optax.chain(lowprec.writeback(fmt), optax.adam(1e-3)); change the "
+    "params only by its updates (or put them back with lowprec.to_grid)"
+  )
 
 
 def _telemetry(st: WritebackState, host: bool) -> dict:
@@ -236,9 +269,15 @@ def writeback(
       blocks={n: b for n, (b, _) in scales.items()} or None,
       rescaled={n: r for n, (_, r) in scales.items()} or None,
     )
+    if telemetry and not _traced(counts["offgrid"]):
+      check_offgrid(counts["offgrid"])  # an update run eagerly
     return deltas, new_state
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _traced(tree) -> bool:
+  return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree))
 
 
 def _is_scaled(fmt) -> bool:

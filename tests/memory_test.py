@@ -49,8 +49,9 @@ def test_a_scalar_parameter_has_moments_per_parameter():
   tx = optax.chain(optax.adam(1e-3), lowprec.writeback("bfloat16"))
   got = _count(tx, bf)
   # Moments in bfloat16, like the params; fixed: Adam's count, the
-  # write-back's count and its five counts for each of the two tensors.
-  assert got == (2.0, 4.0, 6.0, 4 + 4 + 5 * 2 * 4)
+  # write-back's count and its six counts for each of the two tensors
+  # (five reported, and the off-grid count it checks).
+  assert got == (2.0, 4.0, 6.0, 4 + 4 + 6 * 2 * 4)
 
 
 def _buffer() -> optax.GradientTransformation:

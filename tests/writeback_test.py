@@ -720,6 +720,92 @@ def test_telemetry_finds_the_state_inside_a_chain():
   assert isinstance(state[1], lowprec.WritebackState)
 
 
+@pytest.mark.parametrize("fmt", ["bfloat16", "float8_e4m3fn", "mxfp8_e4m3"])
+def test_a_writeback_placed_first_is_refused_by_its_telemetry(fmt):
+  # optax.chain(writeback, adam): adam's update lands after the rounding,
+  # so the params leave the grid. The next update counts them (an
+  # oracle: the values the format's ml_dtypes cast or the MX numpy
+  # quantizer does not give back), and reading the telemetry raises,
+  # naming the order that works; in the right order nothing is counted.
+  from tests.scaled_test import _reference_mx
+
+  w = jax.random.normal(jax.random.key(0), (32, 64))
+  params = lowprec.to_grid({"w": w}, fmt)
+
+  def run(first):
+    wb = lowprec.writeback(fmt)
+    adam = optax.adam(1e-2)
+    tx = optax.chain(wb, adam) if first else optax.chain(adam, wb)
+    state, p = tx.init(params), params
+    update = jax.jit(tx.update)
+    for t in range(3):
+      before = p
+      g = jax.tree.map(lambda x, t=t: 0.1 * x + 0.01 * (t + 1), p)
+      updates, state = update(g, state, p)
+      p = optax.apply_updates(p, updates)
+    return before, state
+
+  before, state = run(first=True)
+  x = np.asarray(before["w"], np.float32)
+  if fmt.startswith("mx"):
+    back = _reference_mx(x, lowprec.get_scaled_format(fmt))[0]
+  else:
+    back = x.astype(getattr(ml_dtypes, fmt)).astype(np.float32)
+  off = int(np.sum(back != x))
+  assert off > 1900  # nearly all of the 2048
+  assert int(state[0].offgrid["w"]) == off
+  with pytest.raises(ValueError, match=rf"met {off} values of parameter 'w'"):
+    lowprec.telemetry(state)
+  with pytest.raises(ValueError, match=r"chain\(optax.adam\(1e-3\), lowpre"):
+    lowprec.telemetry(state)
+  arrays = jax.jit(lowprec.telemetry_arrays)(state)  # traceable: no check
+  assert "offgrid" not in arrays
+  _, good = run(first=False)
+  assert int(good[1].offgrid["w"]) == 0 and lowprec.telemetry(good)["moved"]
+
+
+def test_an_eager_update_on_params_off_the_grid_raises_at_once():
+  params = {"w": jnp.asarray([1.0, 2.0, 3.0])}
+  tx = lowprec.writeback("bfloat16")
+  state = tx.init(params)
+  params = {"w": params["w"] + 1e-3}  # changed behind the write-back's back
+  with pytest.raises(ValueError, match="met 3 values of parameter 'w'"):
+    tx.update({"w": jnp.zeros(3)}, state, params)
+  off = lowprec.writeback("bfloat16", telemetry=False)  # no counts, no check
+  off.update({"w": jnp.zeros(3)}, off.init({"w": jnp.ones(3)}), params)
+
+
+@pytest.mark.parametrize("storage", ["native", "float32"])
+def test_float8_params_warn_at_init_naming_lowprec_apply_updates(storage):
+  # optax.apply_updates cannot add float32 deltas to float8 params, and
+  # JAX's error does not say what to use: the write-back's init does.
+  import warnings
+
+  params = lowprec.to_grid(
+    {"a": jnp.ones((4,)), "b": jnp.ones((2,))}, "float8_e4m3fn", storage=storage
+  )
+  tx = optax.chain(
+    lowprec.in_float32(optax.sgd(0.1)), lowprec.writeback("float8_e4m3fn")
+  )
+  if storage == "float32":
+    with warnings.catch_warnings():
+      warnings.simplefilter("error")
+      tx.init(params)
+    return
+  with pytest.warns(
+    lowprec.storage.Float8ParamsWarning,
+    match=r"'a' and 1 more stored as float8_e4m3fn.*lowprec.apply_updates",
+  ):
+    state = tx.init(params)
+  grads = {"a": jnp.ones((4,)), "b": jnp.ones((2,))}
+  updates, _ = tx.update(grads, state, params)
+  with pytest.raises(jax.dtypes.TypePromotionError):
+    optax.apply_updates(params, updates)
+  new = lowprec.apply_updates(params, updates)
+  assert new["a"].dtype == jnp.float8_e4m3fn
+  np.testing.assert_array_equal(np.asarray(new["a"], np.float32), 0.875)
+
+
 # ---- non-finite proposals ----------------------------------------------------
 
 
