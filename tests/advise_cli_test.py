@@ -357,6 +357,7 @@ ARGUMENTS = {
   "budget-word": (lambda r: r.args("--budget", "six"), ["invalid float"]),
   "budget-nan": (lambda r: r.args("--budget", "nan"), ["--budget nan: give"]),
   "budget-negative": (lambda r: r.args("--budget", "-1"), ["positive"]),
+  "budget-inf": (lambda r: r.args("--budget", "inf"), ["positive"]),
   "budget-unreachable": (
     lambda r: r.args("--budget", "0.5"),
     ["no predicted recipe fits 0.5 bytes/param", "raise --budget"],

@@ -320,6 +320,7 @@ def test_the_window_holds_at_least_ten_steps(n, window, ok):
     a = advise(recs, SIZES, groups=GROUPS, window=window)
     assert a.window_steps == 10
     assert "(10 steps; the advice needs at least 10)" in a.table()
+    assert not any("fewer than the 10" in n for n in a.notes)
     return
   with pytest.raises(ValueError) as e:
     advise(recs, SIZES, groups=GROUPS, window=window)
@@ -359,6 +360,12 @@ def test_parameters_and_traced_tensors_must_match():
   assert str(e.value).startswith(
     "1 parameter(s) match no traced tensor ('h/attn/kernel'). The traced "
     "tensors: 'wte', 'h/mlp/kernel'. Pass the parameters"
+  )
+  with pytest.raises(ValueError) as e:
+    advise(recs, {"wte": 100}, groups=(("all", ".*"),))
+  assert str(e.value).startswith(
+    "1 traced tensor(s) match no parameter ('h/mlp/kernel'). The traced "
+    "tensors: 'wte', 'h/mlp/kernel'."
   )
   renamed = {f"params/{k}": v for k, v in SIZES.items()}
   with pytest.raises(ValueError) as e:
