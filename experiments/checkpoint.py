@@ -6,7 +6,11 @@ orbax refuses) are stood in for by a scalar and restored from the template.
 Saves are finalised by orbax with an atomic rename, so a run killed mid-save
 resumes from the previous complete checkpoint; a checkpoint that is there but
 cannot be read (emptied, truncated, edited) is set aside and the newest
-readable one is used (`restore_latest`). A save that fails (no space, no
+readable one is used (`restore_latest`). Each checkpoint's metadata holds
+the recipes of the stored states in it (`lowprec.record`: how optimizer
+state is stored, which a checkpoint's arrays do not say); a checkpoint
+whose recipes differ from the run's is refused, naming both, before
+anything is restored. A save that fails (no space, no
 permission) raises `CheckpointWriteError` and the manager's threads are
 stopped, so the process exits instead of hanging. `restore_params` reads
 only the parameters of another run's checkpoint (to start a run from it).
@@ -23,6 +27,9 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from experiments import distributed, faults
+from lowprec import record
+
+RECIPES = "lowprec_recipes"  # the checkpoint metadata key of the records
 
 
 class CheckpointWriteError(OSError):
@@ -118,8 +125,13 @@ class Checkpointer:
       CheckpointWriteError: this save, or the previous one still in flight,
         failed.
     """
+    recipes = {p: r.to_json() for p, r in record.recipes_of(state).items()}
     try:
-      self._mngr.save(step, args=ocp.args.StandardSave(_unwrap(state)))
+      self._mngr.save(
+        step,
+        args=ocp.args.StandardSave(_unwrap(state)),
+        custom_metadata={RECIPES: recipes},
+      )
       faults.point("checkpoint_started", step)
       faults.point("after_checkpoint", step, prepare=self.wait)
     except CheckpointWriteError:
@@ -162,13 +174,15 @@ class Checkpointer:
       there are no checkpoints.
 
     Raises:
-      CheckpointReadError: checkpoints exist but none restores into `like`.
+      CheckpointReadError: checkpoints exist but none restores into `like`,
+        or the newest holds optimizer state stored under other recipes.
     """
     if distributed.is_primary():
       self._drop_unfinished()
     distributed.barrier("checkpoint: unfinished saves removed")
     failed = []
     for step in sorted(self._mngr.all_steps(), reverse=True):
+      self._check_recipes(step, like)
       try:
         state, why = self.restore(step, like), None
       except Exception as e:  # orbax raises many types for a broken save
@@ -193,6 +207,35 @@ class Checkpointer:
         "as it was; else start the run over with --restart"
       )
     return 0, like, []
+
+  def _check_recipes(self, step: int, like) -> None:
+    """Raises CheckpointReadError where checkpoint `step` recorded its
+    stored states under other recipes than `like` holds. A checkpoint
+    without records (written before they were) or with unreadable
+    metadata is left to the restore."""
+    try:
+      saved = self._mngr.metadata(step).custom_metadata.get(RECIPES)
+      saved = {p: record.Recipe.from_json(r) for p, r in saved.items()}
+    except Exception:  # no metadata, or not ours: nothing to compare
+      return
+    have = record.recipes_of(like)
+    for path in dict.fromkeys([*saved, *have]):
+      old, new = saved.get(path), have.get(path)
+      if old is None or new is None:
+        kind = (old or new).kind
+        why = f"{kind} state in {'this run' if old is None else 'it'} only"
+      else:
+        why = record.mismatch(old, new, "this run")
+      if why is not None:
+        raise CheckpointReadError(
+          f"checkpoint {step} in {self.directory} holds optimizer state "
+          f"stored under another recipe than this run's: at {path!r}, "
+          f"{why}. Stored codes mean other values under another recipe, "
+          "so it is not restored. Keep the config's state storage "
+          "(lowprec.state, lowprec.correction_bits, lowprec.group_recipes "
+          "and the recipes they name) as the checkpoint was written, or "
+          "start the run over with --restart"
+        )
 
   def _drop_unfinished(self) -> None:
     """Removes the temporary directories of saves that never finished.

@@ -153,9 +153,12 @@ def _served(state, leaves: dict) -> dict[str, str]:
   """Scale leaf name -> name of the stored leaf it scales, for every
   `store_state` state in `state` (typed, or a dict view of one)."""
 
+  # A view has no `recipe`: a static record, not an array.
+  fields = set(StoredState._fields) - {"recipe"}
+
   def stored(x) -> bool:
     return isinstance(x, StoredState) or (
-      isinstance(x, Mapping) and {str(k) for k in x} == set(StoredState._fields)
+      isinstance(x, Mapping) and {str(k) for k in x} == fields
     )
 
   out = {}

@@ -62,7 +62,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from lowprec import counting, leafwise, names, scaled
+from lowprec import counting, leafwise, names, record, scaled
 from lowprec.counting import mass
 from lowprec.formats import Format, get_format
 from lowprec.rules import format_lookup, map_spec, path_name
@@ -101,6 +101,8 @@ class SplitState(NamedTuple):
   lost: dict[str, jax.Array] | None  # int32 []: the code could not hold e.
   carried: dict[str, jax.Array] | None  # float32 []: sum |v - w| after.
   lost_mass: dict[str, jax.Array] | None  # float32 []: sum |v' - v|.
+  # Static (no arrays): the correction's bits, checked at every update.
+  recipe: record.Recipe | None = None
 
   def arrays(self) -> dict[str, jax.Array]:
     """`report()`'s keys as arrays (under jit, scan and vmap): int32
@@ -205,6 +207,9 @@ def split_writeback(
   map_spec(fmt, _bfloat16_only)
   lookup = format_lookup(fmt)
   dtype, top = _CODES[correction_bits]
+  recipe = record.Recipe(
+    "split_writeback", (("correction_bits", str(correction_bits)),)
+  )
 
   def init_fn(params):
     codes = {
@@ -216,9 +221,18 @@ def split_writeback(
       i32, f32 = jnp.zeros([], jnp.int32), jnp.zeros([], jnp.float32)
       zeros = {f: dict.fromkeys(codes, i32) for f in _COUNTS}
       zeros.update({f: dict.fromkeys(codes, f32) for f in _MASSES})
-    return SplitState(count=jnp.zeros([], jnp.int32), correction=codes, **zeros)
+    return SplitState(
+      count=jnp.zeros([], jnp.int32), correction=codes, **zeros, recipe=recipe
+    )
 
   def update_fn(updates, state, params=None):
+    record.check(
+      state.recipe,
+      recipe,
+      "Continue it with the recorded correction_bits, or start a new state "
+      "with init",
+    )
+
     def leaf(path, w, u, f, bits):
       del bits
       rho = state.correction[path_name(path)]
@@ -235,6 +249,7 @@ def split_writeback(
       count=optax.safe_increment(state.count),
       correction={n: k[0] for n, k in kept.items()},
       **counts,
+      recipe=recipe,
     )
     return deltas, new_state
 

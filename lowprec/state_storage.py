@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from typing import Any, NamedTuple
 
 import jax
@@ -35,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from lowprec import codemaps, counting, names
+from lowprec import codemaps, counting, names, record
 from lowprec import rng as rng_lib
 from lowprec import rules as rules_lib
 from lowprec.float32_views import _widen as float32_view
@@ -56,6 +57,8 @@ STORAGES = ("native", "float32")
 
 _COUNTS = ("changed", "erased", "flushed", "saturated", "nonfinite")
 _RATIO = ("erased_fraction", "erased", "changed")
+# Kept per leaf like the counts, reported as a share of `changed` only.
+_FIELDS = (*_COUNTS, "stalled")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,10 +174,11 @@ def parse_state_format(spec) -> StateFormat | None:
 
   Takes a `StateFormat`, a `Format` (nearest, no scale) or a string
   `"<format>[:<rounding>][:<scale>][:<rule>][:<dtype>]"` (see
-  `StateFormat`), the parts after the format in any order. An `intK`
-  format with a scale, e.g. `"int8:stochastic:block128"`, is the unit grid
-  `{-(2^(K-1) - 1), ..., 2^(K-1) - 1}` under that scale (stored as int8
-  codes under an amax scale, `"int4:nearest:block128:amax"`). The format
+  `StateFormat`), the parts after the format in any order, each kind at
+  most once. An `intK` format takes a scale, e.g.
+  `"int8:stochastic:block128"`: the unit grid `{-(2^(K-1) - 1), ...,
+  2^(K-1) - 1}` under that scale (stored as int8 codes under an amax
+  scale, `"int4:nearest:block128:amax"`). The format
   may be a code map of `lowprec.codemaps`: `"dynamic8:block256"`,
   `"dynamic4:block128"`, `"companded8:block32"`, `"sqrt8:block32"`,
   `"uint4nz:block128"`.
@@ -182,7 +186,9 @@ def parse_state_format(spec) -> StateFormat | None:
   Raises:
     TypeError: `spec` is none of these.
     ValueError: an unknown format, code map, rounding, scale, scale rule
-      or scale dtype, with the valid ones.
+      or scale dtype, with the valid ones; a kind of part given twice
+      (`"bfloat16:stochastic:nearest"`), naming the two specs it may mean;
+      an `intK` format without a scale, naming the specs with one.
   """
   if spec is None or isinstance(spec, StateFormat):
     return spec
@@ -194,17 +200,10 @@ def parse_state_format(spec) -> StateFormat | None:
       f"StateFormat or None, got {type(spec).__name__} {spec!r}"
     )
   name, *rest = spec.strip().split(":")
-  rounding, scale, rule, dtype = "nearest", None, None, None
-  for part in rest:
-    if part in ROUNDINGS:
-      rounding = part
-    elif part == "tensor" or part.startswith("block"):
-      scale = part
-    elif part in SCALE_RULES:
-      rule = part
-    elif part in SCALE_DTYPES:
-      dtype = part
-    else:
+  given = {}  # kind -> (index in rest, part)
+  for i, part in enumerate(rest):
+    kind = _part_kind(part)
+    if kind is None:
       valid = [*ROUNDINGS, "tensor", "block128", "block256"]
       valid += [*SCALE_RULES, *SCALE_DTYPES]
       raise ValueError(
@@ -214,13 +213,53 @@ def parse_state_format(spec) -> StateFormat | None:
         "'bfloat16:stochastic', 'float8_e4m3fn:stochastic:block128' or "
         "'float8_e4m3fn:nearest:block256:amax'"
       )
+    if kind in given:
+      _refuse_twice(spec, name, rest, kind, given[kind][0], i)
+    given[kind] = (i, part)
+  rounding = given.get("rounding", (0, "nearest"))[1]
+  scale, rule, dtype = (
+    given.get(k, (0, None))[1] for k in ("scale", "scale rule", "scale dtype")
+  )
   if codemaps.is_map(name):
     return StateFormat(name, rounding, scale, rule, dtype)
   # An integer grid under a scale is the unit grid {-K'..K'} (int8: the
   # values -127..127), times the block's or tensor's scale.
+  if scale is None and re.fullmatch(r"int\d+", name):
+    shown = ":".join([name, rounding, "block128"])
+    raise ValueError(
+      f"state spec {spec!r}: an integer grid {name!r} in a state spec is "
+      "the unit grid under a scale per block or per tensor; give one, e.g. "
+      f"{shown!r} or {shown.replace('block128', 'tensor')!r}"
+    )
   unit = 1.0 if scale is not None and name.startswith("int") else None
   fmt = get_format(name, scale=unit, also_valid=codemaps.MAPS)
   return StateFormat(fmt, rounding, scale, rule, dtype)
+
+
+def _part_kind(part: str) -> str | None:
+  """Which part of a state spec `part` is (None: none)."""
+  if part in ROUNDINGS:
+    return "rounding"
+  if part == "tensor" or part.startswith("block"):
+    return "scale"
+  if part in SCALE_RULES:
+    return "scale rule"
+  if part in SCALE_DTYPES:
+    return "scale dtype"
+  return None
+
+
+def _refuse_twice(spec, name, rest, kind, first, second):
+  """Raises for a state spec that gives one kind of part twice."""
+  keep = [
+    ":".join([name, *(p for j, p in enumerate(rest) if j != drop)])
+    for drop in (second, first)
+  ]
+  fix = f"{keep[0]!r}" if keep[0] == keep[1] else f"{keep[0]!r} or {keep[1]!r}"
+  raise ValueError(
+    f"state spec {spec!r} gives the {kind} twice ({rest[first]!r} and "
+    f"{rest[second]!r}); give one {kind}: {fix}"
+  )
 
 
 # State path components of signed moments, which an unsigned code map
@@ -267,12 +306,14 @@ class StateCounts(NamedTuple):
   flushed: dict[str, jax.Array] | None  # int32 []: s' != 0, stored is 0.
   saturated: dict[str, jax.Array] | None  # int32 []: s' / scale past max.
   nonfinite: dict[str, jax.Array] | None  # int32 []: s' NaN or infinite.
+  stalled: dict[str, jax.Array] | None  # int32 []: s' != s, code stays.
 
   def arrays(self) -> dict[str, jax.Array]:
     """`report()`'s keys as arrays: int32 counts, float32 fractions."""
-    return counting.of_state(
+    out = counting.of_state(
       self, _COUNTS, ratio=_RATIO, prefix="state/", host=False
     )
+    return {**out, **_stalled_fractions(self, counting.fraction)}
 
   def report(self) -> dict[str, int | float]:
     """The counts as plain numbers, prefixed `state/`.
@@ -283,20 +324,41 @@ class StateCounts(NamedTuple):
     `state/saturated` (rounded past the format's largest value),
     `state/nonfinite` (NaN or infinite float32 values, never counted as
     changes), `state/erased_fraction` (erased / changed, NaN without
-    changes); and each of them per state path, `state/erased/<path>`.
-    Exact integers and float64 fractions, computed on the host.
+    changes), `state/stalled_fraction` (the share of the changed values
+    whose stored code stayed: see `store_state`); and each of them per
+    state path, `state/erased/<path>`. Exact integers and float64
+    fractions, computed on the host.
     """
-    return counting.of_state(
-      jax.device_get(self._replace(key=None)),
-      _COUNTS,
-      ratio=_RATIO,
-      prefix="state/",
-      host=True,
+    host = jax.device_get(self._replace(key=None))
+    out = counting.of_state(
+      host, _COUNTS, ratio=_RATIO, prefix="state/", host=True
     )
+    return {**out, **_stalled_fractions(host, counting.host_fraction)}
+
+
+def _stalled_fractions(counts: StateCounts, fraction) -> dict:
+  """`state/stalled_fraction` (stalled / changed), in total and per path;
+  `fraction` is `counting.fraction` (arrays) or `host_fraction`."""
+  if counts.stalled is None:
+    return {}
+  host = fraction is counting.host_fraction
+  total = functools.partial(sum, start=np.int64(0) if host else 0)
+  wide = (lambda a: np.asarray(a, np.int64)) if host else (lambda a: a)
+  stalled = {n: wide(v) for n, v in counts.stalled.items()}
+  changed = {n: wide(v) for n, v in counts.changed.items()}
+  out = {
+    "state/stalled_fraction": fraction(
+      total(stalled.values()), total(changed.values())
+    )
+  }
+  for n in stalled:
+    out[f"state/stalled_fraction/{n}"] = fraction(stalled[n], changed[n])
+  return out
 
 
 class StoredState(NamedTuple):
-  """State of `store_state`: the inner state, stored, and its scales."""
+  """State of `store_state`: the inner state, stored, its scales, and the
+  recipe that stored it (`lowprec.record`)."""
 
   # The inner transform's state, same structure; the leaves a rule stores
   # hold grid values, in the format's dtype (native) or float32.
@@ -305,6 +367,8 @@ class StoredState(NamedTuple):
   # the leaf's shape with its last axis cut into blocks (ceil(n / block)).
   scales: dict[str, jax.Array]
   counts: StateCounts  # step count, key and telemetry.
+  # Static (no arrays): each stored leaf's spec, checked at every update.
+  recipe: record.Recipe
 
 
 def store_state(
@@ -387,9 +451,20 @@ def store_state(
 
   Telemetry, per state path and in total, for the last update: `changed`
   (finite `s' != s`), `erased` (changed, and the stored value stayed `s`),
-  `flushed` (`s' != 0` stored as 0), `saturated`, `nonfinite`, and
-  `erased_fraction`; keys `state/...`, read with `lowprec.telemetry` or
+  `flushed` (`s' != 0` stored as 0), `saturated`, `nonfinite`,
+  `erased_fraction`, and `stalled_fraction`: the share of the changed
+  values whose stored code stayed (the grid value under its scale, or a
+  code map's code). Without a scale a stall is an erasure; under a scale
+  that follows the block's largest value (`amax`, code maps) the scale,
+  and with it every stored value of the block, moves at almost every
+  step, so few updates are erased while most codes stall. Keys
+  `state/...`, read with `lowprec.telemetry` or
   `lowprec.telemetry_arrays` (see `StateCounts.report`).
+
+  Recipe. The state records each stored leaf's spec (`StoredState.recipe`,
+  static: no arrays), and `update` refuses a state recorded under other
+  specs: codes read under another recipe stand for other values. A
+  checkpoint's arrays do not hold the record (see `lowprec.record`).
 
   Args:
     inner: an optax transform whose state leaves are arrays (or Python
@@ -416,7 +491,8 @@ def store_state(
       state leaf, a rule that stores a leaf that is not a floating-point
       array (a step count, a Python number), or a map of nonnegative
       values (`sqrt8`, `uint4nz`, `dynamic8u`) on a first moment (`mu`,
-      `trace`, `momentum`). Each names the rule or leaf and the fix.
+      `trace`, `momentum`); at `update`, a state stored under other specs
+      (naming both). Each names the rule or leaf and the fix.
 
   Example:
     ```python
@@ -450,23 +526,32 @@ def store_state(
     plan = rules_lib.plan(parsed, state, check=check)
     if check:
       check_moments(plan)
-    return {n: sf.codec(storage, overflow) for n, sf in plan.items()}
+    recipe = record.Recipe(
+      "store_state", tuple((n, str(sf)) for n, sf in plan.items())
+    )
+    return {n: sf.codec(storage, overflow) for n, sf in plan.items()}, recipe
 
   def init_fn(params):
     state = inner.init(float32_view(params))
-    plan = codecs(state, check=True)
+    plan, recipe = codecs(state, check=True)
     picked = {n: x for n, x in _leaves(state).items() if n in plan}
     codes, scales = _store_all(tuple(plan.items()), picked)
     stored, _, _ = _map_stored(plan, state, lambda n, c, x: (codes[n], None))
     zeros = dict.fromkeys(plan, jnp.zeros([], jnp.int32)) if telemetry else None
     words = None if key_state is None else key_state[0]
     counts = StateCounts(
-      jnp.zeros([], jnp.int32), words, **dict.fromkeys(_COUNTS, zeros)
+      jnp.zeros([], jnp.int32), words, **dict.fromkeys(_FIELDS, zeros)
     )
-    return StoredState(stored, scales, counts)
+    return StoredState(stored, scales, counts, recipe)
 
   def update_fn(updates, state, params=None, **extra):
-    plan = codecs(state.inner, check=False)
+    plan, recipe = codecs(state.inner, check=False)
+    record.check(
+      getattr(state, "recipe", None),
+      recipe,
+      "Continue the state with store_state built with the recorded specs, "
+      "or start a new state with init",
+    )
     widened = _widen(state.inner, plan, state.scales)
     updates, new_inner = inner.update(
       float32_view(updates), widened, float32_view(params), **extra
@@ -477,21 +562,23 @@ def store_state(
       keys = rng_lib.leaf_keys(
         step_key, [n for n, c in plan.items() if c.random]
       )
-    old = _leaves(widened)
+    old, old_codes = _leaves(widened), _leaves(state.inner)
 
     def store(name, codec, x):
       bits = None
       if codec.random:
         bits = rng_lib.random_bits(keys[name], jnp.shape(x))
       enc = encode(codec, x, old[name], bits)
-      return enc, _state_counts(x, old[name], enc) if telemetry else None
+      if not telemetry:
+        return enc, None
+      return enc, _state_counts(x, old[name], enc, old_codes[name])
 
     new_inner, scales, per = _map_stored(plan, new_inner, store)
-    counts = counting.by_field(per, _COUNTS, telemetry)
+    counts = counting.by_field(per, _FIELDS, telemetry)
     new_counts = StateCounts(
       optax.safe_increment(state.counts.count), new_key, **counts
     )
-    return updates, StoredState(new_inner, scales, new_counts)
+    return updates, StoredState(new_inner, scales, new_counts, recipe)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -526,17 +613,22 @@ def _map_stored(plan, state, store):
   return jax.tree_util.tree_unflatten(treedef, leaves), scales, second
 
 
-def _state_counts(s, s_old, enc):
-  """`_COUNTS` of one stored leaf: new float32 values `s`, old `s_old`."""
+def _state_counts(s, s_old, enc, code_old):
+  """`_FIELDS` of one stored leaf: new float32 values `s`, old `s_old`,
+  the old stored code `code_old`."""
   v = enc.value
   finite = jnp.isfinite(s)
   changed = finite & (s != s_old)
+  # Codes as numbers (the grid value under the scale, or a map's code):
+  # +0 and -0 are one code, as they are one value.
+  same_code = enc.code.astype(jnp.float32) == code_old.astype(jnp.float32)
   return tally(
     changed,
     changed & (v == s_old),
     finite & (s != 0) & (v == 0),
     enc.over & finite,
     ~finite,
+    changed & same_code,
   )
 
 

@@ -119,7 +119,8 @@ _REBUILT = {
     set(CompensatedState._fields) - {"key"},
     "the compensated write-backs",
   ),
-  SplitState: (set(SplitState._fields), "lowprec.split_writeback"),
+  # A view has no `recipe`: a static record, not an array.
+  SplitState: (set(SplitState._fields) - {"recipe"}, "lowprec.split_writeback"),
   EcoState: (set(EcoState._fields) - {"key"}, "lowprec.eco"),
 }
 _NAMED_BY_LAYOUT = {

@@ -450,6 +450,42 @@ def test_opt_change_the_checkpoint_cannot_take_is_refused_unchanged(
   assert _snapshot(d) == before  # config.json and env.json put back
 
 
+@pytest.mark.slow
+def test_resume_under_another_state_recipe_is_refused_naming_both(tmp_path):
+  """A run storing nu as dynamic8u (uint8 codes), its config.json then
+  edited to store it as float8_e4m3fn with amax scales (the ledger
+  refuses such a change made on the command line): the checkpoint
+  restored the codes into the new dtype and the run went on with them.
+  Now the resume is refused before anything is restored, naming both
+  recipes, and every file is left as it was."""
+  old, new = "nu=dynamic8u:block256", "nu=float8_e4m3fn:nearest:block256:amax"
+  args = [BASE[0], "--config.ckpt.every_steps=2"]
+  out = run(tmp_path, f"--config.lowprec.state=({old!r},)", args=args)
+  assert out.returncode == 0, out.stderr
+  d = run_dir(tmp_path)
+  os.remove(os.path.join(d, "summary.json"))  # as if killed at the end
+  config = results.read_json(os.path.join(d, "config.json"))
+  config["lowprec"]["state"] = [new]
+  config["train"]["steps"] = 10
+  results.write_json(os.path.join(d, "config.json"), config)
+  before = _snapshot(d)
+  out = run(
+    tmp_path,
+    f"--config.lowprec.state=({new!r},)",
+    "--config.train.steps=10",
+    args=args,
+  )
+  assert_clean_error(
+    out,
+    "checkpoint 8",
+    "recorded 'dynamic8u:nearest:block256', this run "
+    "'float8_e4m3fn:nearest:block256:amax'",
+    "lowprec.state",
+    "--restart",
+  )
+  assert _snapshot(d) == before
+
+
 def _cut_line(path, index):
   with open(path) as f:
     lines = f.readlines()
@@ -771,8 +807,32 @@ BAD = [
     1,
     ["Did you mean 'rn_bf16'"],
   ),
+  (
+    "state-two-roundings",
+    ['--config.lowprec.state=("nu=bfloat16:stochastic:nearest",)'],
+    1,
+    ["gives the rounding twice", "'bfloat16:stochastic' or 'bfloat16:nearest'"],
+  ),
+  (
+    "state-two-scales",
+    ['--config.lowprec.state=("nu=float8_e4m3fn:tensor:block128",)'],
+    1,
+    ["gives the scale twice", "'float8_e4m3fn:tensor' or"],
+  ),
+  (
+    "state-int-without-scale",
+    ['--config.lowprec.state=("nu=int8:nearest",)'],
+    1,
+    ["'int8:nearest:block128' or 'int8:nearest:tensor'"],
+  ),
 ]
-FAST_BAD = {"unknown-key", "bad-arg", "steps-negative", "batch-vs-devices"}
+FAST_BAD = {
+  "unknown-key",
+  "bad-arg",
+  "steps-negative",
+  "batch-vs-devices",
+  "state-two-roundings",
+}
 
 
 def test_missing_config_flag_is_one_message():

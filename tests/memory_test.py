@@ -12,10 +12,10 @@ def _count(tx, params):
   return lowprec.bytes_per_param(params, jax.eval_shape(tx.init, params))
 
 
-# store_state's counts: its step count and five int32 counts per stored
-# leaf (changed, erased, flushed, saturated, nonfinite).
+# store_state's counts: its step count and six int32 counts per stored
+# leaf (changed, erased, flushed, saturated, nonfinite, stalled).
 def _counts(leaves):
-  return 4 + 5 * 4 * leaves
+  return 4 + 6 * 4 * leaves
 
 
 @pytest.mark.parametrize("rows", [64, 128])

@@ -508,10 +508,10 @@ def test_bad_specs_are_errors_naming_the_fix():
 def test_nearest_prediction_of_one_step_is_the_measured_count(spec):
   """The store holds q = Q(s); the float32 run's update d = s' - s is
   added to it. Fed q + d (float32) as its next state, the store erases
-  exactly the updates `state_erasure(s, s')` predicts erased: the same
-  count, not a probability (seed 5, 6 x 300 values, updates of 1e-5 to
-  0.1 of the value, none on the largest of each block, so that most
-  blocks keep their scale)."""
+  exactly the updates `state_erasure(s, s')` predicts erased, and stalls
+  those it predicts stalled: the same counts, not probabilities (seed 5,
+  6 x 300 values, updates of 1e-5 to 0.1 of the value, none on the
+  largest of each block, so that most blocks keep their scale)."""
   rng = np.random.default_rng(5)
   s0 = _inputs(5, _unsigned(spec))
   rel = 10.0 ** rng.uniform(-5, -1, s0.shape) * rng.choice([-1, 1], s0.shape)
@@ -535,6 +535,9 @@ def test_nearest_prediction_of_one_step_is_the_measured_count(spec):
   assert tel["state/changed"] == int(pred["changed"])
   assert tel["state/erased"] == float(pred["erased"])
   assert 0 < tel["state/erased"] < tel["state/changed"]
+  # Stalls (the stored code stays) too: at least the erasures.
+  stalled = int(state.counts.stalled["s/w"])
+  assert stalled == float(pred["stalled"]) >= tel["state/erased"]
 
 
 def test_stochastic_prediction_is_the_probability_of_staying():

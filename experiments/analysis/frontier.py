@@ -70,7 +70,7 @@ def measured(run) -> dict:
   """Measured shares over the second half: erased (a proposal leaves the
   weight where it was), lost (Kahan: the residual dropped whole; nearest:
   the erased proposal) and nu stalled (a stored second moment's update
-  not taken)."""
+  that left its stored code as it was)."""
   recs = _window(run)
   lp = run.config["lowprec"]
   out = {}
@@ -86,16 +86,28 @@ def measured(run) -> dict:
     elif comp == "none" and lp["rounding"] == "nearest":
       out["lost"] = out["erased"]
   if lp.get("state"):
-    last = recs[-1] if recs else {}
-    paths = [
-      k[len("state/changed/") :] for k in last if k.startswith("state/changed/")
-    ]
-    nu = [p for p in paths if "/nu/" in f"/{p}"]
-    out["nu_stalled"] = _ratio(
-      sum(_sum(recs, f"state/erased/{p}") for p in nu),
-      sum(_sum(recs, f"state/changed/{p}") for p in nu),
-    )
+    out["nu_stalled"] = stalled_share(recs, "nu")
   return out
+
+
+def stalled_share(recs, moment: str) -> float | None:
+  """The share of a stored moment's changed values whose stored code
+  stayed (`state/stalled_fraction/<path>` weighted by
+  `state/changed/<path>`), over `recs`, for the paths of `moment`."""
+  last = recs[-1] if recs else {}
+  paths = [
+    k[len("state/changed/") :] for k in last if k.startswith("state/changed/")
+  ]
+  paths = [p for p in paths if f"/{moment}/" in f"/{p}"]
+  num = den = 0.0
+  for r in recs:
+    for p in paths:
+      changed = r.get(f"state/changed/{p}") or 0
+      frac = r.get(f"state/stalled_fraction/{p}")
+      if changed and frac is not None and math.isfinite(frac):
+        num += frac * changed
+        den += changed
+  return _ratio(num, den)
 
 
 def recipe_of(lp: dict) -> str | None:
@@ -153,8 +165,9 @@ def arm_bytes(config: dict, sizes: dict[str, int]) -> float:
 def predicted(ref_run, config: dict, sizes: dict[str, int], cache) -> dict:
   """What the float32 run (same seed) predicted for this arm, over the
   parameters it rounds: erased and lost (`lowprec.freeze.advise`'s rows;
-  a Kahan arm's erased share from its own trace) and nu stalled (the
-  state row over every parameter, which the store holds). `cache` keeps
+  a Kahan arm's erased share from its own trace) and nu stalled (its
+  state trace's predicted stalls over the second half, every parameter's
+  moments, which the store holds). `cache` keeps
   each reference's advice per grouping, shared by the arms."""
   lp = config["lowprec"]
   name = recipe_of(lp)
@@ -195,11 +208,25 @@ def predicted(ref_run, config: dict, sizes: dict[str, int], cache) -> dict:
       if w.rounding == "nearest":
         out["lost"] = row.lost
   if state != "float32":  # the store holds every parameter's moments
-    srow = next(
-      r for r in advice((("all", ".*"),)).state_rows if r.state == state
-    )
-    out["nu_stalled"] = srow.nu
+    out["nu_stalled"] = _predicted_stalls(_window(ref_run), state, "nu")
   return out
+
+
+def _predicted_stalls(recs, store: str, moment: str) -> float | None:
+  """The share of `moment`'s updates that the float32 run predicted the
+  store `store` to stall (`pred_state/<store>/stalled/<path>` over
+  `.../changed/<path>`), over `recs`."""
+  head = f"pred_state/{store}/changed/"
+  num = den = 0.0
+  for r in recs:
+    for k, changed in r.items():
+      path = k[len(head) :]
+      if k.startswith(head) and f"/{moment}/" in f"/{path}/":
+        stalled = r.get(f"pred_state/{store}/stalled/{path}")
+        if stalled is not None and changed:
+          num += stalled
+          den += changed
+  return _ratio(num, den)
 
 
 def _pareto(points: dict[str, tuple[float, float]]) -> list[str]:

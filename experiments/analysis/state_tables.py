@@ -2,10 +2,13 @@
 
 `state_table` (study `state_precision`): per arm and seed, the final
 validation loss against the float32-state arm of its weight setting (same
-seed), the measured state erasures (`lowprec.store_state`'s telemetry,
-logged every step as `state/...`) of each moment, and the erasures that
-the float32-state run predicted for that store (`pred_state/<store>/...`,
-from `lowprec.freeze.state_trace`).
+seed), the measured state erasures and stalls (`lowprec.store_state`'s
+telemetry, logged every step as `state/...`) of each moment, and those
+that the float32-state run predicted for that store
+(`pred_state/<store>/...`, from `lowprec.freeze.state_trace`). An erasure
+leaves the stored value as it was, a stall the stored code: under a scale
+that follows the block's largest value a stalled code's value still moves
+with its block.
 """
 
 from __future__ import annotations
@@ -26,22 +29,30 @@ def _moment_of(path: str) -> str | None:
   return next((m for m in MOMENTS if m in parts), None)
 
 
-def moment_curves(run, prefix: str) -> dict[str, tuple]:
-  """Per moment, (steps, erased / changed) summed over its state paths,
-  from a run's `<prefix>/erased/<path>` and `<prefix>/changed/<path>`
-  metrics (prefix `state` measured, `pred_state/<store>` predicted)."""
+def moment_curves(run, prefix: str, word: str = "erased") -> dict:
+  """Per moment, (steps, `word` / changed) summed over its state paths,
+  from a run's `<prefix>/<word>/<path>` (or `<prefix>/<word>_fraction/
+  <path>` times the changes) and `<prefix>/changed/<path>` metrics
+  (prefix `state` measured, `pred_state/<store>` predicted; `word`
+  "erased" or "stalled")."""
   out = {}
+  head = f"{prefix}/changed/"
   for moment in MOMENTS:
     steps, num, den = [], [], []
     for r in run.metrics:
       e = c = 0.0
-      for k, v in r.items():
-        if (
-          k.startswith(prefix + "/erased/")
-          and _moment_of(k[len(prefix) + 8 :]) == moment
-        ):
-          e += v
-          c += r.get(k.replace("/erased/", "/changed/", 1), 0)
+      for k, changed in r.items():
+        if not k.startswith(head) or _moment_of(k[len(head) :]) != moment:
+          continue
+        path = k[len(head) :]
+        count = r.get(f"{prefix}/{word}/{path}")
+        if count is None:
+          frac = r.get(f"{prefix}/{word}_fraction/{path}")
+          if frac is None or not changed or not np.isfinite(frac):
+            continue
+          count = frac * changed
+        e += count
+        c += changed
       if c > 0:
         steps.append(r["step"])
         num.append(e)
@@ -63,7 +74,9 @@ def state_table(runs):
   `val_minus_fp32` (minus the float32-state arm of the same weight setting
   and seed), per moment `<m>_erased_2nd_half` measured and
   `<m>_predicted_2nd_half` (means of the per-step erased share over the
-  second half of the steps), `state_flushed_last` (nonzero values stored
+  second half of the steps), `<m>_stalled_2nd_half` and
+  `<m>_stalled_predicted_2nd_half` (the same for stalls, where the run
+  logged them), `state_flushed_last` (nonzero values stored
   as 0 at the last step), `bytes_per_param` and `steps_per_s`. Lines: per
   arm, the mean and range over seeds."""
   by_key = {(r.arm, r.seed): r for r in runs}
@@ -81,10 +94,14 @@ def state_table(runs):
     measured = moment_curves(run, "state")
     for m, curve in measured.items():
       row[f"{m}_erased_2nd_half"] = _late_mean(curve)
+    for m, curve in moment_curves(run, "state", "stalled").items():
+      row[f"{m}_stalled_2nd_half"] = _late_mean(curve)
     if ref is not None and study.get("cell") and measured:
-      pred = moment_curves(ref, f"pred_state/{study['cell']}")
-      for m, curve in pred.items():
+      pred = f"pred_state/{study['cell']}"
+      for m, curve in moment_curves(ref, pred).items():
         row[f"{m}_predicted_2nd_half"] = _late_mean(curve)
+      for m, curve in moment_curves(ref, pred, "stalled").items():
+        row[f"{m}_stalled_predicted_2nd_half"] = _late_mean(curve)
     if measured:
       row["state_flushed_last"] = run.last("state/flushed")
     row["bytes_per_param"] = recipe_bytes(run.config)
@@ -119,6 +136,12 @@ def _lines(rows) -> list[str]:
         want = _values(mine, f"{m}_predicted_2nd_half")
         if want:
           text += f", predicted {np.mean(want):.3f}"
+        stalled = _values(mine, f"{m}_stalled_2nd_half")
+        if stalled:
+          text += f"; stalled {np.mean(stalled):.3f}"
+          want = _values(mine, f"{m}_stalled_predicted_2nd_half")
+          if want:
+            text += f", predicted {np.mean(want):.3f}"
         parts.append(text)
     parts.append(f"{mine[0]['bytes_per_param']:.2f} bytes/param")
     out.append("; ".join(parts))

@@ -146,6 +146,11 @@ _SEARCH = (
 _MOMENT = (
   (r"(mu|nu)_erased_2nd_half", "{0} updates erased, 2nd half"),
   (r"(mu|nu)_predicted_2nd_half", "{0} updates erased, 2nd half, predicted"),
+  (r"(mu|nu)_stalled_2nd_half", "{0} updates stalled, 2nd half"),
+  (
+    r"(mu|nu)_stalled_predicted_2nd_half",
+    "{0} updates stalled, 2nd half, predicted",
+  ),
 )
 # Per probe group `g`: `g_<suffix>` -> "g: <words>".
 _PROBE = {

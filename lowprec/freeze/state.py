@@ -37,11 +37,18 @@ from lowprec.storage import path_name
 from lowprec.store import encode
 
 
-def _grid(x, sf: ss.StateFormat, bits=None):
-  """`Q(x / scale) * scale` with the storage's scale, in float32."""
+def _stored(x, sf: ss.StateFormat, bits=None):
+  """`Q(x / scale) * scale` with the storage's scale, in float32, and the
+  stored code (as float32 numbers)."""
   rounding = "nearest" if bits is None else "stochastic"
   codec = dataclasses.replace(sf.codec(), rounding=rounding)
-  return encode(codec, x, bits=bits).value
+  enc = encode(codec, x, bits=bits)
+  return enc.value, enc.code.astype(jnp.float32)
+
+
+def _grid(x, sf: ss.StateFormat, bits=None):
+  """`Q(x / scale) * scale` with the storage's scale, in float32."""
+  return _stored(x, sf, bits)[0]
 
 
 def _leaves(tree) -> dict[str, jax.Array]:
@@ -55,22 +62,28 @@ def _plan(rules, state) -> dict[str, ss.StateFormat]:
   return plan
 
 
-def _erased_probability(q, x, sf: ss.StateFormat):
-  """Per element, the probability that storing `x` gives back `q`."""
-  rn = _grid(x, sf)
+def _stay_probabilities(q, code, x, sf: ss.StateFormat):
+  """Per element, the probabilities that storing `x` gives back the value
+  `q` (erased) and the code `code` (stalled)."""
+  rn, rn_code = _stored(x, sf)
   if sf.rounding == "nearest":
-    return (rn == q).astype(jnp.float32)
+    return (rn == q).astype(jnp.float32), (rn_code == code).astype(jnp.float32)
   # Bits of all ones never round up, zero bits always do (off the grid).
-  lo = _grid(x, sf, jnp.full(x.shape, 0xFFFFFFFF, jnp.uint32))
-  hi = _grid(x, sf, jnp.zeros(x.shape, jnp.uint32))
+  lo, lo_code = _stored(x, sf, jnp.full(x.shape, 0xFFFFFFFF, jnp.uint32))
+  hi, hi_code = _stored(x, sf, jnp.zeros(x.shape, jnp.uint32))
   width = jnp.abs(hi - lo)
   up = jnp.where(width > 0, jnp.abs(x - lo) / jnp.maximum(width, 1e-38), 0.0)
-  p = jnp.where(lo == q, 1.0 - up, 0.0) + jnp.where(
-    (hi == q) & (hi != lo), up, 0.0
-  )
-  if sf.rounding == "deadzone":
+  two = hi != lo
+
+  def stay(at_lo, at_hi):
+    return jnp.where(at_lo, 1.0 - up, 0.0) + jnp.where(at_hi & two, up, 0.0)
+
+  p = stay(lo == q, hi == q)
+  p_code = stay(lo_code == code, hi_code == code)
+  if sf.rounding == "deadzone":  # stochastic only where nearest gives q
+    p_code = jnp.where(rn == q, p_code, (rn_code == code).astype(jnp.float32))
     p = jnp.where(rn == q, p, 0.0)
-  return p
+  return p, p_code
 
 
 def state_erasure(before, after, rules) -> dict[str, dict[str, jax.Array]]:
@@ -81,11 +94,18 @@ def state_erasure(before, after, rules) -> dict[str, dict[str, jax.Array]]:
   `q` the target-grid value of `s` and `d = s' - s`:
 
     changed  = #(finite s' and d != 0),
-    erased   = sum over changed coordinates of P(Q(q + d) == q)
+    erased   = sum over changed coordinates of P(Q(q + d) == q),
+    stalled  = sum over changed coordinates of P(code(q + d) == code(q))
 
-  (a count under nearest rounding, an expected count under stochastic or
-  dead-zone rounding), and `erased_fraction = erased / changed` (NaN
-  without changes). Jit-able; the inputs are the inner transform's
+  (counts under nearest rounding, expected counts under stochastic or
+  dead-zone rounding), `erased_fraction = erased / changed` and
+  `stalled_fraction = stalled / changed` (NaN without changes). `code` is
+  what the store keeps for a coordinate (the grid value under its scale,
+  or a code map's code): under a scale that moves with the block's
+  largest value (`amax`, code maps) a coordinate whose code stays has
+  stalled although its stored value moved with the scale, as
+  `store_state`'s measured `stalled` counts it; without a scale the two
+  counts are the same. Jit-able; the inputs are the inner transform's
   states, e.g. `state` and `new_state` of `optax.adam(...).update`.
 
   Args:
@@ -95,7 +115,8 @@ def state_erasure(before, after, rules) -> dict[str, dict[str, jax.Array]]:
 
   Returns:
     `{state path: {"changed": int32, "erased": float32,
-      "erased_fraction": float32}}` as arrays.
+      "erased_fraction": float32, "stalled": float32,
+      "stalled_fraction": float32}}` as arrays.
 
   Raises:
     ValueError: as `store_state`'s `init` for bad rules.
@@ -114,13 +135,19 @@ def state_erasure(before, after, rules) -> dict[str, dict[str, jax.Array]]:
   for name, sf in plan.items():
     s0 = jnp.asarray(old[name], jnp.float32)
     s1 = jnp.asarray(new[name], jnp.float32)
-    q = _grid(s0, sf)
+    q, code = _stored(s0, sf)
     changed = jnp.isfinite(s1) & (s1 != s0)
-    p = _erased_probability(q, q + (s1 - s0), sf)
+    p, p_code = _stay_probabilities(q, code, q + (s1 - s0), sf)
     n = jnp.sum(changed, dtype=jnp.int32)
     erased = jnp.sum(jnp.where(changed, p, 0.0))
-    frac = jnp.where(n > 0, erased / jnp.maximum(n, 1), jnp.nan)
-    out[name] = {"changed": n, "erased": erased, "erased_fraction": frac}
+    stalled = jnp.sum(jnp.where(changed, p_code, 0.0))
+    out[name] = {
+      "changed": n,
+      "erased": erased,
+      "erased_fraction": _fraction(erased, n),
+      "stalled": stalled,
+      "stalled_fraction": _fraction(stalled, n),
+    }
   return out
 
 
@@ -178,6 +205,7 @@ class StateTraceState(NamedTuple):
   count: jax.Array  # int32 []: updates so far
   changed: dict[str, dict[str, jax.Array]]  # int32 []: finite s' != s
   erased: dict[str, dict[str, jax.Array]]  # float32 []: expected erasures
+  stalled: dict[str, dict[str, jax.Array]]  # float32 []: expected stalls
 
   def arrays(self) -> dict[str, jax.Array]:
     """`report()`'s keys as arrays (under jit, scan and vmap)."""
@@ -189,8 +217,10 @@ class StateTraceState(NamedTuple):
     Per target: `changed` (finite float32 updates that changed a state
     value), `erased` (the expected number of them a store would erase:
     a count under nearest rounding), `erased_fraction` (erased / changed,
-    NaN without changes), and each per state path (`.../erased/<path>`).
-    Named like `lowprec.store_state`'s measured `state/...` keys.
+    NaN without changes), `stalled` and `stalled_fraction` (the same for
+    the stored code, see `state_erasure`), and each per state path
+    (`.../erased/<path>`). Named like `lowprec.store_state`'s measured
+    `state/...` keys.
     """
     host = jax.device_get(self._replace(inner=None))
     return {
@@ -201,20 +231,22 @@ class StateTraceState(NamedTuple):
   def _collect(st, xp, fraction) -> dict[str, Any]:
     out = {}
     for t, changed in st.changed.items():
-      erased = st.erased[t]
       pre = f"pred_state/{t}"
       total_c = sum((xp.asarray(v) for v in changed.values()), xp.asarray(0))
-      total_e = sum(
-        (xp.asarray(v, xp.float32) for v in erased.values()),
-        xp.asarray(0.0, xp.float32),
-      )
       out[f"{pre}/changed"] = total_c
-      out[f"{pre}/erased"] = total_e
-      out[f"{pre}/erased_fraction"] = fraction(total_e, total_c)
+      expected = {"erased": st.erased[t], "stalled": st.stalled[t]}
+      for word, per in expected.items():
+        total = sum(
+          (xp.asarray(v, xp.float32) for v in per.values()),
+          xp.asarray(0.0, xp.float32),
+        )
+        out[f"{pre}/{word}"] = total
+        out[f"{pre}/{word}_fraction"] = fraction(total, total_c)
       for n in changed:
         out[f"{pre}/changed/{n}"] = xp.asarray(changed[n])
-        out[f"{pre}/erased/{n}"] = xp.asarray(erased[n])
-        out[f"{pre}/erased_fraction/{n}"] = fraction(erased[n], changed[n])
+        for word, per in expected.items():
+          out[f"{pre}/{word}/{n}"] = xp.asarray(per[n])
+          out[f"{pre}/{word}_fraction/{n}"] = fraction(per[n], changed[n])
     return out
 
 
@@ -289,16 +321,19 @@ def state_trace(
   def init_fn(params):
     state = inner.init(params)
     changed, erased = zeros(state)
-    return StateTraceState(state, jnp.zeros([], jnp.int32), changed, erased)
+    count = jnp.zeros([], jnp.int32)
+    return StateTraceState(state, count, changed, erased, erased)
 
   def update_fn(updates, state, params=None, **extra):
     updates, new = inner.update(updates, state.inner, params, **extra)
-    changed, erased = {}, {}
-    for t, rules in targets.items():
-      pred = state_erasure(state.inner, new, rules)
-      changed[t] = {n: v["changed"] for n, v in pred.items()}
-      erased[t] = {n: v["erased"] for n, v in pred.items()}
+    pred = {t: state_erasure(state.inner, new, r) for t, r in targets.items()}
+
+    def field(word):
+      return {t: {n: v[word] for n, v in p.items()} for t, p in pred.items()}
+
     count = optax.safe_increment(state.count)
-    return updates, StateTraceState(new, count, changed, erased)
+    return updates, StateTraceState(
+      new, count, field("changed"), field("erased"), field("stalled")
+    )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
