@@ -356,23 +356,25 @@ def _weights_row(sums, group, leaves, w: recipes.Weights, th) -> Row:
     return Row(group, w.name, w.bytes, 0.0, None, 0.0, True, "")
   near, sr = _grid_names(w)
   erased = move = None
-  if sums.has_any(f"pred/{near}/proposals", leaves):
+  has_near = sums.has_any(f"pred/{near}/proposals", leaves)
+  has_sr = sums.has_any(f"pred/{sr}/proposals", leaves)
+  if has_near:
     erased = sums.ratio(near, "erased_fraction", leaves, weighted=True)
-  if sums.has_any(f"pred/{sr}/proposals", leaves):
+  if has_sr:
     move = sums.ratio(sr, "move_prob", leaves, weighted=True)
   lost, why = None, ""
   if w.compensation == "none" and w.rounding == "nearest":
     lost = erased
-    if erased is None:
+    if not has_near:
       why = f"no trace of {w.fmt} (add it to the float32 run's trace targets)"
   elif w.compensation == "none":
     lost = 0.0 if move is not None else None
-    if move is None:
+    if not has_sr:
       why = (
         f"no stochastic trace of {w.fmt} (add '{w.fmt}:stochastic' to the "
         "float32 run's trace targets)"
       )
-    elif move < th.move:
+    elif move is not None and move < th.move:
       why = f"move {move:.3f} < {th.move}"
   elif w.compensation == "kahan":
     name = remedy_name(w.fmt, "kahan", w.buffer)
