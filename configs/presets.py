@@ -23,8 +23,10 @@ PRESETS = {
 
 
 def use(c, name: str) -> None:
-  """Sets `c.model`'s shape (layers, heads, width, vocabulary, length)."""
+  """Sets `c.model`'s shape (layers, heads, width, vocabulary, length),
+  with its blocks compiled once (`model.scan_layers`)."""
   c.model.update(PRESETS[name])
+  c.model.scan_layers = True
 
 
 def gpt_390m_probe_run(c, probe_every_steps: int) -> None:

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import flax.linen as nn
 import jax
@@ -146,14 +147,25 @@ class GPT(nn.Module):
     # With `remat`, each block's backward recomputes its forward (the same
     # draws: the rng of a block is the same on recompute), so a backward
     # pass holds one block's activations rather than every block's.
-    block = nn.remat(Block) if c.get("remat") else Block
+    remat = bool(c.get("remat"))
     # The last `compute_keep_last` blocks and the head keep the numerics
     # without a block-scaled recipe (as FP4 recipes keep their last layers).
     plain = dataclasses.replace(self.numerics, compute=None)
     first_plain = c["n_layer"] - c.get("compute_keep_last", 0)
-    for i in range(c["n_layer"]):
-      num = plain if i >= first_plain else self.numerics
-      x = block(c, num, name=f"h_{i}")(x)
+    for num, layers in (
+      (self.numerics, range(first_plain)),
+      (plain, range(max(first_plain, 0), c["n_layer"])),
+    ):
+      names_ = [f"h_{i}" for i in layers]
+      if c.get("scan_layers", True):
+        # One compiled body for every block (the same bits and parameter
+        # paths as the loop below; lowprec.nn.rolled).
+        make = functools.partial(Block, c, num)
+        x = lpnn.rolled(self, make, names_, x, remat=remat, rng=num.rng)
+        continue
+      block = nn.remat(Block) if remat else Block
+      for name in names_:
+        x = block(c, num, name=name)(x)
     # Final norm and the head as one NormDense: its output is a saved
     # tensor read by the head's weight gradient and the norm's gain gradient.
     head = lpnn.NormDense(

@@ -42,7 +42,10 @@ def _gpt_cfg(m) -> dict:
       "init_std",
       "activation",
     )
-  } | {"remat": m.get("remat", False)}
+  } | {
+    "remat": m.get("remat", False),
+    "scan_layers": m.get("scan_layers", False),
+  }
 
 
 def gpt_task(config) -> Task:

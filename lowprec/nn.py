@@ -34,11 +34,12 @@ Examples:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax.core.scope import LazyRng
 
 from lowprec import ops
 from lowprec.ops.norm_dense import normalise
@@ -161,8 +162,121 @@ def _call(module: nn.Module, op: ops.Op, num: Numerics, *args):
         f"needs the RNG stream {num.rng!r}: call apply(..., "
         f"rngs={{{num.rng!r}: jax.random.key(seed)}})"
       )
-    key = module.make_rng(num.rng)
+    key = _key(module, num.rng)
   return op.apply(values, args, key)
+
+
+# A layer applied inside a scan cannot hash its own name (`h_3`) into its
+# keys, so `rolled` draws each layer's keys outside the scan, exactly as
+# the unrolled layer would, and hands them in through this collection.
+KEYS = "lowprec_keys"
+
+
+def _key(module: nn.Module, stream: str) -> jax.Array:
+  """The module's next key of `stream`: its own draw, or the one `rolled`
+  computed for it (recorded when the collection is mutable)."""
+  key = module.make_rng(stream)
+  if not module.has_rng(stream):  # init without the stream: `params` draws
+    return key
+  name = f"{stream}_{module.scope.rng_counters[stream]}"
+  if module.is_mutable_collection(KEYS):
+    module.put_variable(KEYS, name, key)
+  elif module.has_variable(KEYS, name):
+    key = module.get_variable(KEYS, name)
+  return key
+
+
+def rolled(
+  parent: nn.Module,
+  make: Callable[..., nn.Module],
+  names: Sequence[str],
+  x: jax.Array,
+  *,
+  remat: bool = False,
+  rng: str = "lowprec",
+) -> jax.Array:
+  """Applies one block under each of `names` in turn, compiled once.
+
+  The same bits as the unrolled loop
+
+      for name in names:
+        x = make(name=name)(x)
+
+  (forward, gradients and every stochastic rounding), with the parameters
+  where the loop puts them (`params[name]`, so rules, telemetry and
+  checkpoints see the same tree), but traced and compiled as one
+  `jax.lax.scan` body: compile time stays flat as depth grows. Inside
+  `apply`, the blocks' parameters are stacked along a new leading axis
+  (one copy, read once per step) and each layer's random keys are
+  computed outside the scan from its path, as the unrolled layer draws
+  them. `init` runs the loop, so initial values are the loop's too.
+
+  Args:
+    parent: the calling module (`self` inside `@nn.compact`).
+    make: builds the block; called as `make(name=...)` or
+      `make(parent=None)`. Every block must have the same structure.
+    names: the blocks' names, in order (e.g. `h_0`, ..., `h_11`).
+    x: the input of the first block.
+    remat: recompute each block's forward in its backward
+      (`jax.checkpoint`; `flax.linen.remat` in the loop).
+    rng: the RNG stream the blocks' stochastic roundings draw from
+      (`Numerics.rng`).
+
+  Returns:
+    The output of the last block.
+  """
+  if parent.is_initializing() or len(names) < 2:
+    cls = nn.remat(make) if remat else make
+    for name in names:
+      x = cls(name=name)(x)
+    return x
+  params = parent.variables["params"]
+  stacked = jax.tree.map(
+    lambda *a: jnp.stack(a), *[params[name] for name in names]
+  )
+  block = make(parent=None)
+  keys = None
+  if parent.has_rng(rng):
+    base = parent.scope.rngs[rng]
+    dummy = base.as_jax_rng()
+    table = jax.eval_shape(
+      lambda: block.apply(
+        {"params": params[names[0]]}, x, rngs={rng: dummy}, mutable=[KEYS]
+      )[1]
+    ).get(KEYS, {})
+    keys = _layer_keys(base, table, names)
+
+  def body(x, layer):
+    p, k = layer
+    variables = {"params": p} | ({} if k is None else {KEYS: k})
+    rngs = {} if k is None else {rng: dummy}
+    return block.apply(variables, x, rngs=rngs), None
+
+  if remat:
+    body = jax.checkpoint(body, prevent_cse=False)
+  return jax.lax.scan(body, x, (stacked, keys))[0]
+
+
+def _layer_keys(base, table: dict, names: Sequence[str]):
+  """Each layer's keys at the paths `table` names (`{path: {stream_n:
+  ...}}`), as `make_rng` inside that layer draws them, stacked."""
+
+  def draw(name: str, path, leaf: str) -> jax.Array:
+    counter = int(leaf.rsplit("_", 1)[1])
+    return LazyRng.create(base, name, *path, counter).as_jax_rng()
+
+  flat = jax.tree_util.tree_flatten_with_path(table)[0]
+  per_layer = []
+  for name in names:
+    layer = {}
+    for path, _ in flat:
+      *scope, leaf = [p.key for p in path]
+      node = layer
+      for part in scope:
+        node = node.setdefault(part, {})
+      node[leaf] = draw(name, scope, leaf)
+    per_layer.append(layer)
+  return jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
 
 
 class Dense(nn.Module):
