@@ -1,5 +1,6 @@
 """Checks of a resolved config's durations, cadences, sizes and sharding,
-its optimizer's decay rates, and a dry build of its optimizer.
+its optimizer's learning rate and decay rates, and a dry build of its
+optimizer.
 
 Each check raises `ValueError` naming the config key, the value and a fix,
 before anything is written. `study.validate` calls `check(c)`;
@@ -9,6 +10,7 @@ before anything is written. `study.validate` calls `check(c)`;
 from __future__ import annotations
 
 import json
+import math
 
 # key -> smallest allowed value (every duration and cadence is a step count)
 MINIMUM = {
@@ -68,6 +70,21 @@ def check_rates(c) -> None:
       )
 
 
+def check_lr(c) -> None:
+  """`opt.lr`, the peak learning rate, is a positive finite number: with
+  NaN or inf every proposal is non-finite, so no weight moves (a
+  write-back keeps them) while the loss stays finite; a negative rate
+  ascends the loss."""
+  value = c.opt.lr
+  number = isinstance(value, (int, float)) and not isinstance(value, bool)
+  if not (number and math.isfinite(value) and value > 0):
+    raise ValueError(
+      f"opt.lr={value!r} must be a positive, finite number (the peak "
+      "learning rate; a NaN or infinite one moves no weight, a negative "
+      "one ascends the loss); e.g. --config.opt.lr=3e-4"
+    )
+
+
 def _is_pow2(n: int) -> bool:
   return n > 0 and n & (n - 1) == 0
 
@@ -104,6 +121,7 @@ def check_batch(c, n_devices: int) -> None:
 def check(c, n_devices: int | None = None) -> None:
   """Every check above; `n_devices` defaults to `jax.device_count()`."""
   check_minimums(c)
+  check_lr(c)
   check_rates(c)
   if c.log.get("tensorboard", False):
     from experiments import tensorboard

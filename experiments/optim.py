@@ -12,9 +12,7 @@ import optax
 
 import lowprec
 from lowprec import names
-from lowprec.eco import FIRST_MOMENTS
-from lowprec.rules import plan
-from lowprec.state_storage import parse_rules, parse_state_format
+from lowprec.state_storage import parse_state_format
 from lowprec.storage import path_name
 
 
@@ -539,7 +537,7 @@ def build(config, key: jax.Array, params=None) -> optax.GradientTransformation:
   store rounds the fold with the moment, which stochastic rounding keeps
   in expectation and nearest rounding drops where it is below half the
   moment's gap, so a rule that stores a first moment under eco must round
-  stochastically (`eco_stored_moments`).
+  stochastically (`lowprec.store_state` refuses it otherwise, at `init`).
 
   A float32 run predicts nearest write-back with `lowprec.trace_targets`
   (`reference_trace`) and the compensated ones with
@@ -637,8 +635,6 @@ def _optimizer(config, lr, target, write_key, key) -> tuple:
     state_key = jax.random.fold_in(key, 3)
     rules = state_rules(lp)
     optimizer = lowprec.store_state(optimizer, rules, key=state_key)
-    if wrap is not None:
-      optimizer = eco_stored_moments(optimizer, rules)
     where = "lowprec.state"
   if lp.get("state_targets", ()):
     optimizer = lowprec.freeze.state_trace(optimizer, state_targets(lp))
@@ -646,43 +642,28 @@ def _optimizer(config, lr, target, write_key, key) -> tuple:
   return where, optimizer
 
 
-def eco_stored_moments(store, rules):
-  """`store` (a state store around eco), refusing at `init` a rule that
-  stores a first moment (`mu`, `trace`) other than stochastically.
+# Key prefixes of the float32 run's predictions and of a stored state,
+# whose counts are not the write-back's proposals.
+_NOT_WRITEBACK = ("pred", "pred_state", "state")
 
-  The store rounds the moment after eco's fold, and the fold with it:
-  stochastic rounding keeps the fold in expectation, while nearest (or
-  dead-zone, nearest wherever the moment moves) rounding drops every fold
-  below half the moment's gap, and with an 8- or 4-bit moment nearly all
-  of them: the run would be a nearest write-back, silently.
 
-  Raises:
-    ValueError: at `init`, naming the leaf, its spec and the fix.
+def nonfinite_step(record: dict) -> int:
+  """The write-backs' non-finite proposals in a step's record (its
+  telemetry) when every proposal of the step was non-finite, else 0.
+
+  Totals are the keys `proposals` and `nonfinite` of each write-back
+  (`<group>/nonfinite` under `lowprec.group_recipes`, `nonfinite#1` for a
+  second one); per-tensor keys (`nonfinite/<path>`), predictions and a
+  stored state's counts are left out.
   """
-  compiled = parse_rules(rules)
-
-  def init(params):
-    state = store.init(params)
-    for name, sf in plan(compiled, state.inner, check=False).items():
-      moment = [c for c in name.split("/") if c in FIRST_MOMENTS]
-      if moment and sf.rounding != "stochastic":
-        raise ValueError(
-          "lowprec.compensation='eco' folds the rounding error into the "
-          f"first moment, and lowprec.state stores {name!r} as '{sf}', "
-          f"whose {sf.rounding} rounding drops folds below half the "
-          "moment's gap (eco would degrade to nearest write-back): store "
-          f"it with stochastic rounding, e.g. '{moment[0]}="
-          f"{_stochastic(sf)}', or leave it float32 (a rule for the "
-          "second moment only)"
-        )
-    return state
-
-  return store._replace(init=init)
-
-
-def _stochastic(sf) -> str:
-  """`sf`'s spec with stochastic rounding."""
-  return str(sf).replace(f":{sf.rounding}", ":stochastic", 1)
+  totals = {"proposals": 0, "nonfinite": 0}
+  for key, value in record.items():
+    parts = key.split("#")[0].split("/")
+    if parts[-1] in totals and parts[0] not in _NOT_WRITEBACK:
+      totals[parts[-1]] += value
+  if totals["proposals"] or not totals["nonfinite"]:
+    return 0
+  return totals["nonfinite"]
 
 
 def _decay_erasure(config, lr, target):

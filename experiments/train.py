@@ -478,6 +478,9 @@ class _Loop:
       raise NonFiniteLoss(
         _non_finite(self.tag, record["loss"], self.done, self.ckpt, "")
       )
+    if bad := optim.nonfinite_step(record):
+      self.write(record)
+      raise NonFiniteLoss(_non_finite_update(self.tag, bad, record, self.ckpt))
     return record
 
   def checkpoint_loss(self, record: dict) -> float:
@@ -571,6 +574,24 @@ def _non_finite(tag, loss, step, ckpt, what) -> str:
   return (
     f"{tag} non-finite loss {loss}{what} at step {step}; stopped. {where} "
     f"and the metrics are kept. To go on, {resume}; or check the data."
+  )
+
+
+def _non_finite_update(tag, count, record, ckpt) -> str:
+  """A step whose every proposal was non-finite: the write-back kept the
+  weights, so the loss stays finite and would never stop the run."""
+  kept = ckpt.latest_step()
+  where = (
+    f"The metrics so far and the last checkpoint (step {kept}) are kept"
+    if kept
+    else "The metrics so far are kept (no checkpoint had been saved)"
+  )
+  return (
+    f"{tag} every proposal of step {record['step']} was non-finite ({count} "
+    f"NaN or inf at lr {record['lr']:g}), so the write-back kept every "
+    f"weight and the run would go on without learning; stopped. {where}. "
+    "Check --config.opt.lr (and the gradients: --config.opt.clip_norm), "
+    "then rerun with --restart"
   )
 
 

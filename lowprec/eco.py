@@ -29,10 +29,12 @@ compares them with the paper's.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from lowprec import counting, leafwise, names
@@ -42,7 +44,7 @@ from lowprec.counting import mass
 from lowprec.float32_views import _widen as float32_view
 from lowprec.rounding import OVERFLOW_MODES
 from lowprec.state_storage import StoredState
-from lowprec.storage import format_lookup, path_name
+from lowprec.storage import format_lookup, is_array, path_name
 
 # Dead-zone rounding is left out: it exists to move weights that nearest
 # rounding freezes, and the momentum already carries what nearest drops.
@@ -202,10 +204,23 @@ def eco(
     ValueError: an unknown rounding (also "deadzone") or overflow mode;
       "stochastic" without `key`; at `init`, an inner state with no first
       moment (or more than one) for a parameter that has a format
-      (`optax.sgd(lr)` without momentum, `optax.rmsprop(lr)`), and every
-      refusal of `writeback`'s (params off their grid, an NVFP4 format);
-      at `update`, missing `params`, and `writeback`'s checks of the
-      updates. Each names the fix.
+      (`optax.sgd(lr)` without momentum, `optax.rmsprop(lr)`), a first
+      moment that keeps nothing from one step to the next (`optax.sgd(lr,
+      momentum=0.0)`, Adam with `b1=0`), an update that is not finite (a
+      NaN or infinite learning rate), and every refusal of `writeback`'s
+      (params off their grid, an NVFP4 format); at `update`, missing
+      `params`, and `writeback`'s checks of the updates. Each names the
+      fix.
+
+  Warns:
+    UserWarning: at `init`, where the inner's update does not depend on
+      its first moment (Lion's `sign(...)`): eco is then exactly a
+      nearest (or stochastic) write-back and folds nothing. These checks
+      of `init` run the inner optimizer once on a stand-in of the params
+      (one element per parameter, value 1, gradient 1), so they cost next
+      to nothing and also run on abstract params (`jax.eval_shape`); an
+      optimizer that cannot update without extra arguments is not
+      checked.
 
   Example:
     ```python
@@ -253,6 +268,7 @@ def eco(
     inner_state = inner.init(float32_view(params))
     _refuse_stored(inner_state)
     _first_moments(inner_state, weights)  # raises where one is missing
+    _probe(inner, lookup, params)
     zeros = {n: jnp.zeros([], jnp.int32) for n in weights}
     counts = dict.fromkeys(_COUNTS + _MASSES)
     if telemetry:
@@ -330,6 +346,104 @@ def _refuse_stored(state) -> None:
       "away. Store the state outside eco instead, with stochastic "
       "rounding for the first moment: lowprec.store_state(lowprec.eco("
       "optax.adamw(lr), fmt), {'mu': 'bfloat16:stochastic', ...}, key=...)"
+    )
+
+
+def check_stored_moments(state, plan: dict) -> None:
+  """Raises where `lowprec.store_state`'s `plan` (`{state path:
+  StateFormat}` of the leaves it stores) stores the first moment of an
+  `eco` inside it other than stochastically.
+
+  The store rounds the moment after eco's fold, and the fold with it:
+  stochastic rounding keeps the fold in expectation, while nearest (or
+  dead-zone, nearest wherever the moment moves) rounding drops every
+  fold below half the moment's gap, and with an 8- or 4-bit moment nearly
+  all of them: eco would be a nearest write-back, silently.
+
+  Raises:
+    ValueError: naming the leaf, its spec and the stochastic spec.
+  """
+  nodes = jax.tree_util.tree_flatten_with_path(
+    state, is_leaf=lambda x: isinstance(x, EcoState)
+  )[0]
+  for path, node in nodes:
+    if not isinstance(node, EcoState):
+      continue
+    pre = path_name(path)
+    pre = f"{pre}/inner/" if pre else "inner/"
+    for name, sf in plan.items():
+      parts = name[len(pre) :].split("/") if name.startswith(pre) else []
+      moment = [c for c in parts if c in FIRST_MOMENTS]
+      if moment and sf.rounding != "stochastic":
+        fix = str(sf).replace(f":{sf.rounding}", ":stochastic", 1)
+        raise ValueError(
+          "lowprec.eco folds the rounding error into the first moment, and "
+          f"store_state stores {name!r} as '{sf}', whose {sf.rounding} "
+          "rounding drops every fold below half the moment's gap (eco "
+          "would degrade to nearest write-back): store it with stochastic "
+          f"rounding, e.g. the rule {{{moment[0]!r}: {fix!r}}}, "
+          "or leave it float32 (a rule for the second moment only)"
+        )
+
+
+def _probe(inner, lookup, params) -> None:
+  """The checks of `init` that need the inner's arithmetic (see `eco`'s
+  Raises and Warns), on a stand-in of `params`: every array leaf as a
+  float32 array of ones of its rank with one element, gradients of ones.
+  `r` and `D` come from `_run_inner`, as at each update."""
+
+  def one(x):
+    return jnp.ones((1,) * jnp.ndim(x), jnp.float32) if is_array(x) else x
+
+  with jax.ensure_compile_time_eval():
+    try:
+      ones = jax.tree.map(one, params)
+      state = inner.init(ones)
+      u, _, du, dnew, moments = _run_inner(inner, lookup, ones, state, ones, {})
+      rates = [np.asarray(r) for r in jax.tree_util.tree_leaves(dnew)]
+      slopes, updates = (
+        {
+          path_name(p): np.asarray(x, np.float32)
+          for p, x in jax.tree_util.tree_flatten_with_path(t)[0]
+          if x is not None
+        }
+        for t in (du, u)
+      )
+    except Exception:  # an optimizer the stand-in cannot run: unchecked
+      return
+  blind = []
+  for name, i in moments.items():
+    r, d, v = rates[i], slopes[name], updates[name]
+    if not np.all(np.isfinite(v)):
+      raise ValueError(
+        f"eco: the optimizer's update of parameter {name!r} is {v.item()} "
+        "for a gradient of 1: it is not finite, so no weight would ever "
+        "move. Check its learning rate (a NaN or infinite value, or a "
+        "schedule giving one), e.g. lowprec.eco(optax.adamw(1e-3), fmt)"
+      )
+    if np.all(r == 0):
+      raise ValueError(
+        "eco folds the write-back's rounding error into the optimizer's "
+        f"first moment, and the moment of parameter {name!r} keeps "
+        "nothing from one step to the next (its decay rate is 0: "
+        "optax.sgd(lr, momentum=0.0), optax.trace(decay=0.0), Adam with "
+        "b1=0), so every fold would be dropped. Give the optimizer "
+        "momentum, e.g. lowprec.eco(optax.sgd(lr, momentum=0.9), fmt) or "
+        "lowprec.eco(optax.adamw(lr), fmt); or use lowprec.writeback(fmt) "
+        "for a plain write-back"
+      )
+    if np.all(d == 0) and np.any(v != 0):
+      blind.append(name)
+  if blind:
+    more = f" and {len(blind) - 1} more" if len(blind) > 1 else ""
+    warnings.warn(
+      f"eco: the optimizer's update of parameter {blind[0]!r}{more} does "
+      "not depend on its first moment (as Lion's sign(...) update does): "
+      "no fold can reach the weights, so eco writes back exactly as "
+      "lowprec.writeback(fmt, rounding) does and `carried` stays 0. Use a "
+      "momentum optimizer whose update grows with the moment "
+      "(optax.adamw, optax.sgd with momentum), or lowprec.writeback",
+      stacklevel=4,
     )
 
 
@@ -427,4 +541,10 @@ def _f32(x):
   return jnp.asarray(x).astype(jnp.float32)
 
 
-__all__ = ["ECO_ROUNDINGS", "FIRST_MOMENTS", "EcoState", "eco"]
+__all__ = [
+  "ECO_ROUNDINGS",
+  "FIRST_MOMENTS",
+  "EcoState",
+  "check_stored_moments",
+  "eco",
+]

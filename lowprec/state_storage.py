@@ -491,8 +491,10 @@ def store_state(
       state leaf, a rule that stores a leaf that is not a floating-point
       array (a step count, a Python number), or a map of nonnegative
       values (`sqrt8`, `uint4nz`, `dynamic8u`) on a first moment (`mu`,
-      `trace`, `momentum`); at `update`, a state stored under other specs
-      (naming both). Each names the rule or leaf and the fix.
+      `trace`, `momentum`), or a first moment of a `lowprec.eco` inside
+      stored other than stochastically (the store would round eco's fold
+      away); at `update`, a state stored under other specs (naming
+      both). Each names the rule or leaf and the fix.
 
   Example:
     ```python
@@ -526,6 +528,11 @@ def store_state(
     plan = rules_lib.plan(parsed, state, check=check)
     if check:
       check_moments(plan)
+      # eco imports this module; its refusal of a moment rounded after
+      # its fold needs both (an eco inside, and the rules).
+      from lowprec.eco import check_stored_moments
+
+      check_stored_moments(state, plan)
     recipe = record.Recipe(
       "store_state", tuple((n, str(sf)) for n, sf in plan.items())
     )

@@ -51,6 +51,24 @@ REFUSED = [
     ["opt.b2=-0.5", "--config.opt.b2=0.95"],
   ),
   (
+    "lr-nan",
+    "rn_bf16",
+    ["--config.opt.lr=nan"],
+    ["opt.lr=nan", "positive, finite", "--config.opt.lr=3e-4"],
+  ),
+  (
+    "lr-inf",
+    "rn_bf16",
+    ["--config.opt.lr=inf"],
+    ["opt.lr=inf", "positive, finite", "--config.opt.lr=3e-4"],
+  ),
+  (
+    "lr-negative",
+    "rn_bf16",
+    ["--config.opt.lr=-0.001"],
+    ["opt.lr=-0.001", "ascends", "--config.opt.lr=3e-4"],
+  ),
+  (
     "buffer-without-kahan",
     "rn_bf16",
     ["--config.lowprec.buffer=float8_e5m2"],
@@ -129,7 +147,7 @@ REFUSED = [
       "--config.lowprec.compensation=eco",
       "--config.lowprec.state=('mu=dynamic8:block256',)",
     ],
-    ["lowprec.state", "'eco'", "'mu=dynamic8:stochastic:block256'"],
+    ["lowprec.state", "lowprec.eco", "'dynamic8:stochastic:block256'"],
   ),
 ]
 
@@ -169,6 +187,18 @@ def test_decay_rates_outside_zero_to_one_are_refused(key, value):
   with pytest.raises(ValueError, match=rf"opt\.{key}=.* must be in 0 <="):
     study.resolve(c, "rn_bf16", 0)
   c.opt[key] = 0.0  # the edge that is allowed
+  study.resolve(c, "rn_bf16", 0)
+
+
+@pytest.mark.parametrize(
+  "value", [float("nan"), float("inf"), -1e-3, 0.0], ids=str
+)
+def test_a_learning_rate_that_is_not_positive_and_finite_is_refused(value):
+  c = smoke.get_config()
+  c.opt.lr = value
+  with pytest.raises(ValueError, match=r"opt\.lr=.* must be a positive, fin"):
+    study.resolve(c, "rn_bf16", 0)
+  c.opt.lr = 1e30  # huge but finite: a divergence, stopped when it comes
   study.resolve(c, "rn_bf16", 0)
 
 

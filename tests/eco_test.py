@@ -9,6 +9,8 @@ oracle does the same operations (an exact float32 FMA; `x / b / c` as `x /
 corrections are XLA's (`jnp.power`), which differ from numpy's by an ulp.
 """
 
+import ast
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -459,6 +461,103 @@ def test_refusals_name_the_fix():
     tx.update(p, tx.init(p))
   with pytest.raises(ValueError, match=r"lowprec.to_grid"):
     tx.init({"w": jnp.full(8, 0.1)})
+
+
+@pytest.mark.parametrize(
+  "inner",
+  [
+    pytest.param(optax.sgd(1e-3, momentum=0.0), id="sgd-momentum-0"),
+    pytest.param(optax.trace(decay=0.0), id="trace-0"),
+    pytest.param(optax.adamw(1e-3, b1=0.0), id="adamw-b1-0"),
+  ],
+)
+def test_a_first_moment_that_keeps_nothing_is_refused_at_init(inner):
+  # Such a moment has a state leaf to fold into, but d m'/d m = 0 drops
+  # every fold at the next step: eco would be nearest write-back. The
+  # check runs on abstract params too (a dry build).
+  params = lowprec.to_grid({"w": jnp.linspace(-1.0, 1.0, 16)}, "bfloat16")
+  tx = lowprec.eco(inner, "bfloat16")
+  for init in (tx.init, lambda p: jax.eval_shape(tx.init, p)):
+    with pytest.raises(ValueError, match=r"'w' keeps nothing.*momentum=0.9"):
+      init(params)
+
+
+def test_a_momentum_optimizer_is_accepted_and_folds():
+  # The same checks pass where the fold works, without a warning.
+  import warnings
+
+  params = lowprec.to_grid({"w": jnp.linspace(-1.0, 1.0, 16)}, "bfloat16")
+  for inner in (optax.sgd(1e-3, momentum=0.9), optax.adamw(1e-3)):
+    tx = lowprec.eco(inner, "bfloat16")
+    with warnings.catch_warnings():
+      warnings.simplefilter("error")
+      state = tx.init(params)
+    grads = {"w": jnp.linspace(0.1, 0.3, 16)}
+    _, state = tx.update(grads, state, params)
+    assert lowprec.telemetry(state)["carried"] > 0
+
+
+def test_lion_warns_and_is_exactly_a_nearest_writeback():
+  # Lion's update is sign(...): it does not depend on the moment (D = 0),
+  # so no fold reaches a weight. Said at init; the claim checked here:
+  # every step's deltas are those of the plain write-back after Lion.
+  w0 = lowprec.to_grid({"w": jnp.linspace(-1.0, 1.0, 64)}, "bfloat16")
+  with pytest.warns(UserWarning, match=r"'w' does not depend on its first"):
+    eco = lowprec.eco(optax.lion(1e-3), "bfloat16")
+    s_eco = eco.init(w0)
+  plain = optax.chain(
+    lowprec.in_float32(optax.lion(1e-3)), lowprec.writeback("bfloat16")
+  )
+  s_plain = plain.init(w0)
+  a = b = w0
+  for t in range(4):
+    g = {"w": jnp.sin(jnp.arange(64.0) + t)}
+    da, s_eco = jax.jit(eco.update)(g, s_eco, a)
+    db, s_plain = jax.jit(plain.update)(g, s_plain, b)
+    a, b = optax.apply_updates(a, da), optax.apply_updates(b, db)
+    np.testing.assert_array_equal(_bits(a["w"]), _bits(b["w"]))
+  tel = lowprec.telemetry(s_eco)
+  assert tel["carried"] == 0.0 and tel["moved"] > 0
+
+
+@pytest.mark.parametrize("lr", [float("nan"), float("inf")])
+def test_a_learning_rate_that_is_not_finite_is_refused_at_init(lr):
+  # Every proposal would be non-finite: no weight would move, the loss
+  # would stay where it started, and nothing would say why.
+  params = {"w": jnp.ones(8)}
+  for inner in (optax.adamw(lr), optax.sgd(lr, momentum=0.9)):
+    with pytest.raises(ValueError, match=r"'w' is -?(nan|inf).*learning rate"):
+      lowprec.eco(inner, "bfloat16").init(params)
+
+
+@pytest.mark.parametrize("nest", ["eco", "chain"])
+@pytest.mark.parametrize(
+  "rule, fix",
+  [
+    ("dynamic8:block256", "{'mu': 'dynamic8:stochastic:block256'}"),
+    ("bfloat16", "{'mu': 'bfloat16:stochastic'}"),
+    ("bfloat16:deadzone", "{'mu': 'bfloat16:stochastic'}"),
+  ],
+)
+def test_a_store_rounding_eco_s_moment_to_nearest_is_refused(nest, rule, fix):
+  # The store rounds the moment after the fold: nearest (or dead-zone)
+  # rounding drops every fold below half the moment's gap. store_state
+  # sees both the eco inside it and its rules; a stochastic moment, or a
+  # stored second moment alone, is taken.
+  params = lowprec.to_grid({"w": jnp.linspace(-1.0, 1.0, 512)}, "bfloat16")
+
+  def inner():
+    tx = lowprec.eco(optax.adamw(1e-3), "bfloat16")
+    return tx if nest == "eco" else optax.chain(optax.identity(), tx)
+
+  where = "inner/0/mu/w" if nest == "eco" else "1/inner/0/mu/w"
+  key = jax.random.key(0)
+  with pytest.raises(ValueError, match=where) as e:
+    lowprec.store_state(inner(), {"mu": rule}, key=key).init(params)
+  assert fix in str(e.value)
+  good = ast.literal_eval(fix)  # the rule the message suggests
+  lowprec.store_state(inner(), good, key=key).init(params)
+  lowprec.store_state(inner(), {"nu": rule}, key=key).init(params)
 
 
 # ---- memory -----------------------------------------------------------------

@@ -92,6 +92,54 @@ def test_bad_stored_state_entries_are_rejected_before_training(tmp_path):
     _stored_state_config(tmp_path, ("mu=bfloat6",))
 
 
+def test_a_step_whose_every_proposal_is_not_finite_stops_the_run(tmp_path):
+  # A NaN learning rate (here past the config checks, which refuse it)
+  # makes every proposal NaN: the write-back keeps every weight, so the
+  # loss stays finite and the loss guard would never fire. The loop stops
+  # after writing the step's record, naming opt.lr; no summary is written.
+  import math
+
+  from experiments import results, train
+
+  config = _stored_state_config(tmp_path, ())
+  config.unlock()
+  config.opt.lr = float("nan")
+  with pytest.raises(train.NonFiniteLoss) as e:
+    train.train_and_evaluate(config)
+  msg = str(e.value)
+  assert "every proposal of step 1 was non-finite" in msg
+  assert "--config.opt.lr" in msg and "\n" not in msg
+  d = results.run_dir(config)
+  recs = results.read_metrics(os.path.join(d, "metrics.jsonl"))
+  last = recs[-1]
+  assert last["step"] == 1 and math.isfinite(last["loss"])
+  assert last["proposals"] == 0 and last["nonfinite"] > 0
+  assert f"({last['nonfinite']} NaN or inf" in msg
+  assert not os.path.exists(os.path.join(d, "summary.json"))
+
+
+@pytest.mark.parametrize(
+  "record, want",
+  [
+    ({"proposals": 0, "nonfinite": 7, "nonfinite/w": 7}, 7),
+    ({"proposals": 3, "nonfinite": 7}, 0),  # some proposals were finite
+    ({"proposals": 0, "nonfinite": 0}, 0),  # nothing proposed (lr 0)
+    (
+      {"a/proposals": 0, "a/nonfinite": 2, "b/proposals": 0, "b/nonfinite": 3},
+      5,
+    ),
+    ({"a/proposals": 0, "a/nonfinite": 2, "b/proposals": 1}, 0),
+    ({"proposals": 0, "nonfinite": 1, "proposals#1": 4, "nonfinite#1": 0}, 0),
+    ({"proposals": 0, "nonfinite": 0, "nonfinite/w": 3}, 0),
+    ({"proposals": 0, "nonfinite": 0, "state/nonfinite": 9}, 0),
+    ({"pred/bfloat16/proposals": 0, "pred/bfloat16/nonfinite": 4}, 0),
+    ({"loss": 2.0, "lr": 1e-3}, 0),  # a float32 run: no write-back
+  ],
+)
+def test_nonfinite_step_reads_the_write_backs_totals_only(record, want):
+  assert optim.nonfinite_step(record) == want
+
+
 # ---- compensated write-back arms --------------------------------------------
 
 
@@ -313,9 +361,9 @@ def test_eco_takes_a_stored_first_moment_only_with_stochastic_rounding():
   tel = lowprec.telemetry(state)
   assert tel["carried"] > 0 and tel["state/changed"] > 0
   for spec, fix in [
-    ("mu=dynamic8:block256", "'mu=dynamic8:stochastic:block256'"),
-    ("mu=bfloat16", "'mu=bfloat16:stochastic'"),
-    ("mu=bfloat16:deadzone", "'mu=bfloat16:stochastic'"),
+    ("mu=dynamic8:block256", "{'mu': 'dynamic8:stochastic:block256'}"),
+    ("mu=bfloat16", "{'mu': 'bfloat16:stochastic'}"),
+    ("mu=bfloat16:deadzone", "{'mu': 'bfloat16:stochastic'}"),
   ]:
     tx = optim.build(
       _config(compensation="eco", state=(spec,)), jax.random.key(0)
