@@ -105,8 +105,15 @@ def _check_steps(records, sources) -> None:
     last = s
 
 
-def _check_keys(records, sources) -> None:
-  keys = [frozenset(k for k in r if is_prediction(k)) for r in records]
+def _check_keys(records, sources) -> frozenset[str]:
+  """The prediction keys every record carries."""
+  preds: dict[frozenset, frozenset] = {}  # a record's keys -> predictions
+  keys = []
+  for r in records:
+    ks = frozenset(r)
+    if ks not in preds:
+      preds[ks] = frozenset(k for k in ks if is_prediction(k))
+    keys.append(preds[ks])
   usual = Counter(keys).most_common(1)[0][0]
   for i, ks in enumerate(keys):
     if ks == usual:
@@ -129,6 +136,7 @@ def _check_keys(records, sources) -> None:
       "comes from another run. Repair it, or take the records again from "
       "the float32 run"
     )
+  return usual
 
 
 def _bad(where, key, raw, why) -> ValueError:
@@ -138,48 +146,69 @@ def _bad(where, key, raw, why) -> ValueError:
   )
 
 
-def _values(i, record, sources) -> dict[str, float]:
-  """The record's prediction values as floats, each checked."""
-  where = _where(i, record, sources)
-  out = {}
-  for k, raw in record.items():
-    if not is_prediction(k):
-      continue
-    v = _number(raw)
-    if v is None:
-      raise ValueError(
-        f"{where}: {k} = {raw!r} is not a number (the traces report "
-        "numbers; metrics.jsonl spells non-finite ones 'nan', 'inf', "
-        "'-inf'): repair the record, or take the records again from the "
-        "float32 run"
-      )
-    out[k] = v
-  for k, v in out.items():
+def _plan(keys) -> tuple[list[str], list[str], list[tuple[str, str]]]:
+  """The keys; the counts; and the shares with their proposals key, among
+  `keys` (the same in every record, so parsed once)."""
+  counts, shares = [], []
+  for k in sorted(keys):
     f = _field(k)
     if f is None:
       continue
     pre, trace, field, leaf = f
-    counted = field in (COUNTS if pre == "pred" else STATE_COUNTS)
-    if counted and not (math.isfinite(v) and v >= 0):
-      raise _bad(where, k, record[k], "is not a count (finite, >= 0)")
-    if pre != "pred" or field not in SHARES:
+    if field in (COUNTS if pre == "pred" else STATE_COUNTS):
+      counts.append(k)
+    elif pre == "pred" and field in SHARES:
+      shares.append((k, f"pred/{trace}/proposals/{leaf}"))
+  return sorted(keys), counts, shares
+
+
+def _values(i, record, sources, plan) -> dict[str, float]:
+  """The record's prediction values as floats, each checked."""
+  keys, counts, shares = plan
+  out = {}
+  for k in keys:
+    raw = record[k]
+    if type(raw) in (float, int):  # the common case, read fast
+      out[k] = float(raw)
       continue
-    if math.isnan(v):
-      props = out.get(f"pred/{trace}/proposals/{leaf}")
-      if props != 0:
-        raise _bad(
-          where,
-          k,
-          record[k],
-          (
-            f"with {props:g} proposals"
-            if props is not None
-            else "without a proposals count"
-          )
-          + " (a share is NaN only where its tensor had no proposals)",
-        )
-    elif not 0 <= v <= 1:
+    v = _number(raw)
+    if v is None:
+      raise ValueError(
+        f"{_where(i, record, sources)}: {k} = {raw!r} is not a number (the "
+        "traces report numbers; metrics.jsonl spells non-finite ones 'nan', "
+        "'inf', '-inf'): repair the record, or take the records again from "
+        "the float32 run"
+      )
+    out[k] = v
+  for k in counts:
+    v = out[k]
+    if not (v >= 0 and v != math.inf):  # NaN fails v >= 0
+      raise _bad(
+        _where(i, record, sources),
+        k,
+        record[k],
+        "is not a count (finite, >= 0)",
+      )
+  for k, props_key in shares:
+    v = out[k]
+    if 0 <= v <= 1:
+      continue
+    where = _where(i, record, sources)
+    if not math.isnan(v):
       raise _bad(where, k, record[k], "is not a share in [0, 1]")
+    props = out.get(props_key)
+    if props != 0:
+      raise _bad(
+        where,
+        k,
+        record[k],
+        (
+          f"with {props:g} proposals"
+          if props is not None
+          else "without a proposals count"
+        )
+        + " (a share is NaN only where its tensor had no proposals)",
+      )
   return out
 
 
@@ -212,10 +241,10 @@ def check(
         "telemetry keys to values (lowprec.telemetry(state))"
       )
   _check_steps(records, sources)
-  _check_keys(records, sources)
+  plan = _plan(_check_keys(records, sources))
   out = []
   for i, r in enumerate(records):
-    values = _values(i, r, sources)
+    values = _values(i, r, sources, plan)
     if "step" in r:
       values["step"] = int(r["step"])
     out.append(values)
