@@ -363,21 +363,21 @@ def test_parameters_and_traced_tensors_must_match():
     advise(recs, {**SIZES, "h/attn/kernel": 10}, groups=GROUPS)
   assert str(e.value).startswith(
     "1 parameter(s) match no traced tensor ('h/attn/kernel'). The traced "
-    "tensors: 'wte', 'h/mlp/kernel'. Pass the parameters"
+    "tensors: 'h/mlp/kernel', 'wte'. Pass the parameters"
   )
   with pytest.raises(ValueError) as e:
     advise(recs, {"wte": 100}, groups=(("all", ".*"),))
   assert str(e.value).startswith(
     "1 traced tensor(s) match no parameter ('h/mlp/kernel'). The traced "
-    "tensors: 'wte', 'h/mlp/kernel'."
+    "tensors: 'h/mlp/kernel', 'wte'."
   )
   renamed = {f"params/{k}": v for k, v in SIZES.items()}
   with pytest.raises(ValueError) as e:
     advise(recs, renamed, groups=(("all", ".*"),))
   assert str(e.value).startswith(
     "2 parameter(s) match no traced tensor ('params/wte', "
-    "'params/h/mlp/kernel'); 2 traced tensor(s) match no parameter ('wte', "
-    "'h/mlp/kernel')."
+    "'params/h/mlp/kernel'); 2 traced tensor(s) match no parameter "
+    "('h/mlp/kernel', 'wte')."
   )
 
 
