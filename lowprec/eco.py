@@ -416,7 +416,8 @@ def _probe(inner, lookup, params) -> None:
     r, d, v = rates[i], slopes[name], updates[name]
     if not np.all(np.isfinite(v)):
       raise ValueError(
-        f"eco: the optimizer's update of parameter {name!r} is {v.item()} "
+        f"eco: the optimizer's update of parameter {name!r} is "
+        f"{v[~np.isfinite(v)].flat[0]} "
         "for a gradient of 1: it is not finite, so no weight would ever "
         "move. Check its learning rate (a NaN or infinite value, or a "
         "schedule giving one), e.g. lowprec.eco(optax.adamw(1e-3), fmt)"

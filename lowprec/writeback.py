@@ -211,7 +211,16 @@ def writeback(
       (an integer or boolean array given a format among them), or an `intK`
       scale that is not a power of two; at `update`, missing `params`, an
       update shaped unlike its parameter, or proposals narrower than
-      float32. Each names the parameter.
+      float32. Each names the parameter. Weights off their grid at an
+      update (the params changed after the write-back's deltas: it was
+      not last in the chain) are counted in the state's `offgrid`;
+      `lowprec.telemetry` then raises, and so does an update run outside
+      `jit`.
+
+  Warns:
+    lowprec.storage.Float8ParamsWarning: at `init`, params stored in a
+      one-byte float dtype: land the deltas with `lowprec.apply_updates`
+      (`optax.apply_updates` cannot add float32 to float8).
 
   Example:
     ```python
