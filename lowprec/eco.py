@@ -100,6 +100,35 @@ class EcoState(NamedTuple):
       host=True,
     )
 
+  def check_stored(self, prefix: str, plan: dict) -> None:
+    """Raises where a `lowprec.store_state` around eco stores this state's
+    first moment other than stochastically; `plan` is the store's `{state
+    path: StateFormat}`, `prefix` this state's path in it.
+
+    The store rounds the moment after eco's fold, and the fold with it:
+    stochastic rounding keeps the fold in expectation, while nearest (or
+    dead-zone, nearest wherever the moment moves) rounding drops every
+    fold below half the moment's gap, and with an 8- or 4-bit moment
+    nearly all of them: eco would be a nearest write-back, silently.
+
+    Raises:
+      ValueError: naming the leaf, its spec and the stochastic spec.
+    """
+    pre = f"{prefix}/inner/" if prefix else "inner/"
+    for name, sf in plan.items():
+      parts = name[len(pre) :].split("/") if name.startswith(pre) else []
+      moment = [c for c in parts if c in FIRST_MOMENTS]
+      if moment and sf.rounding != "stochastic":
+        fix = str(sf).replace(f":{sf.rounding}", ":stochastic", 1)
+        raise ValueError(
+          "lowprec.eco folds the rounding error into the first moment, and "
+          f"store_state stores {name!r} as '{sf}', whose {sf.rounding} "
+          "rounding drops every fold below half the moment's gap (eco "
+          "would degrade to nearest write-back): store it with stochastic "
+          f"rounding, e.g. the rule {{{moment[0]!r}: {fix!r}}}, "
+          "or leave it float32 (a rule for the second moment only)"
+        )
+
 
 def eco(
   inner: optax.GradientTransformation,
@@ -349,43 +378,6 @@ def _refuse_stored(state) -> None:
     )
 
 
-def check_stored_moments(state, plan: dict) -> None:
-  """Raises where `lowprec.store_state`'s `plan` (`{state path:
-  StateFormat}` of the leaves it stores) stores the first moment of an
-  `eco` inside it other than stochastically.
-
-  The store rounds the moment after eco's fold, and the fold with it:
-  stochastic rounding keeps the fold in expectation, while nearest (or
-  dead-zone, nearest wherever the moment moves) rounding drops every
-  fold below half the moment's gap, and with an 8- or 4-bit moment nearly
-  all of them: eco would be a nearest write-back, silently.
-
-  Raises:
-    ValueError: naming the leaf, its spec and the stochastic spec.
-  """
-  nodes = jax.tree_util.tree_flatten_with_path(
-    state, is_leaf=lambda x: isinstance(x, EcoState)
-  )[0]
-  for path, node in nodes:
-    if not isinstance(node, EcoState):
-      continue
-    pre = path_name(path)
-    pre = f"{pre}/inner/" if pre else "inner/"
-    for name, sf in plan.items():
-      parts = name[len(pre) :].split("/") if name.startswith(pre) else []
-      moment = [c for c in parts if c in FIRST_MOMENTS]
-      if moment and sf.rounding != "stochastic":
-        fix = str(sf).replace(f":{sf.rounding}", ":stochastic", 1)
-        raise ValueError(
-          "lowprec.eco folds the rounding error into the first moment, and "
-          f"store_state stores {name!r} as '{sf}', whose {sf.rounding} "
-          "rounding drops every fold below half the moment's gap (eco "
-          "would degrade to nearest write-back): store it with stochastic "
-          f"rounding, e.g. the rule {{{moment[0]!r}: {fix!r}}}, "
-          "or leave it float32 (a rule for the second moment only)"
-        )
-
-
 def _probe(inner, lookup, params) -> None:
   """The checks of `init` that need the inner's arithmetic (see `eco`'s
   Raises and Warns), on a stand-in of `params`: every array leaf as a
@@ -542,10 +534,4 @@ def _f32(x):
   return jnp.asarray(x).astype(jnp.float32)
 
 
-__all__ = [
-  "ECO_ROUNDINGS",
-  "FIRST_MOMENTS",
-  "EcoState",
-  "check_stored_moments",
-  "eco",
-]
+__all__ = ["ECO_ROUNDINGS", "FIRST_MOMENTS", "EcoState", "eco"]
