@@ -35,12 +35,21 @@ STEPS = range(1, 21)
 
 
 def _record(
-  step, near=0.5, move=0.3, lost_e5m2=0.0, nu=0.2, props=None, sizes=SIZES
+  step,
+  near=0.5,
+  move=0.3,
+  lost_e5m2=0.0,
+  nu=0.2,
+  props=None,
+  sizes=SIZES,
+  q8_stalled=None,
 ):
   """One step's float32-run telemetry: bf16 nearest erased share `near`,
   stochastic move probability `move`, a Kahan e5m2 buffer losing
   `lost_e5m2` of the proposals, the bf16 store stalling `nu` of nu's
-  updates (mu never), for every leaf."""
+  updates (mu never), for every leaf. With `q8_stalled`, a block-scaled
+  q8 store erasing no moment value but leaving that share of its stored
+  codes unchanged."""
   r = {"step": step, "loss": 1.0}
   for leaf, n in sizes.items():
     p = n if props is None else props[leaf]
@@ -55,6 +64,11 @@ def _record(
     r[f"pred_state/bf16/erased/0/mu/{leaf}"] = 0.0
     r[f"pred_state/bf16/changed/0/nu/{leaf}"] = n
     r[f"pred_state/bf16/erased/0/nu/{leaf}"] = nu * n
+    if q8_stalled is not None:
+      for m in ("mu", "nu"):
+        r[f"pred_state/q8/changed/0/{m}/{leaf}"] = n
+        r[f"pred_state/q8/erased/0/{m}/{leaf}"] = 0.0
+        r[f"pred_state/q8/stalled/0/{m}/{leaf}"] = q8_stalled * n
   return r
 
 
@@ -826,3 +840,17 @@ def test_per_group_chain_on_eight_devices_is_the_one_device_bits():
 
 
 KEY8 = jax.random.key(8)
+
+
+@pytest.mark.parametrize("q8_stalled, safe", [(0.95, False), (0.5, True)])
+def test_a_scaled_store_is_judged_on_its_stalled_codes(q8_stalled, safe):
+  # Seed-free: 20 synthetic records; the q8 store erases no moment value
+  # (erased 0) but leaves `q8_stalled` of its stored codes unchanged.
+  recs = [_record(t, q8_stalled=q8_stalled) for t in STEPS]
+  states = {
+    r.state: r for r in advise(recs, SIZES, groups=GROUPS).state_rows
+  }
+  assert states["q8"].nu == pytest.approx(q8_stalled)
+  assert states["q8"].safe is safe
+  if not safe:
+    assert states["q8"].why == f"stalled {q8_stalled:.3f} > 0.9"

@@ -407,8 +407,12 @@ def _state_row(sums, group, leaves, s: recipes.State, th) -> StateRow:
     paths = [
       p for x in leaves for p in _state_paths(sums.records[-1], pre, m, x)
     ]
+    # Stalls on the stored codes: a change the code (and, under amax
+    # scales or a code map, its block scale) does not show. Records
+    # written before the runner traced stalls hold only `erased`.
+    word = "stalled" if sums.has_any(f"{pre}/stalled", paths) else "erased"
     stalled[m] = _ratio(
-      sum(sums.total(f"{pre}/erased", p) for p in paths),
+      sum(sums.total(f"{pre}/{word}", p) for p in paths),
       sum(sums.total(f"{pre}/changed", p) for p in paths),
     )
   why = ""

@@ -223,8 +223,8 @@ def check(
       messages; default "record <i> (step <s>)".
 
   Returns:
-    Per record, `{key: float}` of its prediction keys (NaN where the runner
-    wrote "nan"), and its "step" where it has one.
+    Per record, `{key: float}` of its prediction keys (NaN where the
+      runner wrote "nan"), and its "step" where it has one.
 
   Raises:
     ValueError: a record breaks one of the rules; the message names it
