@@ -847,9 +847,7 @@ def test_a_scaled_store_is_judged_on_its_stalled_codes(q8_stalled, safe):
   # Seed-free: 20 synthetic records; the q8 store erases no moment value
   # (erased 0) but leaves `q8_stalled` of its stored codes unchanged.
   recs = [_record(t, q8_stalled=q8_stalled) for t in STEPS]
-  states = {
-    r.state: r for r in advise(recs, SIZES, groups=GROUPS).state_rows
-  }
+  states = {r.state: r for r in advise(recs, SIZES, groups=GROUPS).state_rows}
   assert states["q8"].nu == pytest.approx(q8_stalled)
   assert states["q8"].safe is safe
   if not safe:
