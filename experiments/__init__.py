@@ -25,8 +25,9 @@ injection for the tests), `costs` (what the full-scale configs cost),
 `goldens` (pinned reference values), `swiglu` (an operator of one's own
 the tests and benchmarks share), `device_report`, `xla_flags`.
 
-Where to change what: a format -> lowprec/formats.py; a write-back rule or
-transform -> lowprec/writeback.py; an operator -> lowprec/ops/ (its
+Where to change what: a format -> lowprec/grids/formats.py; a write-back
+rule or transform -> lowprec/optim/writeback.py (a stored recipe on the
+engine: docs/engine.md); an operator -> lowprec/backward/ops/ (its
 requirements table beside it); a study -> one file in configs/ (its
 analysis and figure registered in analysis/tables.py ANALYSES and
 analysis/figures.py FIGURES); a model -> experiments/models.py and

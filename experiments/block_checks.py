@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowprec import audit, scaled
-from lowprec.ops import Rounding, ScaledDense
+from lowprec.backward.ops import Rounding, ScaledDense
 
 RECIPE = "sdense.in@dw=requantized,sdense.kernel@dx=requantized"
 REUSE = "sdense.in@dw=rounded,sdense.kernel@dx=rounded"

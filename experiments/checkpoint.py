@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from experiments import distributed, faults
-from lowprec import record
+from lowprec.engine import record
 
 RECIPES = "lowprec_recipes"  # the checkpoint metadata key of the records
 

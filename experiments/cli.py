@@ -119,7 +119,9 @@ def _check_key(config, key: str) -> None:
     keys = list(node.keys()) if hasattr(node, "keys") else []
     if part not in keys:
       where = ".".join(seen) or "the config"
-      from lowprec.names import suggest  # jax starts after the XLA flags
+      from lowprec.grids.choices import (
+        suggest,  # jax starts after the XLA flags
+      )
 
       close = [".".join([*seen, k]) for k in keys]
       hint = suggest(".".join([*seen, part]), close)

@@ -272,7 +272,7 @@ def main(
   plans = []
   valid = planned()
   for name in names:
-    lowprec.names.check_choice("config", name, valid)
+    lowprec.grids.choices.check_choice("config", name, valid)
     c = full_config(name, data_dir)
     synthetic_tokens(data_dir, c.model.vocab_size)
     p = plan(name, data_dir, per_device_batch, probe)

@@ -19,11 +19,11 @@ import functools
 import flax.linen as nn
 import jax
 
-from lowprec import names
 from lowprec import nn as lpnn
 from lowprec import ops as lpops
 from lowprec import policy as lppolicy
-from lowprec.ops.scaled_dense import recipe as block_recipe
+from lowprec.backward.ops.scaled_dense import recipe as block_recipe
+from lowprec.grids import choices as names
 
 
 def _dense_init(std):

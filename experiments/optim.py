@@ -11,9 +11,9 @@ import numpy as np
 import optax
 
 import lowprec
-from lowprec import names
-from lowprec.state_storage import parse_state_format
-from lowprec.storage import path_name
+from lowprec.engine.weights import path_name
+from lowprec.grids import choices as names
+from lowprec.optim.stored_state import parse_state_format
 
 
 def _constant(opt, warmup: int, steps: int) -> optax.Schedule:

@@ -26,11 +26,11 @@ from experiments import (
   train,
 )
 from experiments import data as data_lib
-from lowprec import names
-from lowprec.formats import check_writeback_format
-from lowprec.ops import rounding as op_rounding
-from lowprec.rounding import OVERFLOW_MODES, ROUNDINGS
-from lowprec.writeback import SCALE_MODES
+from lowprec.backward.ops import rounding as op_rounding
+from lowprec.grids import choices as names
+from lowprec.grids.formats import check_writeback_format
+from lowprec.grids.rounding import OVERFLOW_MODES, ROUNDINGS
+from lowprec.optim.writeback import SCALE_MODES
 
 # study.kind -> what runs one arm x seed: (config, overrides, options) ->
 # summary, written under results.run_dir(config) (a ledger.open_run entry)

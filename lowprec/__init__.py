@@ -10,45 +10,63 @@ MX, NVFP4, per-tensor fp8; `get_scaled_format`), freeze
 prediction and per-group advice (`freeze`), named recipes per tensor
 group (`recipes`, `groups`), backward-state policies (`Policy`, `ops`, `audit`)
 and Flax modules (`nn`; `nnx.Optimizer` for Flax NNX).
+
+The modules live in one folder per layer, each importing only the layers
+below it: `grids` (formats, roundings), `engine` (writing values into
+stored bits, counting), `optim` (the optax transforms), `freeze`
+(predicting from a float32 run) and `backward` (policies, operators,
+audit). See docs/architecture.md.
 """
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
-from lowprec import (  # noqa: E402
-  audit,
-  contract,
-  freeze,
-  groups,
-  nn,
-  nnx,
-  ops,
-  policy,
-  recipes,
-  scaled,
+import sys
+
+from lowprec import _moved
+
+# Paths from before the layer folders (lowprec.store, ...) still import.
+_moved.install(sys.modules[__name__])
+
+from lowprec import freeze  # noqa: E402
+from lowprec.backward import audit, nn, ops, policy  # noqa: E402
+from lowprec.backward.policy import Policy  # noqa: E402
+from lowprec.engine.weights import (  # noqa: E402
+  apply_updates,
+  check_on_grid,
+  to_grid,
 )
-from lowprec.compensated import (
+from lowprec.grids import contract, scaled  # noqa: E402
+from lowprec.grids.formats import (  # noqa: E402
+  Format,
+  get_format,
+  ieee_format,
+  int_format,
+)
+from lowprec.grids.rounding import round_nearest, round_stochastic  # noqa: E402
+from lowprec.grids.scaled import ScaledFormat, get_scaled_format  # noqa: E402
+from lowprec.optim import groups, nnx, recipes  # noqa: E402
+from lowprec.optim.compensated import (  # noqa: E402
   CompensatedState,
   kahan_writeback,
   remainder_writeback,
   two_component_writeback,
 )
-from lowprec.eco import EcoState, eco
-from lowprec.float32_views import in_float32
-from lowprec.formats import Format, get_format, ieee_format, int_format
-from lowprec.memory import BytesPerParam, bytes_per_param
-from lowprec.policy import Policy
-from lowprec.rounding import round_nearest, round_stochastic
-from lowprec.scaled import ScaledFormat, get_scaled_format
-from lowprec.split import SplitState, split_writeback
-from lowprec.state_storage import (
+from lowprec.optim.eco import EcoState, eco  # noqa: E402
+from lowprec.optim.float32_views import in_float32  # noqa: E402
+from lowprec.optim.memory import BytesPerParam, bytes_per_param  # noqa: E402
+from lowprec.optim.split import SplitState, split_writeback  # noqa: E402
+from lowprec.optim.stored_state import (  # noqa: E402
   StateCounts,
   StateFormat,
   StoredState,
   store_state,
 )
-from lowprec.storage import apply_updates, check_on_grid, to_grid
-from lowprec.telemetry import reseed, telemetry, telemetry_arrays
-from lowprec.writeback import WritebackState, writeback
+from lowprec.optim.telemetry import (  # noqa: E402
+  reseed,
+  telemetry,
+  telemetry_arrays,
+)
+from lowprec.optim.writeback import WritebackState, writeback  # noqa: E402
 
 __all__ = [
   "BytesPerParam",

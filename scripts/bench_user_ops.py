@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from experiments import swiglu
-from lowprec.ops import saved
+from lowprec.backward.ops import saved
 from scripts.benchlib import Result, interleave
 
 SR8 = swiglu.SR8

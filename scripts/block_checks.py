@@ -20,7 +20,7 @@ if not __package__:  # run as a file, `python scripts/block_checks.py`
 from absl import app, flags  # noqa: E402
 
 from experiments import block_checks  # noqa: E402
-from lowprec.ops import ScaledDense  # noqa: E402
+from lowprec.backward.ops import ScaledDense  # noqa: E402
 
 _N = flags.DEFINE_integer("n_forward", 1024, "Forward draws per check.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the Monte Carlo keys.")

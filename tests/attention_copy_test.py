@@ -16,7 +16,7 @@ import pytest
 
 import lowprec
 from lowprec import audit, ops
-from lowprec.ops import saved
+from lowprec.backward.ops import saved
 
 SR8 = ops.Rounding("float8_e4m3fn", "stochastic")
 RN8 = ops.Rounding("float8_e4m3fn", "nearest")

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from lowprec import audit, ops
-from lowprec.audit import report as audit_report
-from lowprec.ops.requirements import Requirement
+from lowprec.backward.audit import report as audit_report
+from lowprec.backward.ops.requirements import Requirement
 
 SR8 = ops.Rounding("float8_e4m3fn", "stochastic")
 RN8 = ops.Rounding("float8_e4m3fn", "nearest")

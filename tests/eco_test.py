@@ -24,8 +24,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import lowprec
-from lowprec.eco import ECO_ROUNDINGS
-from lowprec.storage import path_name
+from lowprec.engine.weights import path_name
+from lowprec.optim.eco import ECO_ROUNDINGS
 from tests.telemetry_test import assert_telemetry_equal
 
 F = np.float32

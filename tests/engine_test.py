@@ -16,8 +16,9 @@ import optax
 import pytest
 
 import lowprec
-from lowprec import counting, rng
-from lowprec.store import Codec, decode, encode
+from lowprec.engine import counting
+from lowprec.engine.codec import Codec, decode, encode
+from lowprec.grids import rng
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -59,7 +60,7 @@ def test_codec_bytes_are_those_of_a_stored_state(spec):
   leaf = state.inner[0].trace["w"]
   scales = state.scales.get("0/trace/w")
   stored = leaf.nbytes + (0 if scales is None else scales.nbytes)
-  codec = lowprec.state_storage.parse_state_format(spec).codec()
+  codec = lowprec.optim.stored_state.parse_state_format(spec).codec()
   assert codec.nbytes((8, 100)) == stored
   assert codec.dtype() == leaf.dtype
 

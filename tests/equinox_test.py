@@ -21,7 +21,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import lowprec
-from lowprec.storage import path_name
+from lowprec.engine.weights import path_name
 
 NATIVE = {
   "bfloat16": ml_dtypes.bfloat16,

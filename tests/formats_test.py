@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import lowprec
-from lowprec.formats import NAMED
+from lowprec.grids.formats import NAMED
 
 NATIVE = [n for n in NAMED if n != "float32"]
 SMALL = [n for n in NATIVE if NAMED[n].bits <= 16]

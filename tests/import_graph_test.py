@@ -1,4 +1,5 @@
-"""The modules of lowprec import each other without a circle.
+"""The modules of lowprec import each other without a circle, and each
+layer imports only the layers below it.
 
 Read from the source with `ast` (nothing is imported): every `import` and
 `from ... import` of every module, at module level or inside a function,
@@ -99,8 +100,8 @@ def test_formats_imports_nothing_from_scaled():
   # formats holds the scaled formats' data; scaled (the quantizer) builds
   # on it, never the other way round.
   graph = import_graph()
-  assert "lowprec.scaled" not in graph["lowprec.formats"]
-  assert "lowprec.formats" in graph["lowprec.scaled"]
+  assert "lowprec.grids.scaled" not in graph["lowprec.grids.formats"]
+  assert "lowprec.grids.formats" in graph["lowprec.grids.scaled"]
 
 
 _OLD_FORMATS = """
@@ -158,3 +159,88 @@ def test_the_search_finds_a_circle_where_there_is_one(tmp_path, drop, want):
     path.write_text(text if keep else "")
   cycle = find_cycle(import_graph(_modules(root)))
   assert cycle == want
+
+
+# Each layer folder and the layers it may import (besides itself). The
+# folders' docstrings say the same in their "May import:" line.
+LAYERS = {
+  "grids": set(),
+  "engine": {"grids"},
+  "optim": {"grids", "engine"},
+  "freeze": {"grids", "engine", "optim"},
+  "backward": {"grids", "engine"},
+}
+# Modules outside the layers: the deprecated-path shim, which only the
+# package itself imports.
+OUTSIDE = {"lowprec._moved"}
+
+
+def _layer(name: str) -> str | None:
+  parts = name.split(".")
+  return parts[1] if len(parts) > 1 and parts[1] in LAYERS else None
+
+
+def layer_breaches(graph: dict[str, set[str]]) -> list[str]:
+  """`"a -> b"` for every import of a layer the importer may not use, and
+  for every module that sits in no layer."""
+  out = []
+  for name in sorted(graph):
+    layer = _layer(name)
+    if layer is None:
+      if name not in OUTSIDE:
+        out.append(f"{name} is in no layer folder")
+      continue
+    for target in sorted(graph[name]):
+      other = _layer(target)
+      if other != layer and other not in LAYERS[layer]:
+        out.append(f"{name} -> {target}")
+  return out
+
+
+def test_each_layer_imports_only_the_layers_below_it():
+  breaches = layer_breaches(import_graph())
+  assert not breaches, "imports across layers: " + "; ".join(breaches)
+
+
+def test_the_layer_check_finds_an_import_upward(tmp_path):
+  root = tmp_path / PACKAGE
+  sources = {
+    "__init__": "",
+    "_moved": "",
+    "grids/__init__": "",
+    "grids/formats": "import numpy",
+    "engine/__init__": "",
+    "engine/codec": "from lowprec.grids import formats",
+    "optim/__init__": "",
+    "optim/writeback": "from lowprec.engine import codec",
+    "flat": "",
+  }
+  for name, text in sources.items():
+    path = root / f"{name}.py"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+  assert layer_breaches(import_graph(_modules(root))) == [
+    "lowprec.flat is in no layer folder"
+  ]
+  # The engine reaching up into the optimizers, inside a function.
+  (root / "engine/codec.py").write_text(
+    "def f():\n  from lowprec.optim.writeback import x\n"
+  )
+  (root / "flat.py").unlink()
+  assert layer_breaches(import_graph(_modules(root))) == [
+    "lowprec.engine.codec -> lowprec.optim.writeback"
+  ]
+
+
+def test_each_layer_folder_states_what_it_may_import():
+  for layer, allowed in LAYERS.items():
+    doc = ast.get_docstring(
+      ast.parse((ROOT / PACKAGE / layer / "__init__.py").read_text())
+    )
+    lines = [x for x in doc.splitlines() if x.startswith("May import:")]
+    assert len(lines) == 1, layer
+    said = lines[0].removeprefix("May import:").strip().rstrip(".")
+    named = {x.strip().removeprefix("lowprec.") for x in said.split(",")} - {
+      "nothing else in lowprec"
+    }
+    assert named == allowed, (layer, said)

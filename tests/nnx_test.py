@@ -90,7 +90,7 @@ def _build(fmt, rounding, storage="float32", norm=False, lr=1e-2):
 def _flat(model):
   state = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   flat = jax.tree_util.tree_flatten_with_path(state)[0]
-  return {lowprec.storage.path_name(p): np.asarray(x) for p, x in flat}
+  return {lowprec.engine.weights.path_name(p): np.asarray(x) for p, x in flat}
 
 
 def _recount(before, after, u, fmt, rounding):
@@ -150,7 +150,7 @@ def test_nnx_optimizer_trains_on_the_grid_and_telemetry_recounts(fmt, rounding):
     losses.append(float(loss))
     after = _flat(model)
     u = {
-      lowprec.storage.path_name(p): np.asarray(v)
+      lowprec.engine.weights.path_name(p): np.asarray(v)
       for p, v in jax.tree_util.tree_flatten_with_path(
         nnx.as_pure(opt.opt_state[1]["u"])
       )[0]
@@ -191,7 +191,7 @@ def test_nnx_rules_mean_the_same_leaves_as_in_linen_and_plain_pytrees():
   plain = lowprec.writeback(rules).init(pure)
   assert list(plain.moved) == ["kernel"]
   assert (
-    lowprec.storage.path_name(
+    lowprec.engine.weights.path_name(
       jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0][1][0]
     )
     == "kernel"

@@ -15,8 +15,8 @@ import pytest
 from jax.test_util import check_grads
 
 from lowprec import ops
-from lowprec.ops.rounding import Rounding
-from lowprec.ops.saved import key_for
+from lowprec.backward.ops.rounding import Rounding
+from lowprec.backward.ops.saved import key_for
 
 SR8 = Rounding("float8_e4m3fn", "stochastic")
 RN8 = Rounding("float8_e4m3fn", "nearest")
@@ -436,7 +436,7 @@ def test_per_tensor_scale_guards_zero_and_tiny_amax():
 def test_saved_tensors_are_native_only_for_8_and_16_bit_formats(fmt, stored):
   # ml_dtypes gives FP6/FP4 dtypes one byte each; XLA:CPU fails to compile
   # some programs that convert to float6_e3m2fn, so those stay float32.
-  from lowprec.ops import saved
+  from lowprec.backward.ops import saved
 
   r = saved.Rounding(fmt, "stochastic")
   x = jax.random.normal(jax.random.key(0), (32, 16))

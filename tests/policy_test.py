@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import pytest
 
 from lowprec import ops
-from lowprec.policy import ALL_USES, USES, VALUES, Policy
+from lowprec.backward.policy import ALL_USES, USES, VALUES, Policy
 
 ROUND_TRIP = {
   "attention": "attn.probs@dv=rounded,attn.probs@dscores=original,"

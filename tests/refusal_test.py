@@ -1,6 +1,6 @@
 """Which scaled formats a write-back refuses, and one reason for each.
 
-`lowprec.formats.writeback_refusal` is the one place that says it; the
+`lowprec.grids.formats.writeback_refusal` is the one place that says it; the
 write-back, the reference trace that predicts it and the study config all
 give that reason, with the fix, in their errors.
 """
@@ -15,7 +15,7 @@ import pytest
 import lowprec
 from configs import smoke
 from experiments import study
-from lowprec.formats import (
+from lowprec.grids.formats import (
   NAMED,
   SCALED,
   check_writeback_format,

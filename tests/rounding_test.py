@@ -20,9 +20,9 @@ from gfloat.formats import (
 )
 
 import lowprec
-from lowprec import rng
-from lowprec.formats import NAMED
-from lowprec.rounding import round_with_bits
+from lowprec.grids import rng
+from lowprec.grids.formats import NAMED
+from lowprec.grids.rounding import round_with_bits
 
 NATIVE = [n for n in NAMED if n != "float32"]
 # XLA on CPU cannot compile float6 arrays at all (they take the float32 path).

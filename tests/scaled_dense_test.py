@@ -19,7 +19,7 @@ import pytest
 from experiments import block_checks
 from lowprec import audit, ops, policy, scaled
 from lowprec import nn as lpnn
-from lowprec.ops.scaled_dense import (
+from lowprec.backward.ops.scaled_dense import (
   ScaledDense,
   hadamard_matrix,
   random_hadamard,

@@ -11,7 +11,7 @@ import pytest
 import qwix
 
 from lowprec import scaled
-from lowprec.scaled import SCALED
+from lowprec.grids.scaled import SCALED
 
 MX = [n for n, f in SCALED.items() if f.scale_type == "e8m0"]
 ELEMENT_DTYPES = {
@@ -524,7 +524,7 @@ def test_deadzone_on_an_mx_grid_is_nearest_where_it_moves_else_sr():
   import optax
 
   import lowprec
-  from lowprec import rng as rng_lib
+  from lowprec.grids import rng as rng_lib
 
   fmt = scaled.get_scaled_format("mxfp8_e4m3")
   r = np.random.default_rng(21)

@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import lowprec
-from lowprec.storage import path_name
+from lowprec.engine.weights import path_name
 from tests.compensated_test import _mlp, _mlp_problem
 from tests.telemetry_test import assert_telemetry_equal
 
@@ -225,7 +225,7 @@ def test_rebuild_and_split_over_the_whole_grid(bits):
   rng = np.random.default_rng(1)
   rho = rng.integers(-top, top + 1, w.size)
   rho[:3000], rho[3000:6000] = top, -top
-  got = np.asarray(jax.jit(lowprec.split.rebuild)(w, rho.astype(dtype)))
+  got = np.asarray(jax.jit(lowprec.optim.split.rebuild)(w, rho.astype(dtype)))
   np.testing.assert_array_equal(_bits(got), _bits(_rebuild(w, rho, top)))
 
   rng = np.random.default_rng(2)
@@ -233,7 +233,7 @@ def test_rebuild_and_split_over_the_whole_grid(bits):
   frac = rng.uniform(-0.75, 0.75, base.size)
   v = (base + frac * 2 * _half_ulp(base)).astype(F32)
   v = v[np.isfinite(v)]
-  sw, srho = jax.jit(lambda v: lowprec.split.split_value(v, bits))(v)
+  sw, srho = jax.jit(lambda v: lowprec.optim.split.split_value(v, bits))(v)
   sw, srho = np.asarray(sw).astype(F32), np.asarray(srho)
   want_w, want_rho, lost = _split(_ftz(v), top)
   np.testing.assert_array_equal(_bits(sw), _bits(want_w))
@@ -243,7 +243,7 @@ def test_rebuild_and_split_over_the_whole_grid(bits):
   e = _ftz(v).astype(np.float64) - sw
   assert np.all(np.abs(e[fine]) <= _half_ulp(sw[fine]))
   assert not lost[fine & (np.abs(e) >= _half_ulp(sw) / top)].any()
-  back = np.asarray(lowprec.split.rebuild(sw, srho), np.float64)
+  back = np.asarray(lowprec.optim.split.rebuild(sw, srho), np.float64)
   f32_half = np.abs(back) * 2.0**-24
   bound = _half_ulp(sw) / (2 * top) + f32_half
   assert np.all(np.abs(back - _ftz(v))[fine] <= bound[fine])
@@ -254,12 +254,12 @@ def test_ulp_is_the_gap_above_and_ties_round_to_even():
   # 1), from below as well; a residual of exactly ulp / 4 is a tie of
   # K e / (ulp / 2) = 63.5, coded 64.
   v = np.array([1 + 2.0**-9, 1 - 2.0**-10, 1 + 2.0**-8 - 2.0**-24, 0.0], F32)
-  w, rho = lowprec.split.split_value(v, 8)
+  w, rho = lowprec.optim.split.split_value(v, 8)
   np.testing.assert_array_equal(np.asarray(w, F32), [1, 1, 1, 0])
   np.testing.assert_array_equal(rho, [64, -32, 127, 0])
   # The rebuild rounds the exact value once: 1 + 64/127 * 2^-8.
   want = np.float32(1 + 64 / 127 * 2.0**-8)
-  assert np.asarray(lowprec.split.rebuild(w, rho))[0] == want
+  assert np.asarray(lowprec.optim.split.rebuild(w, rho))[0] == want
 
 
 # ---- precision against a float32 master ----------------------------------
@@ -283,7 +283,9 @@ def _run(tx, w0, u, steps):
 def _value(name, params, state):
   w = np.asarray(params["w"]).astype(F32)
   if name.startswith("split"):
-    return np.asarray(lowprec.split.rebuild(params["w"], state.correction["w"]))
+    return np.asarray(
+      lowprec.optim.split.rebuild(params["w"], state.correction["w"])
+    )
   if name == "remainder":
     low = np.asarray(state.buffer["w"]).astype(np.uint32)
     return (w.view(np.uint32) | low).view(F32)
@@ -376,9 +378,9 @@ def test_bad_calls_are_refused_with_the_fix():
   with pytest.raises(ValueError, match="in_float32"):
     tx.update({"w": jnp.ones(4, jnp.bfloat16)}, tx.init(p), p)
   with pytest.raises(ValueError, match="int8 .*or int16"):
-    lowprec.split.rebuild(p["w"], jnp.zeros(4, jnp.int32))
+    lowprec.optim.split.rebuild(p["w"], jnp.zeros(4, jnp.int32))
   with pytest.raises(ValueError, match="valid: 8 or 16"):
-    lowprec.split.split_value(jnp.ones(4), 12)
+    lowprec.optim.split.split_value(jnp.ones(4), 12)
 
 
 # ---- non-finite values under "propagate" --------------------------------
@@ -527,7 +529,7 @@ def test_k16_follows_a_float32_master_closer_than_k8():
     p, s = run(params)
     flat, codes = _flat(p), _flat(getattr(s[1], "correction", {}))
     values = {
-      n: np.asarray(lowprec.split.rebuild(w, codes[n])) if codes else w
+      n: np.asarray(lowprec.optim.split.rebuild(w, codes[n])) if codes else w
       for n, w in flat.items()
     }
     want = _flat(master)

@@ -15,8 +15,8 @@ import optax
 import pytest
 
 import lowprec
-from lowprec.state_storage import parse_state_format
-from lowprec.store import decode
+from lowprec.engine.codec import decode
+from lowprec.optim.stored_state import parse_state_format
 from tests.state_storage_test import KEY, _bits, _stored, holder, one_and_eight
 from tests.telemetry_test import assert_telemetry_equal
 
@@ -275,7 +275,7 @@ def test_dynamic_map_table_and_its_ends():
   ends = {"dynamic8": (5.5e-7, -0.99296875), "dynamic4": (0.0055, -0.8875)}
   ends["dynamic8u"] = (3.25e-7, 0.0)
   for name, (small, low) in ends.items():
-    t = lowprec.codemaps.get_map(name).table()
+    t = lowprec.grids.codemaps.get_map(name).table()
     np.testing.assert_array_equal(t, TABLES[name])
     assert len(t) == (16 if name == "dynamic4" else 256)
     assert np.all(np.diff(t) > 0)

@@ -17,7 +17,7 @@ import optax
 import pytest
 
 import lowprec
-from lowprec.state_storage import parse_state_format
+from lowprec.optim.stored_state import parse_state_format
 from tests.state_storage_test import holder
 
 KEY = jax.random.key(3)
@@ -174,7 +174,7 @@ def _held(spec, x):
   """The float32 value the store holds after storing `x` once."""
   _, _, state = _two_stores(spec, x, x)
   return np.asarray(
-    lowprec.store.decode(
+    lowprec.engine.codec.decode(
       parse_state_format(spec).codec(),
       state.inner.s["w"],
       state.scales.get("s/w"),
@@ -247,7 +247,7 @@ def test_an_8_bit_state_whose_codes_do_not_change_stalls_every_update(spec):
   _, state = update({"w": jnp.asarray(s0)}, tx.init(params))
   before = _codes(state)
   widened = np.asarray(
-    lowprec.store.decode(
+    lowprec.engine.codec.decode(
       parse_state_format(spec).codec(),
       state.inner.s["w"],
       state.scales["s/w"],
@@ -360,12 +360,12 @@ def test_records_are_static_and_follow_the_state_through_wrappers():
   rules = {"mu": "bfloat16", "nu": "dynamic8u:block32"}
   tx = optax.MultiSteps(lowprec.store_state(optax.adam(1e-3), rules), 2)
   state = tx.init(params)
-  (path, rec), *rest = lowprec.record.recipes_of(state).items()
+  (path, rec), *rest = lowprec.engine.record.recipes_of(state).items()
   assert not rest and path.endswith("inner_opt_state/recipe")
   assert str(rec) == (
     "store_state(0/mu/w=bfloat16:nearest, 0/nu/w=dynamic8u:nearest:block32)"
   )
-  assert lowprec.record.Recipe.from_json(rec.to_json()) == rec
+  assert lowprec.engine.record.Recipe.from_json(rec.to_json()) == rec
   assert all(hasattr(x, "dtype") for x in jax.tree.leaves(state))
   traces = []
 
@@ -376,7 +376,7 @@ def test_records_are_static_and_follow_the_state_through_wrappers():
 
   state = step(step(state))
   assert len(traces) == 1
-  assert lowprec.record.recipes_of(state) == {path: rec}
+  assert lowprec.engine.record.recipes_of(state) == {path: rec}
 
 
 def test_views_without_the_record_still_count_and_report():

@@ -220,8 +220,12 @@ def test_stochastic_bits_are_derived_as_the_write_back_derives_them():
   state = _stored("bfloat16:stochastic", x, key=KEY)
   step_key = jax.random.split(KEY)[1]
   seed = zlib.crc32(b"s/w") & 0x7FFFFFFF
-  bits = lowprec.rng.random_bits(jax.random.fold_in(step_key, seed), x.shape)
-  want = lowprec.rounding.round_with_bits(jnp.asarray(x), "bfloat16", bits)
+  bits = lowprec.grids.rng.random_bits(
+    jax.random.fold_in(step_key, seed), x.shape
+  )
+  want = lowprec.grids.rounding.round_with_bits(
+    jnp.asarray(x), "bfloat16", bits
+  )
   got = np.asarray(state.inner.s["w"], np.float32)
   np.testing.assert_array_equal(got, np.asarray(want))
   # And the draws are SR's: every value is one of its two neighbours.
@@ -685,7 +689,7 @@ def test_update_is_the_inner_update_of_the_widened_state(spec):
   }
   inner = optax.adam(1e-3)
   tx = lowprec.store_state(inner, {"nu": spec}, key=KEY)
-  block = lowprec.state_storage.parse_state_format(spec).scale
+  block = lowprec.optim.stored_state.parse_state_format(spec).scale
   step = jax.jit(tx.update)
   oracle = jax.jit(inner.update)
   state = tx.init(params)
@@ -709,7 +713,7 @@ def _widened(state, block=None):
   stored values times their block's (or the tensor's) scale."""
 
   def one(path, x):
-    name = lowprec.storage.path_name(path)
+    name = lowprec.engine.weights.path_name(path)
     x = np.asarray(x)
     if x.dtype == np.int32:  # the step count
       return x

@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import lowprec
-from lowprec.storage import format_lookup
+from lowprec.engine.weights import format_lookup
 
 PARAMS = {
   "params": {
@@ -21,7 +21,7 @@ PARAMS = {
 def _names(params, spec):
   lookup = format_lookup(spec)
   return {
-    lowprec.storage.path_name(p): (None if f is None else f.name)
+    lowprec.engine.weights.path_name(p): (None if f is None else f.name)
     for p, f in (
       (p, lookup(p)) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]
     )

@@ -26,7 +26,7 @@ import pytest
 
 from experiments import swiglu
 from lowprec import audit, nn, ops, policy
-from lowprec.policy import Policy
+from lowprec.backward.policy import Policy
 
 SR8 = ops.Rounding("float8_e4m3fn", "stochastic")
 RN8 = ops.Rounding("float8_e4m3fn", "nearest")

@@ -16,7 +16,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import lowprec
-from lowprec.writeback import ROUNDINGS
+from lowprec.optim.writeback import ROUNDINGS
 from tests.telemetry_test import assert_telemetry_equal
 
 INT3 = lowprec.get_format("int3", scale=0.125)
@@ -793,7 +793,7 @@ def test_float8_params_warn_at_init_naming_lowprec_apply_updates(storage):
       tx.init(params)
     return
   with pytest.warns(
-    lowprec.storage.Float8ParamsWarning,
+    lowprec.engine.weights.Float8ParamsWarning,
     match=r"'a' and 1 more stored as float8_e4m3fn.*lowprec.apply_updates",
   ):
     state = tx.init(params)

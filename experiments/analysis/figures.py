@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from experiments.analysis import bwd_figures, freeze_figures, frontier
 from experiments.analysis.runs import declared, load_runs
-from lowprec import names
+from lowprec.grids import choices as names
 
 FIGURES = {
   **freeze_figures.FIGURES,

@@ -30,7 +30,7 @@ from experiments.analysis.writeback_tables import (
   remedies_table,
   replay_table,
 )
-from lowprec import names
+from lowprec.grids import choices as names
 
 ANALYSES = {
   "freeze": freeze_table,

@@ -36,7 +36,7 @@ def _groups(runs) -> tuple:
 
 def _grouping(groups):
   """`leaf name -> group` by the study's rules; None for other leaves."""
-  return lowprec.storage.rule_lookup(
+  return lowprec.engine.weights.rule_lookup(
     [*groups, (r".*", None)],
     lambda group: group,
     what="group rule",
@@ -61,7 +61,7 @@ def _sizes(run) -> dict[str, int]:
 
   shapes = jax.eval_shape(tasks.build(_config(run)).init, jax.random.key(0))
   return {
-    lowprec.storage.path_name(p): x.size
+    lowprec.engine.weights.path_name(p): x.size
     for p, x in jax.tree_util.tree_leaves_with_path(shapes)
   }
 
@@ -96,7 +96,7 @@ def measured_at_init(run, steps, groups) -> dict:
     still = same if still is None else jax.tree.map(np.logical_and, still, same)
     counts: dict[str, list[int]] = {}
     for path, kept in jax.tree_util.tree_leaves_with_path(still):
-      group = group_of(lowprec.storage.path_name(path))
+      group = group_of(lowprec.engine.weights.path_name(path))
       if group is not None:
         c = counts.setdefault(group, [0, 0])
         c[0] += int(kept.sum())

@@ -21,9 +21,9 @@ import math
 import numpy as np
 
 from experiments.analysis.freeze_tables import val_at
-from lowprec.formats import get_format, get_scaled_format, is_scaled
 from lowprec.freeze import remedy_name
-from lowprec.state_storage import parse_rules, parse_state_format
+from lowprec.grids.formats import get_format, get_scaled_format, is_scaled
+from lowprec.optim.stored_state import parse_rules, parse_state_format
 
 KINDS = ("fp32", "nearest", "stochastic", "deadzone")
 SR_ARMS = (("stochastic", "full_sr"), ("deadzone", "deadzone_sr"))

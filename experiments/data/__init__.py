@@ -51,7 +51,7 @@ from experiments.data.tokenizer import (
   gpt2_tokenizer,
 )
 from experiments.data.tokens import TokenData, open_tokens, read_meta
-from lowprec import names
+from lowprec.grids import choices as names
 
 
 def builtin_text(

@@ -28,6 +28,8 @@ Definitions (erased, erased fraction, frozen, crossing step, categories)
 follow the write-back freezing paper (see docs/freeze.md): a nonzero
 proposal below half the grid gap at `w` is rounded away by nearest
 write-back.
+
+May import: lowprec.grids, lowprec.engine, lowprec.optim.
 """
 
 from lowprec.freeze.advise import Advice, Thresholds, advise

@@ -45,10 +45,10 @@ from typing import Any
 
 import numpy as np
 
-from lowprec import groups as groups_lib
-from lowprec import recipes
 from lowprec.freeze import records as records_lib
 from lowprec.freeze.remedies import remedy_name
+from lowprec.optim import groups as groups_lib
+from lowprec.optim import recipes
 
 # The fewest steps the window must hold. The advice compares means over
 # the window with thresholds whose time scale is 10 steps: `Thresholds.move`

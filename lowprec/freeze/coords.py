@@ -13,8 +13,8 @@ import dataclasses
 
 import numpy as np
 
-from lowprec import rounding
-from lowprec.formats import get_format
+from lowprec.grids import rounding
+from lowprec.grids.formats import get_format
 
 
 def _q(x, fmt) -> np.ndarray:

@@ -29,9 +29,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from lowprec import storage
+from lowprec.engine import weights as storage
 from lowprec.freeze import trace as trace_lib
-from lowprec.rounding import round_nearest
+from lowprec.grids.rounding import round_nearest
+from lowprec.optim import telemetry as telemetry_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,3 +155,11 @@ def decay_erasure(
     return updates, new
 
   return optax.GradientTransformation(init, update)
+
+
+# telemetry names this transform when its state is met as plain arrays.
+telemetry_lib.register_layout(
+  DecayErasureState,
+  {"count", "erased", "decay_only"},
+  "lowprec.freeze.decay_erasure",
+)

@@ -20,13 +20,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from lowprec import compensated, counting, storage
-from lowprec.compensated import as_emitted, buffer_format
-from lowprec.formats import Format, ScaledFormat, get_format
+from lowprec.engine import counting
+from lowprec.engine import weights as storage
+from lowprec.engine.codec import stored_dtype
 from lowprec.freeze import reports
 from lowprec.freeze.trace import named_specs
-from lowprec.rounding import round_and_flag
-from lowprec.store import stored_dtype
+from lowprec.grids.formats import Format, ScaledFormat, get_format
+from lowprec.grids.rounding import round_and_flag
+from lowprec.optim import compensated
+from lowprec.optim import telemetry as telemetry_lib
+from lowprec.optim.compensated import as_emitted, buffer_format
 
 KINDS = ("kahan", "two_component")
 
@@ -481,3 +484,11 @@ def _predict_leaf(w, u, c, flag, fmt: Format, buf: Format, two_sum: bool):
 
 def _bit(mask, value: int) -> jax.Array:
   return jnp.where(mask, jnp.uint8(value), jnp.uint8(0))
+
+
+# telemetry names this transform when its state is met as plain arrays.
+telemetry_lib.register_layout(
+  CompensatedTraceState,
+  {"count", "counts", "masses", "buffer", "flags"},
+  "lowprec.freeze.compensated_trace",
+)

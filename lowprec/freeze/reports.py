@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowprec import counting, storage
+from lowprec.engine import counting
+from lowprec.engine import weights as storage
 
 # collect(state, xp, ratio, value) -> {key: value}: xp is numpy or
 # jax.numpy, ratio(num, den) and value(x) convert what goes in the dict.

@@ -31,10 +31,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from lowprec import rules as rules_lib
-from lowprec import state_storage as ss
-from lowprec.storage import path_name
-from lowprec.store import encode
+from lowprec.engine import rules as rules_lib
+from lowprec.engine.codec import encode
+from lowprec.engine.weights import path_name
+from lowprec.optim import stored_state as ss
 
 
 def _stored(x, sf: ss.StateFormat, bits=None):

@@ -13,8 +13,8 @@ import dataclasses
 import jax
 import numpy as np
 
-from lowprec import storage
-from lowprec.rounding import round_nearest
+from lowprec.engine import weights as storage
+from lowprec.grids.rounding import round_nearest
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,15 +19,18 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
-from lowprec import names, rounding, scaled, storage
-from lowprec.formats import (
+from lowprec.engine import weights as storage
+from lowprec.freeze import reports
+from lowprec.grids import choices as names
+from lowprec.grids import rounding, scaled
+from lowprec.grids.formats import (
   Format,
   check_writeback_format,
   get_format,
   writeback_refusal,
 )
-from lowprec.freeze import reports
-from lowprec.rounding import ROUNDINGS
+from lowprec.grids.rounding import ROUNDINGS
+from lowprec.optim import telemetry as telemetry_lib
 
 _SUFFIX = {"nearest": "", "stochastic": "_sr", "deadzone": "_dzsr"}
 
@@ -670,3 +673,11 @@ def _take(x, flat_index):
     # Explicit sharding: say where the gathered values go (everywhere).
     return x.at[idx].get(out_sharding=sharding.update(spec=P()))
   return x[idx]
+
+
+# telemetry names this transform when its state is met as plain arrays.
+telemetry_lib.register_layout(
+  ReferenceTraceState,
+  {"count", "proposals", "erased", "move_prob", "run_start"},
+  "lowprec.freeze.reference_trace",
+)

@@ -1,0 +1,444 @@
+"""The store step: a float32 value onto a low-precision grid, with counts.
+
+Every quantity lowprec keeps on a grid between optimizer steps (a weight,
+a Kahan buffer, a two-component error term, a stored moment) goes through
+the same step: a float32 value `x` is rounded onto the grid that a `Codec`
+describes, given the value `old` the store held before and, for a random
+rounding, 32 random bits per element. The transforms differ only in what
+they feed it (`w + u`, a residual, Adam's new moment) and what they keep
+(the rounded weight as a float32 delta, the code and its scales).
+
+A `Codec` is what one leaf is stored as: a format (`Format`, an MX
+`ScaledFormat`, or a `lowprec.grids.codemaps.CodeMap`), a rounding (`nearest`,
+`stochastic`, `deadzone`), a scale (none, one per tensor or per block of
+the last axis) with its rule (`pow2`, a power of two; `amax`, the block's
+largest magnitude over the format's) and its dtype (float32, float16),
+the overflow mode and the carrier (the format's own dtype where it has
+one, `native`, or float32 holding grid values). `encode` rounds, `decode`
+reads back, `stored_dtype` and `nbytes` give the storage.
+
+`land` turns a rounded weight into the float32 delta that
+`optax.apply_updates` lands exactly (weights are kept by their optimizer,
+not by us); `tally` counts masks in one reduction (`lowprec.counting`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lowprec.engine.counting import count as tally
+from lowprec.grids import choices as names
+from lowprec.grids import scaled
+from lowprec.grids.codemaps import CodeMap
+from lowprec.grids.formats import Format
+from lowprec.grids.rounding import OVERFLOW_MODES, ROUNDINGS, round_and_flag
+from lowprec.grids.scaled import ScaledFormat
+
+__all__ = ["Codec", "Encoded", "decode", "encode", "land", "tally"]
+
+CARRIERS = ("native", "float32")
+SCALE_RULES = ("pow2", "amax")
+SCALE_DTYPES = ("float32", "float16")
+_F16_MAX = 65504.0
+
+
+def stored_dtype(fmt: Format, carrier: str = "native") -> np.dtype:
+  """The dtype a leaf on `fmt` is kept in: the format's own where it has
+  one of its width and `carrier` is "native", else float32."""
+  native = getattr(fmt, "native_dtype", None)
+  if carrier == "native" and native is not None:
+    if fmt.bits == 8 * np.dtype(native).itemsize:
+      return np.dtype(native)
+  return np.dtype(np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Codec:
+  """What one leaf is stored as (hashable: static under jit).
+
+  Attributes:
+    fmt: the grid, a `Format` or an MX `ScaledFormat` (whose block scales
+      follow the value, `lowprec.scaled`), or a `CodeMap` (codes under
+      the block's largest magnitude, `lowprec.codemaps`).
+    rounding: "nearest", "stochastic" or "deadzone" (stochastic only where
+      nearest would leave the stored value as it was).
+    scale: None, "tensor" (one scale per tensor) or a block size (one per
+      block of that many elements along the last axis). Not with a
+      `ScaledFormat`, which scales itself; required by a `CodeMap`.
+    overflow: "saturate" or "ieee" (`lowprec.grids.rounding`).
+    carrier: "native" (the format's dtype where it has one) or "float32".
+    keep_scales: a `ScaledFormat` rounds onto the block scales of `old`
+      rather than of the new value (`writeback(scales="keep")`).
+    scale_rule: "pow2" (default): the smallest power of two `p` with
+      `amax / p <= max_E`, applied by float division; "amax": `amax /
+      max_E` (float32 division; at least 2^-126, 1 for a block of zeros),
+      so the block's largest value lands on `max_E`. A `CodeMap` is
+      normalized by `amax` itself (`max_E = 1`; 0 for a block of zeros).
+    scale_dtype: "float32" or "float16" (amax only): a float16 scale is
+      `amax / max_E` rounded up to a float16 (at least 2^-24, at most
+      65504, past which the block saturates), and the block is divided by
+      the scale it is stored with.
+  """
+
+  fmt: Format | ScaledFormat | CodeMap
+  rounding: str = "nearest"
+  scale: str | int | None = None
+  overflow: str = "saturate"
+  carrier: str = "native"
+  keep_scales: bool = False
+  scale_rule: str = "pow2"
+  scale_dtype: str = "float32"
+
+  def __post_init__(self):
+    names.check_choice("rounding", self.rounding, ROUNDINGS)
+    names.check_choice("overflow mode", self.overflow, OVERFLOW_MODES)
+    names.check_choice("carrier", self.carrier, CARRIERS)
+    names.check_choice("scale rule", self.scale_rule, SCALE_RULES)
+    names.check_choice("scale dtype", self.scale_dtype, SCALE_DTYPES)
+    if self.mapped and (self.scale is None or self.scale_rule != "amax"):
+      raise ValueError(
+        f"code map {self.fmt.name!r} is normalized by the largest magnitude "
+        "of a block or tensor: Codec(map, scale=256 or 'tensor', "
+        "scale_rule='amax')"
+      )
+    if self.scale_rule == "amax" and self.scale is None:
+      raise ValueError("scale_rule='amax' needs a scale: 'tensor' or a block")
+    if self.scale_dtype == "float16" and self.scale_rule != "amax":
+      raise ValueError(
+        "float16 scales are rounded-up amax scales: scale_rule='amax' "
+        "(power-of-two scales are float32)"
+      )
+
+  @property
+  def random(self) -> bool:
+    """Whether `encode` needs random bits."""
+    return self.rounding != "nearest"
+
+  @property
+  def scaled(self) -> bool:
+    """Whether the grid is an MX scaled format."""
+    return isinstance(self.fmt, ScaledFormat)
+
+  @property
+  def mapped(self) -> bool:
+    """Whether the leaf is stored as the codes of a `CodeMap`."""
+    return isinstance(self.fmt, CodeMap)
+
+  def dtype(self) -> np.dtype:
+    """The dtype of the stored code."""
+    if self.scaled:
+      return np.dtype(np.float32)
+    if self.carrier == "float32":
+      return np.dtype(np.float32)
+    if self.mapped:
+      return np.dtype(self.fmt.code_dtype)
+    if self.scale_rule == "amax" and not self.fmt.is_float:
+      return np.dtype(np.int8)  # intK codes under an amax scale
+    return stored_dtype(self.fmt, self.carrier)
+
+  def nbytes(self, shape) -> int:
+    """Bytes of a leaf of `shape`: its code and its scales."""
+    n = int(np.prod(shape, dtype=np.int64))
+    per_scale = np.dtype(self.scale_dtype).itemsize
+    return n * self.dtype().itemsize + per_scale * _scale_count(
+      shape, self.scale
+    )
+
+
+class Encoded(NamedTuple):
+  """One leaf after `encode`."""
+
+  code: jax.Array  # what is stored, in `Codec.dtype()`
+  scales: jax.Array | None  # `Codec.scale_dtype` scales, else None
+  value: jax.Array  # float32: what the code stands for, `decode(code)`
+  over: jax.Array  # bool: the rounding went past the format's largest value
+  block_scales: scaled.Scales | None = None  # a ScaledFormat's, else None
+
+
+def encode(codec: Codec, x, old=None, bits=None) -> Encoded:
+  """Rounds float32 `x` onto `codec`'s grid.
+
+  `old` is the float32 value the store held (None at the first store):
+  dead-zone rounding is stochastic exactly where nearest would give `old`
+  back while `x != old`, and `keep_scales` reads `old`'s block scales.
+  `bits` are 32 random bits per element, for a random rounding.
+  """
+  x = jnp.asarray(x, jnp.float32)
+  if codec.scaled:
+    return _encode_scaled(codec, x, old, bits)
+  if codec.mapped:
+    return _encode_mapped(codec, x, old, bits)
+  scales = None
+  if codec.scale is not None:
+    scales = (_pow2_scales if codec.scale_rule == "pow2" else _amax_scales)(
+      x, codec
+    )
+  per = None if scales is None else _spread(scales, x.shape, codec.scale)
+  if codec.scale_rule == "amax":
+    per = per.astype(jnp.float32)
+  y = x if per is None else _quotient(codec, x, per)
+  sr = bits if codec.rounding == "stochastic" else None
+  q, over = round_and_flag(y, codec.fmt, sr, overflow=codec.overflow)
+  v = q if per is None else _product(codec, q, per)
+  if codec.rounding == "deadzone" and old is not None:
+    q_sr, over_sr = round_and_flag(y, codec.fmt, bits, overflow=codec.overflow)
+    stuck = (v == old) & (x != old)
+    q = jnp.where(stuck, q_sr, q)
+    over = jnp.where(stuck, over_sr, over)
+    v = q if per is None else _product(codec, q, per)
+  return Encoded(q.astype(codec.dtype()), scales, v, over)
+
+
+def _quotient(codec: Codec, x, per):
+  # A power of two divides exactly however XLA computes it.
+  return x / per if codec.scale_rule == "pow2" else _divide(x, per)
+
+
+def _product(codec: Codec, q, per):
+  # A power of two multiplies exactly, so an FMA with it changes nothing.
+  return q * per if codec.scale_rule == "pow2" else _kept(q * per)
+
+
+def _divide(a, b):
+  """IEEE `a / b`. XLA rewrites a division by a broadcast (of a constant,
+  or of a scale per tensor, or per block where a device holds part of
+  one) as a product with the rounded reciprocal: 1 ulp off for half the
+  quotients by 448, and on some shardings but not others. A select in
+  between (which returns every value, NaN as NaN) makes a runtime
+  divisor no broadcast, and unlike an optimization barrier it still
+  fuses."""
+  if isinstance(b, int | float | np.ndarray | np.generic):
+    # XLA folds a select of a constant: keep a constant opaque with a
+    # barrier (small arrays: the per-block scales).
+    b = jnp.broadcast_to(jnp.asarray(b, jnp.float32), jnp.shape(a))
+    return a / jax.lax.optimization_barrier(b)
+  b = jnp.broadcast_to(jnp.asarray(b, jnp.float32), jnp.shape(a))
+  return a / jnp.where(jnp.isnan(b), jnp.float32(jnp.nan), b)
+
+
+def _kept(v):
+  """`v` through the select of `decode` (no FMA contracts its product)."""
+  return jnp.where(jnp.isnan(v), jnp.float32(jnp.nan), v)
+
+
+def decode(codec: Codec, code, scales=None) -> jax.Array:
+  """The float32 values a stored code stands for.
+
+  The scale's product is read through a select (which returns every
+  value, NaN as NaN): XLA:CPU contracts a multiply that feeds an add in
+  the same fusion into an FMA, and a reader such as Adam's `b2 * nu +
+  (1 - b2) g^2` would otherwise contract one product or the other
+  depending on the fusion, hence on the sharding.
+  """
+  if codec.mapped:
+    per = jnp.asarray(scales, jnp.float32)
+    per = _spread(per, jnp.shape(code), codec.scale)
+    return _kept(codec.fmt.value(codec.fmt.index_of(code), per))
+  v = jnp.asarray(code).astype(jnp.float32)
+  if scales is None:
+    return v
+  v = v * _spread(jnp.asarray(scales, jnp.float32), v.shape, codec.scale)
+  return _kept(v)
+
+
+def _encode_scaled(codec: Codec, x, old, bits) -> Encoded:
+  """`x` onto the MX grid of scales from `x` itself, or from `old` under
+  `keep_scales`."""
+  fmt = codec.fmt
+  kept = scaled.compute_scales(old, fmt) if codec.keep_scales else None
+  mode = "nearest" if codec.rounding == "nearest" else "stochastic"
+  sr_bits = None if mode == "nearest" else bits
+  q, over, sc = scaled.fake_quantize_and_scales(
+    x, fmt, mode, overflow=codec.overflow, bits=sr_bits, scales=kept
+  )
+  if codec.rounding == "deadzone":
+    q_rn, over_rn, _ = scaled.fake_quantize_and_scales(
+      x, fmt, overflow=codec.overflow, scales=kept
+    )
+    erased = q_rn == old
+    q = jnp.where(erased, q, q_rn)
+    over = jnp.where(erased, over, over_rn)
+  if codec.keep_scales and fmt.rule == "ocp":
+    # Only a block whose maximum fell to the top of the binade below
+    # its scale's is off the grid of its own (halved) scale; putting it
+    # there saturates that maximum. The identity on every other block.
+    q, over_own, _ = scaled.fake_quantize_and_scales(
+      q, fmt, overflow=codec.overflow
+    )
+    over = over | over_own
+  return Encoded(q, None, q, over, sc)
+
+
+def _scale_count(shape, how) -> int:
+  if how is None:
+    return 0
+  if how == "tensor" or not len(shape):
+    return 1
+  rows = int(np.prod(shape[:-1], dtype=np.int64))
+  return rows * -(-int(shape[-1]) // int(how))
+
+
+def _spread(scale, shape, how):
+  """Per-element scales from per-block or per-tensor ones."""
+  if how == "tensor" or not shape:
+    return scale
+  return jnp.repeat(scale, how, axis=-1)[..., : shape[-1]]
+
+
+def _block_max(a, how):
+  """The largest entry of `a` (>= 0) per block of the last axis (or of the
+  tensor): a maximum, exact in any order and on any sharding."""
+  if how == "tensor" or not a.shape:
+    return jnp.max(a, initial=0.0)
+  n = a.shape[-1]
+  blocks = -(-n // how)
+  pad = [(0, 0)] * (a.ndim - 1) + [(0, blocks * how - n)]
+  a = jnp.pad(a, pad).reshape(*a.shape[:-1], blocks, how)
+  return jnp.max(a, axis=-1, initial=0.0)
+
+
+def _pow2_scales(s, codec: Codec):
+  """float32 powers of two `p`, smallest with `amax / p <= max_E`."""
+  a = jnp.where(jnp.isfinite(s), jnp.abs(s), 0.0)
+  amax = _block_max(a, codec.scale)
+  # The no-clip rule of lowprec.scaled, within float32's normal range.
+  k = scaled.pow2_exponent(
+    amax, codec.fmt.max_finite, "noclip", lo=-126, hi=127
+  )
+  return jax.lax.bitcast_convert_type((k + 127) << 23, jnp.float32)
+
+
+def _amax_scales(x, codec: Codec, bad=None):
+  """`amax / max_E` per block in `codec.scale_dtype` (module docstring of
+  `Codec`); NaN for a block where `bad` holds."""
+  a = jnp.where(jnp.isfinite(x), jnp.abs(x), 0.0)
+  amax = _block_max(a, codec.scale)
+  top = np.float32(codec.fmt.max_finite)
+  s = amax if top == 1 else _divide(amax, top)
+  if codec.scale_dtype == "float16":
+    s = _ceil_float16(s)
+  elif top != 1:  # a scale that XLA:CPU would flush to 0 stays normal
+    s = jnp.maximum(s, np.float32(2.0**-126))
+  zero = 0.0 if codec.mapped else 1.0
+  s = jnp.where(amax > 0, s.astype(jnp.float32), zero)
+  if bad is not None:
+    s = jnp.where(_block_max(bad, codec.scale) > 0, jnp.nan, s)
+  return s.astype(codec.scale_dtype)
+
+
+def _ceil_float16(s):
+  """The smallest float16 at or above float32 `s > 0`, within [2^-24,
+  65504] (float32 values)."""
+  s = jnp.maximum(s, np.float32(2.0**-24))
+  h = s.astype(jnp.float16)
+  below = h.astype(jnp.float32) < s
+  bits = jax.lax.bitcast_convert_type(h, jnp.uint16)
+  h = jnp.where(
+    below, jax.lax.bitcast_convert_type(bits + jnp.uint16(1), jnp.float16), h
+  )
+  return jnp.minimum(h.astype(jnp.float32), np.float32(_F16_MAX))
+
+
+def _encode_mapped(codec: Codec, x, old, bits) -> Encoded:
+  """`x` as the codes of a `CodeMap` under its block's largest magnitude
+  (`lowprec.codemaps`)."""
+  m = codec.fmt
+  u = m.pre(x)
+  # A map has no NaN (nor, under "ieee", inf or, unsigned, a negative
+  # value): such an element makes its block's scale NaN.
+  bad = jnp.isnan(x)
+  if codec.overflow == "ieee":
+    bad = bad | jnp.isinf(x) | ((x < 0) if not m.signed else False)
+  scales = _amax_scales(u, codec, bad.astype(jnp.float32))
+  per = _spread(scales.astype(jnp.float32), x.shape, codec.scale)
+  raw = jnp.where(per > 0, _divide(u, per), 0.0)
+  lo = -1.0 if m.signed else 0.0
+  over = (jnp.abs(raw) > 1) | ((x < 0) if not m.signed else False)
+  index = m.nearest_index(jnp.clip(raw, lo, 1.0))
+  v = _kept(m.value(index, per))
+  if codec.random and bits is not None:
+    sr, v_sr = _map_stochastic(m, x, index, v, per, bits)
+    if codec.rounding == "stochastic":
+      index, v = sr, v_sr
+    elif old is not None:  # deadzone: stochastic where nearest gives old
+      stuck = (v == old) & (x != old)
+      index, v = jnp.where(stuck, sr, index), jnp.where(stuck, v_sr, v)
+  code = m.code_of(index).astype(codec.dtype())
+  return Encoded(code, scales, v, over & ~jnp.isnan(per))
+
+
+def _map_stochastic(m, x, index, v, per, bits):
+  """Between the two map values around `x`, up with probability `(x -
+  lo) / (hi - lo)` (24 of the 32 random bits): unbiased in the value
+  `x`, not in the code."""
+  top = len(m.table()) - 1
+  lo = jnp.clip(jnp.where(v > x, index - 1, index), 0, top)
+  hi = jnp.minimum(lo + 1, top)
+  v_lo, v_hi = _kept(m.value(lo, per)), _kept(m.value(hi, per))
+  width = v_hi - v_lo
+  p = jnp.where(width > 0, (x - v_lo) / jnp.where(width > 0, width, 1), 0.0)
+  u = (bits >> 8).astype(jnp.float32) * np.float32(2.0**-24)
+  up = u < jnp.clip(p, 0.0, 1.0)
+  return jnp.where(up, hi, lo), jnp.where(up, v_hi, v_lo)
+
+
+# ---- weights: the float32 delta that lands exactly ---------------------------
+
+
+def land(w, q, fmt):
+  """The float32 delta that takes w to q, or to q's neighbour toward w.
+
+  Rarely q is out of reach of float32 addition to w (see
+  `lowprec.writeback`): take the grid neighbour of q toward w if that
+  lands, else stay. This is elementwise, not a `lax.cond`, so that XLA
+  fuses the whole write-back into the optimizer's update and
+  `apply_updates`. Returns the delta and where q itself landed.
+  """
+  delta, lands = _delta(w, q)
+  q2 = _toward_zero(q, fmt)
+  delta2, lands2 = _delta(w, q2)
+  toward_w = (q > w) == (q > 0)  # toward zero is toward w, not past it
+  detour = ~lands & lands2 & toward_w
+  delta = jnp.where(lands, delta, jnp.where(detour, delta2, -0.0))
+  return delta, lands
+
+
+def _toward_zero(q, fmt):
+  """The grid value next to q toward zero, where q is normal above the
+  smallest normal; elsewhere (and for intK) q itself, which never lands
+  where q did not."""
+  if isinstance(fmt, ScaledFormat) or not fmt.is_float:
+    return q
+  b = jax.lax.bitcast_convert_type(q, jnp.uint32)
+  # Grid values of a normal binade are float32 patterns whose low 23 - m
+  # mantissa bits are zero, so one step down is one unit of 2**(23 - m).
+  ok = (b & 0x7FFFFFFF) > np.float32(fmt.min_normal).view(np.uint32)
+  ok &= (b & 0x7FFFFFFF) < 0x7F800000
+  step = jnp.uint32(1 << (23 - fmt.man_bits))
+  return jnp.where(ok, jax.lax.bitcast_convert_type(b - step, jnp.float32), q)
+
+
+def _delta(w, q):
+  """A float32 `d` with `w + d == q` in float32, and where that holds.
+
+  `q - w` rounded is the answer unless its rounding error pushes `w + d`
+  off `q`; then the float32 neighbour of `d` toward the error is the only
+  other candidate: every float that lands lies on one side of `q - w`, and
+  the nearest float there is `d` or that neighbour.
+  """
+  d = q - w
+  r = w + d
+  # One float32 step of d: +1 on the bit pattern grows |d|, -1 shrinks it.
+  grow = (q > r) == (d > 0)
+  b = jax.lax.bitcast_convert_type(d, jnp.uint32)
+  step = jnp.where(grow, jnp.uint32(1), jnp.uint32(0xFFFFFFFF))
+  nudged = jax.lax.bitcast_convert_type(b + step, jnp.float32)
+  d = jnp.where(r == q, d, nudged)
+  # Adding -0 keeps every w bit for bit (+0 + -0 = +0, -0 + -0 = -0).
+  d = jnp.where(q == w, jnp.float32(-0.0), d)
+  return d, (w + d == q) | jnp.isnan(q)

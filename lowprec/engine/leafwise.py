@@ -1,0 +1,235 @@
+"""The loop over a model's weights that every write-back runs.
+
+A write-back's `init` and `update` walk the parameters the same way,
+whatever it keeps beside them: find each parameter's format (and refuse
+what no write-back can take), check the params are on their grids, pass
+None updates through (Equinox's for leaves it does not differentiate),
+check each proposal, split the key once per step and fold it per
+parameter path, and collect each parameter's delta and what the recipe
+keeps. `weights` and `step` are that loop; a recipe gives the one-tensor
+step, `(path, w, u, fmt, bits) -> (delta, kept)`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lowprec.engine.codec import Codec, encode, land, tally
+from lowprec.engine.weights import (
+  Float8ParamsWarning,
+  check_on_grid,
+  check_shape,
+  check_storage,
+  leaf_format,
+  path_name,
+)
+from lowprec.grids import rng as rng_lib
+from lowprec.grids import scaled
+from lowprec.grids.formats import Format, check_writeback_format
+
+# (key path, w, u float32 arrays, fmt, bits or None) -> (delta, kept)
+LeafStep = Callable[[str, Any, Any, Any, Any], tuple[Any, Any]]
+
+
+def weight_format(lookup, path, w) -> Format | scaled.ScaledFormat | None:
+  """The format of the parameter at `path`, checked against its storage;
+  None for a leaf that is not an array or that the spec leaves alone."""
+  fmt = leaf_format(lookup, path, w)
+  if fmt is None:
+    return None
+  name = path_name(path)
+  check_storage(name, w.dtype, fmt)
+  if isinstance(fmt, scaled.ScaledFormat):
+    check_writeback_format(fmt, f"parameter {name!r}")
+    return fmt
+  if not fmt.is_float and not float(np.log2(fmt.scale)).is_integer():
+    # float32(k * s) - float32(j * s) is not float32-exact for such s, so
+    # no float32 delta lands on most of the grid.
+    pow2 = 2.0 ** round(float(np.log2(fmt.scale)))
+    raise ValueError(
+      f"parameter {name!r}: write-back onto {fmt} needs a power-of-two "
+      f"scale to land exactly in float32, got {fmt.scale}; use e.g. "
+      f"get_format({fmt.name!r}, scale={pow2})"
+    )
+  return fmt
+
+
+def weights(lookup, params, spec) -> dict[str, tuple[Any, Any, Any]]:
+  """`{name: (key path, fmt, param)}` of the parameters that have a
+  format, in tree order; concrete params are checked on their grids
+  (raises if one is off)."""
+  out = {}
+  for path, w in jax.tree_util.tree_flatten_with_path(params)[0]:
+    f = weight_format(lookup, path, w)
+    if f is not None:
+      out[path_name(path)] = (path, f, w)
+  _warn_narrow(out)
+  if _concrete(params):
+    # Concrete params may still meet init inside a trace (closed over
+    # under jit or vmap): evaluate the check now rather than stage it.
+    with jax.ensure_compile_time_eval():
+      check_on_grid(params, spec)
+  return out
+
+
+def _warn_narrow(weights: dict) -> None:
+  """Warns, once per `init`, where weights are stored in a one-byte float
+  dtype: the deltas are float32, which `optax.apply_updates` cannot add
+  to them (JAX refuses to promote 8-bit floats), and its error does not
+  name the fix."""
+  narrow = [
+    (n, np.dtype(w.dtype).name)
+    for n, (_, _, w) in weights.items()
+    if jnp.issubdtype(w.dtype, jnp.floating) and np.dtype(w.dtype).itemsize == 1
+  ]
+  if not narrow:
+    return
+  (name, dtype), more = narrow[0], len(narrow) - 1
+  others = f" and {more} more" if more else ""
+  warnings.warn(
+    f"parameter {name!r}{others} stored as {dtype}: land the write-back's "
+    "float32 deltas with lowprec.apply_updates(params, updates), which "
+    "keeps the dtype; optax.apply_updates fails on them (JAX does not add "
+    "float8 and float32 implicitly: a TypePromotionError)",
+    Float8ParamsWarning,
+    stacklevel=4,
+  )
+
+
+def step(
+  caller: str,
+  lookup,
+  updates,
+  params,
+  key_state: tuple | None,
+  leaf: LeafStep,
+):
+  """One write-back over the tree: `(deltas, new key words, {path:
+  kept})`. `key_state` is `(key words, impl)` for a random rounding (None
+  for nearest); each parameter draws 32 bits per element from
+  `fold_in(split(key)[1], leaf_seed(path))`."""
+  if params is None:
+    raise ValueError(
+      f"{caller} rounds w + u and needs the current params: call "
+      "opt.update(updates, state, params)"
+    )
+  flat, treedef = jax.tree_util.tree_flatten_with_path(
+    updates, is_leaf=lambda x: x is None
+  )
+  ws = treedef.flatten_up_to(params)
+  todo = []
+  for (path, u), w in zip(flat, ws, strict=True):
+    f = None if u is None else weight_format(lookup, path, w)
+    todo.append((path, u, w, f))
+  new_key = keys = None
+  if key_state is not None:
+    new_key, step_key = rng_lib.next_step(*key_state)
+    keys = rng_lib.leaf_keys(
+      step_key, [path_name(p) for p, _, _, f in todo if f is not None]
+    )
+  deltas, kept = [], {}
+  for path, u, w, f in todo:
+    if f is None:
+      deltas.append(u)
+      continue
+    name = path_name(path)
+    check_shape(caller, name, w, u)
+    _check_proposal(name, u)
+    bits = None
+    if keys is not None:
+      bits = rng_lib.random_bits(keys[name], jnp.shape(w))
+    w32 = jnp.asarray(w).astype(jnp.float32)
+    u32 = jnp.asarray(u).astype(jnp.float32)
+    delta, kept[name] = leaf(path, w32, u32, f, bits)
+    deltas.append(delta)
+  return jax.tree_util.tree_unflatten(treedef, deltas), new_key, kept
+
+
+def _check_proposal(name: str, u) -> None:
+  dtype = jnp.result_type(u)
+  if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4:
+    raise ValueError(
+      f"the proposal for parameter {name!r} arrives as {dtype.name}: the "
+      "transforms before writeback computed in the params' low-precision "
+      "dtype, so their state (e.g. Adam's moments) is that narrow too and "
+      "under- or overflows. Run them in float32: optax.chain("
+      "lowprec.in_float32(optax.adam(...)), lowprec.writeback(...))"
+    )
+
+
+def _concrete(tree) -> bool:
+  abstract = (jax.core.Tracer, jax.ShapeDtypeStruct)
+  return not any(isinstance(x, abstract) for x in jax.tree.leaves(tree))
+
+
+class Plain(NamedTuple):
+  """The plain write-back of one tensor, `w' = Q(w + u)`: a `LeafStep`
+  giving the delta that lands `w'` and, with telemetry, the counts
+  `(proposals, moved, saturated, unreachable, nonfinite, offgrid)` (then,
+  on a scaled format, its block count and the blocks whose scale
+  changed). `offgrid` counts the finite weights `w` that are off their
+  grid: the write-back's previous deltas put every weight on it, so
+  they show that something changed the params after them (a transform
+  chained after the write-back). `writeback` is this step over the
+  tree; `eco` adds a fold."""
+
+  rounding: str
+  overflow: str
+  nonfinite: str
+  telemetry: bool
+  scales: str
+
+  def __call__(self, path, w, u, fmt, bits):
+    """Delta and, with telemetry, the counts of one tensor (then, for a
+    scaled format, its block count and the blocks whose scale changed)."""
+    del path
+    on_scaled = isinstance(fmt, scaled.ScaledFormat)
+    codec = Codec(
+      fmt,
+      self.rounding,
+      overflow=self.overflow,
+      keep_scales=self.scales == "keep",
+    )
+    enc = encode(codec, w + u, w, bits)
+    q = enc.value
+    finite = jnp.isfinite(u) & ~jnp.isnan(w)
+    proposed = (u != 0) & finite
+    written = proposed if self.nonfinite == "keep" else (u != 0) | ~finite
+    if on_scaled:
+      # New scales move the grid under every coordinate of a block: those
+      # with u == 0 are rounded onto it too.
+      written = finite if self.nonfinite == "keep" else jnp.ones_like(finite)
+    # Keeping w itself (not an equal value) preserves the sign of zero.
+    q = jnp.where(written & (q != w), q, w)
+    delta, lands = land(w, q, fmt)
+    if not self.telemetry:
+      return delta, ()
+    # The delta is -0 exactly where the weight stays, nonzero where it moves.
+    moved = proposed & (delta != 0)
+    offgrid = jnp.isfinite(w) & ~_on_grid(w, fmt)
+    counts = tally(
+      proposed, moved, enc.over & proposed, ~lands, ~finite, offgrid
+    )
+    if not on_scaled:
+      return delta, counts
+    new = enc.block_scales.block
+    if self.scales == "keep":  # rounded with w's scales, by construction
+      return delta, (*counts, jnp.int32(new.size), jnp.int32(0))
+    old = scaled.compute_scales(w, fmt).block
+    code = lambda s: jax.lax.bitcast_convert_type(s, jnp.uint8)  # noqa: E731
+    changed = jnp.sum(code(old) != code(new), dtype=jnp.int32)
+    return delta, (*counts, jnp.int32(old.size), changed)
+
+
+def _on_grid(w, fmt):
+  """Whether each value of `w` is on `fmt`'s grid (a scaled format's: of
+  the block scales of `w` itself, which nearest rounding gives back)."""
+  if isinstance(fmt, scaled.ScaledFormat):
+    return scaled.fake_quantize(w, fmt) == w
+  return fmt.is_on_grid(w)
