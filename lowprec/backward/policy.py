@@ -51,7 +51,7 @@ import re
 import types
 from collections.abc import Mapping, Sequence
 
-from lowprec.grids import choices as names_lib
+from lowprec.grids import choices
 
 # What every operator's uses can read; block-scaled operators
 # (`ops.ScaledDense`) also read `requantized`.
@@ -63,7 +63,7 @@ _RESERVED = (",", "=")
 
 
 def _suggest(name: str, options: Sequence[str]) -> str:
-  return names_lib.suggest(name, options, cutoff=0.5)
+  return choices.suggest(name, options, cutoff=0.5)
 
 
 def check_use_name(use: str) -> str:

@@ -32,8 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowprec.engine.counting import count as tally
-from lowprec.grids import choices as names
-from lowprec.grids import scaled
+from lowprec.grids import choices, scaled
 from lowprec.grids.codemaps import CodeMap
 from lowprec.grids.formats import Format
 from lowprec.grids.rounding import OVERFLOW_MODES, ROUNDINGS, round_and_flag
@@ -95,11 +94,11 @@ class Codec:
   scale_dtype: str = "float32"
 
   def __post_init__(self):
-    names.check_choice("rounding", self.rounding, ROUNDINGS)
-    names.check_choice("overflow mode", self.overflow, OVERFLOW_MODES)
-    names.check_choice("carrier", self.carrier, CARRIERS)
-    names.check_choice("scale rule", self.scale_rule, SCALE_RULES)
-    names.check_choice("scale dtype", self.scale_dtype, SCALE_DTYPES)
+    choices.check_choice("rounding", self.rounding, ROUNDINGS)
+    choices.check_choice("overflow mode", self.overflow, OVERFLOW_MODES)
+    choices.check_choice("carrier", self.carrier, CARRIERS)
+    choices.check_choice("scale rule", self.scale_rule, SCALE_RULES)
+    choices.check_choice("scale dtype", self.scale_dtype, SCALE_DTYPES)
     if self.mapped and (self.scale is None or self.scale_rule != "amax"):
       raise ValueError(
         f"code map {self.fmt.name!r} is normalized by the largest magnitude "

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from lowprec.engine import weights as storage
+from lowprec.engine import weights
 from lowprec.freeze import trace as trace_lib
 from lowprec.grids.rounding import round_nearest
 from lowprec.optim import telemetry as telemetry_lib
@@ -102,7 +102,7 @@ def decay_erasure(
   Returns:
     An optax transform whose state reports through `lowprec.telemetry`.
   """
-  lookup = storage.format_lookup(fmt)
+  lookup = weights.format_lookup(fmt)
   lr = learning_rate if callable(learning_rate) else (lambda _: learning_rate)
 
   def names(params):

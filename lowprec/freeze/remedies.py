@@ -20,8 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from lowprec.engine import counting
-from lowprec.engine import weights as storage
+from lowprec.engine import counting, weights
 from lowprec.engine.codec import stored_dtype
 from lowprec.freeze import reports
 from lowprec.freeze.trace import named_specs
@@ -83,7 +82,7 @@ class Remedy:
       object.__setattr__(self, "buffer", buffer_format(self.buffer))
     else:
       object.__setattr__(self, "buffer", None)
-    object.__setattr__(self, "_lookup", storage.format_lookup(self.fmt))
+    object.__setattr__(self, "_lookup", weights.format_lookup(self.fmt))
 
   @property
   def default_name(self) -> str | None:

@@ -18,8 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowprec.engine import counting
-from lowprec.engine import weights as storage
+from lowprec.engine import counting, weights
 
 # collect(state, xp, ratio, value) -> {key: value}: xp is numpy or
 # jax.numpy, ratio(num, den) and value(x) convert what goes in the dict.
@@ -74,7 +73,7 @@ def _host_ratio(num, den):
 def leaf_name(path) -> str:
   """A leaf's name in a report: its "/"-joined path ("params" for a
   bare array)."""
-  return storage.path_name(path) or "params"
+  return weights.path_name(path) or "params"
 
 
 def _is_float(x) -> bool:

@@ -13,7 +13,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from lowprec.engine import weights as storage
+from lowprec.engine import weights
 from lowprec.grids.rounding import round_nearest
 
 
@@ -81,10 +81,10 @@ def stuck(initial, current, groups=None, fmt=None) -> dict[str, StuckShare]:
       f"{tree0} vs {tree1}"
     )
   group_of = _grouping(groups)
-  lookup = storage.format_lookup(fmt) if fmt is not None else None
+  lookup = weights.format_lookup(fmt) if fmt is not None else None
   counts: dict[str, list[int]] = {}
   for (path, a), (_, b) in zip(flat0, flat1, strict=True):
-    name = storage.path_name(path)
+    name = weights.path_name(path)
     group = group_of(name)
     if group is None:
       continue
@@ -117,7 +117,7 @@ def _f32(x) -> np.ndarray:
 def _grouping(groups):
   if groups is None:
     return lambda name: name
-  return storage.rule_lookup(
+  return weights.rule_lookup(
     groups,
     lambda group: group,
     what="group rule",

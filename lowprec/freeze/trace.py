@@ -19,10 +19,9 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
-from lowprec.engine import weights as storage
+from lowprec.engine import weights
 from lowprec.freeze import reports
-from lowprec.grids import choices as names
-from lowprec.grids import rounding, scaled
+from lowprec.grids import choices, rounding, scaled
 from lowprec.grids.formats import (
   Format,
   check_writeback_format,
@@ -55,12 +54,12 @@ class Target:
   rounding: str = "nearest"
 
   def __post_init__(self):
-    names.check_choice("rounding", self.rounding, ROUNDINGS)
+    choices.check_choice("rounding", self.rounding, ROUNDINGS)
     if scaled.is_scaled(self.fmt):
       object.__setattr__(self, "fmt", _checked(self.fmt))
     elif isinstance(self.fmt, (str, Format)):
       object.__setattr__(self, "fmt", _grid(self.fmt))
-    object.__setattr__(self, "_lookup", storage.format_lookup(self.fmt))
+    object.__setattr__(self, "_lookup", weights.format_lookup(self.fmt))
 
   @property
   def default_name(self) -> str | None:
@@ -73,7 +72,7 @@ class Target:
     fmt = self._lookup(path)
     if not scaled.is_scaled(fmt):
       return fmt
-    return _checked(fmt, f"parameter {storage.path_name(path)!r}")
+    return _checked(fmt, f"parameter {weights.path_name(path)!r}")
 
 
 # The scaled formats a target takes (`_checked`): MX, power-of-two scales.

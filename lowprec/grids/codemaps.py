@@ -58,7 +58,7 @@ from fractions import Fraction
 import jax.numpy as jnp
 import numpy as np
 
-from lowprec.grids import choices as names
+from lowprec.grids import choices
 
 __all__ = ["MAPS", "CodeMap", "get_map", "is_map"]
 
@@ -184,7 +184,7 @@ def get_map(name) -> CodeMap:
   """
   if isinstance(name, CodeMap):
     return name
-  names.check_choice("code map", name, MAPS)
+  choices.check_choice("code map", name, MAPS)
   return MAPS[name]
 
 

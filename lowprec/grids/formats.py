@@ -41,8 +41,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from lowprec.grids import _bits
-from lowprec.grids import choices as names
+from lowprec.grids import _bits, choices
 
 # What happens at the top of the exponent range:
 #   "ieee":    all-ones exponent is inf (mantissa 0) or NaN (otherwise);
@@ -377,7 +376,7 @@ def get_format(
   also = [n for n in also_valid if n not in NAMED]
   also_text = f"; also valid here: {', '.join(also)}" if also else ""
   raise ValueError(
-    f"unknown format {name!r}.{names.suggest(name, [*NAMED, *also])} Valid "
+    f"unknown format {name!r}.{choices.suggest(name, [*NAMED, *also])} Valid "
     f"formats: {', '.join(format_names())}{also_text}"
   )
 
@@ -501,7 +500,7 @@ def get_scaled_format(
         f"scale it per tensor as '{name}:tensor' (fp8) or per block as an "
         "MX name."
         if name in NAMED
-        else names.suggest(name, SCALED)
+        else choices.suggest(name, SCALED)
       )
       raise ValueError(
         f"unknown scaled format {name!r}.{hint} Valid scaled formats: "
@@ -511,7 +510,7 @@ def get_scaled_format(
   changes = {}
   if rule is not None:
     valid = SCALE_RULES if fmt.scale_type == "e8m0" else (fmt.rule,)
-    names.check_choice(f"scale rule for {fmt.name}", rule, valid)
+    choices.check_choice(f"scale rule for {fmt.name}", rule, valid)
     changes["rule"] = rule
   if block is not None:
     if fmt.block is None:

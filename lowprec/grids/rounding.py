@@ -12,8 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowprec.grids import _bits
-from lowprec.grids import choices as names
+from lowprec.grids import _bits, choices
 from lowprec.grids import rng as rng_lib
 from lowprec.grids.formats import Format, get_format
 
@@ -23,7 +22,7 @@ ROUNDINGS = ("nearest", "stochastic", "deadzone")
 
 
 def _check_overflow(overflow: str) -> None:
-  names.check_choice("overflow mode", overflow, OVERFLOW_MODES)
+  choices.check_choice("overflow mode", overflow, OVERFLOW_MODES)
 
 
 def _emit(q: jax.Array, fmt: Format, dtype) -> jax.Array:

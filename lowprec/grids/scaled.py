@@ -84,7 +84,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowprec.grids import choices as names
+from lowprec.grids import choices
 from lowprec.grids import rng as rng_lib
 from lowprec.grids.formats import NAMED
 
@@ -226,7 +226,7 @@ def pow2_exponent(
     lo: the smallest exponent of the scale type (E8M0's by default).
     hi: the largest exponent of the scale type.
   """
-  names.check_choice("scale rule", rule, SCALE_RULES)
+  choices.check_choice("scale rule", rule, SCALE_RULES)
   a = abs_bits(jnp.asarray(amax, jnp.float32))
   e, frac = _log2_parts(jnp.maximum(a, jnp.uint32(1)))
   t = np.array(top, np.float32).view(np.uint32)
@@ -362,8 +362,8 @@ def _round_blocks(x, fmt, mode, key, overflow, scales, bits=None):
 def _blocks(x, fmt, mode, key, overflow, scales, bits):
   """`(x, bits, per, scales)`: `x` and its random bits (None for nearest)
   in blocks, the per-block scales (`_per_block`) and the `Scales`."""
-  names.check_choice("rounding mode", mode, MODES)
-  names.check_choice("overflow mode", overflow, OVERFLOW_MODES)
+  choices.check_choice("rounding mode", mode, MODES)
+  choices.check_choice("overflow mode", overflow, OVERFLOW_MODES)
   fmt = get_scaled_format(fmt)
   x = _float32(x)
   if mode == "nearest":

@@ -42,9 +42,8 @@ from lowprec.engine import counting, leafwise
 from lowprec.engine.codec import Codec, encode, land, stored_dtype, tally
 from lowprec.engine.counting import mass
 from lowprec.engine.weights import format_lookup, path_name
-from lowprec.grids import choices as names
+from lowprec.grids import choices, scaled
 from lowprec.grids import rng as rng_lib
-from lowprec.grids import scaled
 from lowprec.grids.formats import Format, get_format
 from lowprec.grids.rounding import OVERFLOW_MODES
 from lowprec.optim.writeback import NONFINITE_MODES
@@ -515,9 +514,9 @@ def _compensated(
       "already carries what nearest rounding drops. Use rounding="
       "'nearest' (or 'stochastic')"
     )
-  names.check_choice("rounding", rounding, COMPENSATED_ROUNDINGS)
-  names.check_choice("overflow mode", overflow, OVERFLOW_MODES)
-  names.check_choice("nonfinite mode", nonfinite, NONFINITE_MODES)
+  choices.check_choice("rounding", rounding, COMPENSATED_ROUNDINGS)
+  choices.check_choice("overflow mode", overflow, OVERFLOW_MODES)
+  choices.check_choice("nonfinite mode", nonfinite, NONFINITE_MODES)
   lookup = format_lookup(fmt)
   random = rounding == "stochastic"
   key_state = None

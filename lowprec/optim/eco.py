@@ -40,7 +40,7 @@ import optax
 from lowprec.engine import counting, leafwise
 from lowprec.engine.counting import mass
 from lowprec.engine.weights import format_lookup, is_array, path_name
-from lowprec.grids import choices as names
+from lowprec.grids import choices
 from lowprec.grids import rng as rng_lib
 from lowprec.grids.rounding import OVERFLOW_MODES
 from lowprec.optim.compensated import as_emitted
@@ -281,8 +281,8 @@ def eco(
       "the momentum. Use lowprec.eco(inner, fmt, 'nearest') or "
       "'stochastic' with key=jax.random.key(0)"
     )
-  names.check_choice("rounding", rounding, ECO_ROUNDINGS)
-  names.check_choice("overflow mode", overflow, OVERFLOW_MODES)
+  choices.check_choice("rounding", rounding, ECO_ROUNDINGS)
+  choices.check_choice("overflow mode", overflow, OVERFLOW_MODES)
   lookup = format_lookup(fmt)
   random = rounding != "nearest"
   key_state = None

@@ -66,8 +66,7 @@ from lowprec.engine import counting, leafwise, record
 from lowprec.engine.codec import Codec, encode, land, tally
 from lowprec.engine.counting import mass
 from lowprec.engine.rules import format_lookup, map_spec, path_name
-from lowprec.grids import choices as names
-from lowprec.grids import scaled
+from lowprec.grids import choices, scaled
 from lowprec.grids.formats import Format, get_format
 from lowprec.optim.writeback import NONFINITE_MODES
 
@@ -205,7 +204,7 @@ def split_writeback(
       "(an int8 correction, 3 bytes per parameter with the bfloat16 "
       "weight) or 16 (int16, 4 bytes)"
     )
-  names.check_choice("nonfinite mode", nonfinite, NONFINITE_MODES)
+  choices.check_choice("nonfinite mode", nonfinite, NONFINITE_MODES)
   map_spec(fmt, _bfloat16_only)
   lookup = format_lookup(fmt)
   dtype, top = _CODES[correction_bits]

@@ -48,8 +48,7 @@ from lowprec.engine.codec import (
   tally,
 )
 from lowprec.engine.weights import path_name
-from lowprec.grids import choices as names
-from lowprec.grids import codemaps
+from lowprec.grids import choices, codemaps
 from lowprec.grids import rng as rng_lib
 from lowprec.grids.formats import Format, get_format
 from lowprec.grids.rounding import OVERFLOW_MODES, ROUNDINGS
@@ -101,7 +100,7 @@ class StateFormat:
     mapped = codemaps.is_map(self.fmt)
     fmt = codemaps.get_map(self.fmt) if mapped else get_format(self.fmt)
     object.__setattr__(self, "fmt", fmt)
-    names.check_choice("rounding", self.rounding, ROUNDINGS)
+    choices.check_choice("rounding", self.rounding, ROUNDINGS)
     s = self.scale
     if isinstance(s, str) and s.startswith("block") and s[5:].isdigit():
       s = int(s[5:])
@@ -112,9 +111,9 @@ class StateFormat:
         "size such as 128 (written 'block128' in a string spec)"
       )
     rule = self.scale_rule or ("amax" if mapped else "pow2")
-    names.check_choice("scale rule", rule, SCALE_RULES)
+    choices.check_choice("scale rule", rule, SCALE_RULES)
     dtype = self.scale_dtype or (fmt.scale_dtype if mapped else "float32")
-    names.check_choice("scale dtype", dtype, SCALE_DTYPES)
+    choices.check_choice("scale dtype", dtype, SCALE_DTYPES)
     object.__setattr__(self, "scale_rule", rule)
     object.__setattr__(self, "scale_dtype", dtype)
     if mapped and (s is None or rule != "amax"):
@@ -211,7 +210,7 @@ def parse_state_format(spec) -> StateFormat | None:
       raise ValueError(
         f"unknown part {part!r} in state spec {spec!r}; after the format "
         f"come a rounding, a scale, a scale rule and a scale dtype: "
-        f"{', '.join(valid)}.{names.suggest(part, valid)} E.g. "
+        f"{', '.join(valid)}.{choices.suggest(part, valid)} E.g. "
         "'bfloat16:stochastic', 'float8_e4m3fn:stochastic:block128' or "
         "'float8_e4m3fn:nearest:block256:amax'"
       )
@@ -531,8 +530,8 @@ def store_state(
       f"{inner!r:.60}{called}: lowprec.store_state(optax.adam(1e-3), rules)"
     )
   parsed = parse_rules(rules)
-  names.check_choice("storage", storage, STORAGES)
-  names.check_choice("overflow mode", overflow, OVERFLOW_MODES)
+  choices.check_choice("storage", storage, STORAGES)
+  choices.check_choice("overflow mode", overflow, OVERFLOW_MODES)
   key_state = None
   if any(r.value is not None and r.value.rounding != "nearest" for r in parsed):
     key_state = rng_lib.state_key(

@@ -26,9 +26,8 @@ import optax
 
 from lowprec.engine import counting, leafwise
 from lowprec.engine.weights import format_lookup
-from lowprec.grids import choices as names
+from lowprec.grids import choices, scaled
 from lowprec.grids import rng as rng_lib
-from lowprec.grids import scaled
 from lowprec.grids.rounding import OVERFLOW_MODES, ROUNDINGS
 
 NONFINITE_MODES = ("keep", "propagate")
@@ -240,10 +239,10 @@ def writeback(
   Reference: the write-back freezing study ("Direct low-precision
   write-back can erase nonzero optimizer proposals").
   """
-  names.check_choice("rounding", rounding, ROUNDINGS)
-  names.check_choice("overflow mode", overflow, OVERFLOW_MODES)
-  names.check_choice("nonfinite mode", nonfinite, NONFINITE_MODES)
-  names.check_choice("scales", scales, SCALE_MODES)
+  choices.check_choice("rounding", rounding, ROUNDINGS)
+  choices.check_choice("overflow mode", overflow, OVERFLOW_MODES)
+  choices.check_choice("nonfinite mode", nonfinite, NONFINITE_MODES)
+  choices.check_choice("scales", scales, SCALE_MODES)
   lookup = format_lookup(fmt)
   random = rounding != "nearest"
   key_state = None

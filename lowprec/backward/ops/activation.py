@@ -10,7 +10,7 @@ import jax
 from lowprec.backward.ops.base import Op
 from lowprec.backward.ops.requirements import Requirement
 from lowprec.backward.ops.rounding import Rounding
-from lowprec.grids import choices as names
+from lowprec.grids import choices
 
 # name -> function; "gelu" is the tanh approximation GPT-2 uses.
 ACTIVATIONS = {
@@ -70,7 +70,7 @@ class Activation(Op):
   table = _TABLE
 
   def __post_init__(self):
-    names.check_choice("activation", self.fn, ACTIVATIONS)
+    choices.check_choice("activation", self.fn, ACTIVATIONS)
     self._coerce()
 
   def _forward(self, values, args, keys):

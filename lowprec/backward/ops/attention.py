@@ -12,7 +12,7 @@ from lowprec.backward.ops import saved
 from lowprec.backward.ops.base import Op, per_value
 from lowprec.backward.ops.requirements import Requirement
 from lowprec.backward.ops.rounding import Rounding
-from lowprec.grids import choices as names
+from lowprec.grids import choices
 
 _TABLE = (
   Requirement(
@@ -140,7 +140,7 @@ class Attention(Op):
   table = _TABLE
 
   def __post_init__(self):
-    names.check_choice("fresh_out", self.fresh_out, FRESH_OUT)
+    choices.check_choice("fresh_out", self.fresh_out, FRESH_OUT)
     self._coerce()
 
   def _redraws_probs(self) -> bool:

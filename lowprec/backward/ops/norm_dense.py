@@ -11,7 +11,7 @@ from lowprec.backward.ops import saved
 from lowprec.backward.ops.base import Op, per_value
 from lowprec.backward.ops.requirements import Requirement
 from lowprec.backward.ops.rounding import Rounding
-from lowprec.grids import choices as names
+from lowprec.grids import choices
 
 NORMS = ("layer", "rms")
 
@@ -130,7 +130,7 @@ class NormDense(Op):
   table = _TABLE
 
   def __post_init__(self):
-    names.check_choice("norm", self.norm, NORMS)
+    choices.check_choice("norm", self.norm, NORMS)
     self._coerce()
 
   def __call__(self, x, gain, shift, kernel, bias=None, **kwargs):

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowprec.grids import choices as names
+from lowprec.grids import choices
 from lowprec.grids import rounding as rounding_lib
 from lowprec.grids import scaled as scaled_lib
 from lowprec.grids.formats import Format, get_format
@@ -65,7 +65,7 @@ class Rounding:
   scaled: bool | None = None
 
   def __post_init__(self):
-    names.check_choice("rounding mode", self.mode, MODES)
+    choices.check_choice("rounding mode", self.mode, MODES)
     if scaled_lib.is_scaled(self.format):
       fmt = scaled_lib.get_scaled_format(self.format)
       object.__setattr__(self, "format", fmt)

@@ -45,7 +45,7 @@ from lowprec.backward.ops.base import Op, per_value
 from lowprec.backward.ops.dense import Dense
 from lowprec.backward.ops.requirements import Requirement
 from lowprec.backward.ops.rounding import Rounding
-from lowprec.grids import choices as names
+from lowprec.grids import choices
 from lowprec.grids import scaled as scaled_lib
 
 VALUES = (*policy_lib.OP_VALUES, "requantized")
@@ -251,7 +251,7 @@ class ScaledDense(Op):
     self._coerce()
     for f in ("grad_dw", "x_dw", "kernel_dx"):
       object.__setattr__(self, f, Rounding.parse(getattr(self, f)))
-    names.check_choice("kernel_blocks", self.kernel_blocks, LAYOUTS)
+    choices.check_choice("kernel_blocks", self.kernel_blocks, LAYOUTS)
     object.__setattr__(self, "hadamard", check_hadamard(self.hadamard))
 
   # ---- recipes ------------------------------------------------------------
@@ -582,7 +582,7 @@ def recipe(name: str, changes: str | dict = "") -> ScaledDense:
     ValueError: an unknown recipe or field, a malformed item (the message
       lists the valid ones).
   """
-  names.check_choice("block-scaled recipe", name, RECIPES)
+  choices.check_choice("block-scaled recipe", name, RECIPES)
   if isinstance(changes, str):
     items = {}
     for item in filter(None, (s.strip() for s in changes.split(","))):
@@ -599,7 +599,7 @@ def recipe(name: str, changes: str | dict = "") -> ScaledDense:
   )
   kw = {}
   for key, value in changes.items():
-    names.check_choice(f"{name} recipe field", key, valid)
+    choices.check_choice(f"{name} recipe field", key, valid)
     if key == "hadamard":
       try:
         value = int(value)
