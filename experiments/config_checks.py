@@ -172,9 +172,8 @@ def check_build(c, params) -> None:
   from experiments import ledger, lowprec_config, optim
 
   lp = c.lowprec
-  if lowprec_config.needs_params(
-    lp
-  ):  # scales from the values: any scale will do
+  # Scales from the values: any scale will do.
+  if lowprec_config.needs_params(lp):
     c = c.copy_and_resolve_references()
     c.unlock()
     c.lowprec.int_scale = 1.0
