@@ -12,9 +12,10 @@ The data path of `python -m experiments.run --config configs/<study>.py`:
                run directory (lock, config fingerprint, config.json,
                env.json), `tasks` builds model, loss and data (`models`,
                `data`), `optim` the optax chain (lowprec's transforms
-               last), `checkpoint` saves and restores, `probes` measures
-               gradients against the reference; the loop writes through
-               `results` (metrics.jsonl, summary.json)
+               last, their arguments read from the `lowprec` section by
+               `lowprec_config`), `checkpoint` saves and restores, `probes`
+               measures gradients against the reference; the loop writes
+               through `results` (metrics.jsonl, summary.json)
   analysis     tables and figures from the result files only (`tables`,
                `figures`, each study's analysis and figure named in its
                config: `study.analysis`, `study.figure`)

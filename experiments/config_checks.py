@@ -169,10 +169,11 @@ def check_build(c, params) -> None:
   import jax
 
   import lowprec
-  from experiments import ledger, optim
+  from experiments import ledger, lowprec_config, optim
 
   lp = c.lowprec
-  if optim.needs_params(lp):  # scales from the values: any scale will do
+  # Scales from the values: any scale will do.
+  if lowprec_config.needs_params(lp):
     c = c.copy_and_resolve_references()
     c.unlock()
     c.lowprec.int_scale = 1.0
@@ -181,7 +182,7 @@ def check_build(c, params) -> None:
   where = "opt, lowprec"  # until the chain is built
   try:
     parts = optim.parts(c, jax.random.key(0))
-    target = optim.writeback_target(lp)
+    target = lowprec_config.writeback_target(lp)
     if target is not None:  # the run's weights start on the grid
       where = "lowprec.writeback"
       params = jax.eval_shape(lambda p: lowprec.to_grid(p, target), params)

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import lowprec
-from experiments import optim
+from experiments import lowprec_config
 
 # Dense bf16 peak FLOP/s per chip (no sparsity), from the vendors' sheets:
 # H100 SXM5 and H200 SXM: 989.4 TFLOPS BF16 Tensor Core dense (NVIDIA H100
@@ -334,7 +334,7 @@ def peak_device_bytes() -> int | None:
 # The lowprec keys a recipe (`with_recipe`) replaces: the plan arm's
 # write-back, its compensation, its stored state and its predictions.
 _RECIPE_KEYS = {
-  **optim.RECIPE_DEFAULTS,
+  **lowprec_config.RECIPE_DEFAULTS,
   "state": (),
   "trace_targets": (),
   "trace_remedies": (),

@@ -19,6 +19,7 @@ import lowprec
 from experiments import (
   config_checks,
   ledger,
+  lowprec_config,
   models,
   operator_checks,
   optim,
@@ -68,7 +69,7 @@ def choices() -> dict:
     "lowprec.fwd_rounding": op_rounding.MODES,
     "lowprec.bwd_rounding": op_rounding.MODES,
     "lowprec.attn_fresh_out": lowprec.ops.FRESH_OUT,
-    "lowprec.int_scale_scope": optim.INT_SCOPES,
+    "lowprec.int_scale_scope": lowprec_config.INT_SCOPES,
   }
 
 
@@ -172,17 +173,19 @@ def validate(c) -> None:
     if not lowprec.scaled.is_scaled(name)
   ]
   for t in lp.trace_targets:
-    name, rounding = optim.split_target(t)
+    name, rounding = lowprec_config.split_target(t)
     formats.append(("lowprec.trace_targets", name))
     names.check_choice("lowprec.trace_targets rounding", rounding, ROUNDINGS)
   if lp.writeback:
     formats.append(("lowprec.writeback", lp.writeback))
-  optim.state_rules(lp)  # raises for a bad lowprec.state entry
-  optim.group_recipes(lp)  # raises for a bad lowprec.group_recipes entry
+  lowprec_config.state_rules(lp)  # raises for a bad lowprec.state entry
+  lowprec_config.group_recipes(
+    lp
+  )  # raises for a bad lowprec.group_recipes entry
   _check_float32_predictions(lp)
   _check_compensation(lp)
   _check_eco(c)
-  if optim.compensation(lp) == "kahan":
+  if lowprec_config.compensation(lp) == "kahan":
     formats.append(("lowprec.buffer", lp.buffer))
   for field, name in formats:
     if field in _SCALED_FIELDS and lowprec.scaled.is_scaled(name):
@@ -229,7 +232,7 @@ def validate(c) -> None:
 def _check_compensation(lp) -> None:
   """`lowprec.compensation` with the write-back it compensates, its
   rounding, and the keys only one kind reads."""
-  kind = optim.compensation(lp)
+  kind = lowprec_config.compensation(lp)
   _check_kind_keys(lp, kind)
   if kind == "none":
     return
@@ -269,27 +272,29 @@ def _check_compensation(lp) -> None:
 def _check_kind_keys(lp, kind: str) -> None:
   """`lowprec.buffer` (Kahan's) and `lowprec.correction_bits` (split's):
   left at their defaults unless their compensation reads them."""
-  buffer = lp.get("buffer", optim.DEFAULT_BUFFER)
-  if kind != "kahan" and buffer != optim.DEFAULT_BUFFER:
+  default_buffer = lowprec_config.DEFAULT_BUFFER
+  default_bits = lowprec_config.DEFAULT_CORRECTION_BITS
+  buffer = lp.get("buffer", default_buffer)
+  if kind != "kahan" and buffer != default_buffer:
     raise ValueError(
       f"lowprec.buffer={buffer!r} is the Kahan buffer's format and only "
       f"applies with lowprec.compensation='kahan' (this run has {kind!r}): "
       "set --config.lowprec.compensation=kahan to use it, or leave "
-      f"lowprec.buffer at {optim.DEFAULT_BUFFER!r}"
+      f"lowprec.buffer at {default_buffer!r}"
     )
-  bits = lp.get("correction_bits", optim.DEFAULT_CORRECTION_BITS)
-  if bits not in optim.CORRECTION_BITS:
+  bits = lp.get("correction_bits", default_bits)
+  if bits not in lowprec_config.CORRECTION_BITS:
     raise ValueError(
       f"lowprec.correction_bits={bits!r} is not a correction's width: set "
       "--config.lowprec.correction_bits=8 (an int8 code, 3 bytes per "
       "parameter with the bfloat16 weight) or 16 (int16, 4 bytes)"
     )
-  if kind != "split" and bits != optim.DEFAULT_CORRECTION_BITS:
+  if kind != "split" and bits != default_bits:
     raise ValueError(
       f"lowprec.correction_bits={bits!r} is the split weights' correction "
       f"and only applies with lowprec.compensation='split' (this run has "
       f"{kind!r}): set --config.lowprec.compensation=split to use it, or "
-      f"leave lowprec.correction_bits at {optim.DEFAULT_CORRECTION_BITS}"
+      f"leave lowprec.correction_bits at {default_bits}"
     )
 
 
@@ -339,7 +344,7 @@ def _check_eco(c) -> None:
   """`eco` folds into a first moment (SGD needs momentum) and wraps the
   optimizer, hiding the telemetry of what runs inside it or wraps it."""
   lp = c.lowprec
-  if optim.compensation(lp) != "eco" or not lp.writeback:
+  if lowprec_config.compensation(lp) != "eco" or not lp.writeback:
     return
   for key, what in (
     ("decay_erasure", "counts the proposals inside eco"),
@@ -376,8 +381,8 @@ def _on_bfloat16_grid(name: str) -> bool:
 def _check_float32_predictions(lp) -> None:
   """`lowprec.trace_remedies` and `lowprec.state_targets`: well formed,
   and in a run whose weights, or state, they predict from float32."""
-  optim.trace_remedies(lp)  # raises for a bad entry, naming the form
-  optim.state_targets(lp)
+  lowprec_config.trace_remedies(lp)  # raises for a bad entry, naming the form
+  lowprec_config.state_targets(lp)
   if lp.state and lp.state_targets:
     raise ValueError(
       "lowprec.state_targets predicts stored-state erasures from a run "

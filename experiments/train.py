@@ -37,6 +37,7 @@ from experiments import (
   distributed,
   faults,
   ledger,
+  lowprec_config,
   optim,
   results,
   tasks,
@@ -247,10 +248,10 @@ def build_run(config) -> Run:
       ),
     )
   first = source
-  if first is None and optim.needs_params(config.lowprec):
+  if first is None and lowprec_config.needs_params(config.lowprec):
     first = jax.jit(task.init)(init_key)  # per-tensor scales come from it
   tx = optim.build(config, opt_key, first)
-  target = optim.writeback_target(config.lowprec, first)
+  target = lowprec_config.writeback_target(config.lowprec, first)
 
   def init_state(source):
     params = task.init(init_key) if source is None else source

@@ -21,7 +21,7 @@ from flax import nnx
 
 import lowprec
 from configs import common
-from experiments import optim, study
+from experiments import lowprec_config, optim, study
 from lowprec import recipes
 from lowprec.freeze import Thresholds, advise
 from tests.state_storage_test import _bits, one_and_eight
@@ -558,14 +558,16 @@ def test_pasted_code_equals_the_runners_chain_bit_for_bit():
   c = common.get_config()
   c.opt.update(dict(clip_norm=0.0, schedule="constant", warmup_steps=0))
   c.lowprec.update(a.config())
-  optim.group_recipes(c.lowprec)  # the fragment validates
+  lowprec_config.group_recipes(c.lowprec)  # the fragment validates
   key = jax.random.key(11)
   runner = optim.build(c, key)
   wb_key = jax.random.split(key)[0]
   code = a.optax_code("optimizer", key="wb_key")
   lr = optim.schedule(c.opt, c.train.steps)
   pasted = _exec(code, optimizer=optim._adamw(c.opt, lr), wb_key=wb_key)
-  params = lowprec.to_grid(_params(), optim.writeback_target(c.lowprec))
+  params = lowprec.to_grid(
+    _params(), lowprec_config.writeback_target(c.lowprec)
+  )
   got, gs, losses = _run(pasted, params, 8)
   want, ws, _ = _run(runner, params, 8)
   ws = ws[0]  # the runner's chain holds the multi_transform alone
@@ -584,14 +586,14 @@ def test_group_recipes_refuse_bad_entries_in_the_config():
   c = common.get_config()
   c.lowprec.group_recipes = ("mlp=bf16_sr",)
   with pytest.raises(ValueError, match=r"no recipe for group\(s\)"):
-    optim.group_recipes(c.lowprec)
+    lowprec_config.group_recipes(c.lowprec)
   c.lowprec.group_recipes = ("mlpp=bf16_sr",)
   with pytest.raises(ValueError, match="not 'group=recipe'"):
-    optim.group_recipes(c.lowprec)
+    lowprec_config.group_recipes(c.lowprec)
   c.lowprec.groups = ("all=.*",)
   c.lowprec.group_recipes = ("all=bf16_kahn",)
   with pytest.raises(ValueError, match="unknown weight recipe 'bf16_kahn'"):
-    optim.group_recipes(c.lowprec)
+    lowprec_config.group_recipes(c.lowprec)
   c.lowprec.group_recipes = ("all=bf16_kahan",)
   c.lowprec.writeback = "bfloat16"
   with pytest.raises(ValueError, match="leave lowprec.writeback unset"):
@@ -778,7 +780,9 @@ def test_fragment_is_python_a_config_takes():
   exec(a.fragment(), scope)  # noqa: S102
   c = common.get_config()
   c.lowprec.update(scope["LOWPREC"])
-  assert [g for g, _, _ in optim.group_recipes(c.lowprec)] == list(a.sizes)
+  assert [g for g, _, _ in lowprec_config.group_recipes(c.lowprec)] == list(
+    a.sizes
+  )
   assert scope["__doc__"].startswith("The recipe lowprec.freeze.advise")
   assert isinstance(c.lowprec, ml_collections.ConfigDict)
 

@@ -13,7 +13,7 @@ import numpy as np
 import optax
 import pytest
 
-from experiments import optim
+from experiments import lowprec_config, optim
 
 
 def _tree(seed=0):
@@ -191,7 +191,7 @@ def test_compensation_names_and_combinations_are_checked():
   c = _config(compensation="remainder", rounding="stochastic")
   with pytest.raises(ValueError, match="rounding='nearest'"):
     optim.build(c, jax.random.key(0))
-  assert optim.compensation(_config()) == "none"
+  assert lowprec_config.compensation(_config()) == "none"
 
 
 # ---- compensated-write-back prediction in a float32 arm --------------------

@@ -24,7 +24,15 @@ import pytest
 
 import lowprec
 from configs import common, presets
-from experiments import checkpoint, models, optim, study, tasks, train
+from experiments import (
+  checkpoint,
+  lowprec_config,
+  models,
+  optim,
+  study,
+  tasks,
+  train,
+)
 from experiments.analysis import figures, plotting, studies, tables
 from lowprec.freeze import leaf_paths
 
@@ -140,29 +148,29 @@ def test_int_scales_are_powers_of_two_covering_the_tensor_or_model():
     "a": {"kernel": jnp.array([0.3, -0.1]), "bias": jnp.array([0.01])},
     "b": jnp.array([[-2.0, 1.0]]),
   }
-  fmts = optim.int_formats(lp, params)
+  fmts = lowprec_config.int_formats(lp, params)
   assert fmts["a"]["kernel"].scale == 0.125  # 0.3 / 3 = 0.1 -> 0.125
   assert fmts["a"]["bias"].scale == 2.0**-8  # 0.01 / 3 -> 2^-8
   assert fmts["b"].scale == 1.0  # 2 / 3 -> 1
   # One step for the model: the largest |w| (2.0) sets it everywhere.
   lp.int_scale_scope = "model"
-  fmts = optim.int_formats(lp, params)
+  fmts = lowprec_config.int_formats(lp, params)
   assert [f.scale for f in jax.tree.leaves(fmts)] == [1.0, 1.0, 1.0]
   grid = lowprec.to_grid(params, fmts)
   np.testing.assert_array_equal(grid["a"]["kernel"], [0.0, 0.0])  # zeroed
   np.testing.assert_array_equal(grid["b"], [[-2.0, 1.0]])
   lp.keep_float32 = r"b"  # left out of the grid and of the model's max
-  fmts = optim.int_formats(lp, params)
+  fmts = lowprec_config.int_formats(lp, params)
   assert fmts["b"] is None and fmts["a"]["bias"].scale == 0.125
   lp.keep_float32 = r".*bias"
   lp.int_scale_scope = "tensor"
-  assert optim.int_formats(lp, params)["a"]["bias"] is None
+  assert lowprec_config.int_formats(lp, params)["a"]["bias"] is None
   with pytest.raises(ValueError, match="keep_float32"):
-    optim.int_formats(lp, {"z": jnp.zeros(3)})
+    lowprec_config.int_formats(lp, {"z": jnp.zeros(3)})
   lp.int_scale_scope = "model"
   with pytest.raises(ValueError, match="the model has max"):
-    optim.int_formats(lp, {"z": jnp.zeros(3), "y": jnp.zeros(2)})
-  assert optim.int_formats(lp, {"z": jnp.zeros(3), "y": jnp.ones(2)})
+    lowprec_config.int_formats(lp, {"z": jnp.zeros(3), "y": jnp.zeros(2)})
+  assert lowprec_config.int_formats(lp, {"z": jnp.zeros(3), "y": jnp.ones(2)})
 
 
 def test_unknown_int_scale_scope_is_refused_with_a_suggestion():

@@ -22,7 +22,7 @@ import ml_collections
 import numpy as np
 
 import lowprec
-from experiments import optim, tasks
+from experiments import lowprec_config, tasks
 from experiments.analysis import plotting
 from experiments.analysis.runs import load_runs
 from experiments.analysis.writeback_tables import recipe_bytes
@@ -114,7 +114,7 @@ def recipe_of(lp: dict) -> str | None:
   """The `lowprec.recipes` name of a uniform arm's `lowprec` section
   (weights, and the moment store where it is one of `recipes.STATES`)."""
   weights = "float32" if not lp.get("writeback") else None
-  defaults = optim.RECIPE_DEFAULTS
+  defaults = lowprec_config.RECIPE_DEFAULTS
   for w in recipes.WEIGHTS.values():
     if weights is None and all(
       lp.get(k, d) == w.config.get(k, d) for k, d in defaults.items()
