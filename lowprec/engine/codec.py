@@ -252,9 +252,13 @@ def _encode_scaled(codec: Codec, x, old, bits) -> Encoded:
   kept = scaled._compute_scales(old, fmt) if codec.keep_scales else None
   mode = "nearest" if codec.rounding == "nearest" else "stochastic"
   sr_bits = None if mode == "nearest" else bits
-  q, over, sc = _fake_quantize(x, fmt, mode, codec.overflow, kept, sr_bits)
+  q, over, sc = scaled._fake_quantize(
+    x, fmt, mode, overflow=codec.overflow, bits=sr_bits, scales=kept
+  )
   if codec.rounding == "deadzone":
-    q_rn, over_rn, _ = _fake_quantize(x, fmt, "nearest", codec.overflow, kept)
+    q_rn, over_rn, _ = scaled._fake_quantize(
+      x, fmt, overflow=codec.overflow, scales=kept
+    )
     erased = q_rn == old
     q = jnp.where(erased, q, q_rn)
     over = jnp.where(erased, over, over_rn)
@@ -262,17 +266,9 @@ def _encode_scaled(codec: Codec, x, old, bits) -> Encoded:
     # Only a block whose maximum fell to the top of the binade below
     # its scale's is off the grid of its own (halved) scale; putting it
     # there saturates that maximum. The identity on every other block.
-    q, over_own, _ = _fake_quantize(q, fmt, "nearest", codec.overflow)
+    q, over_own, _ = scaled._fake_quantize(q, fmt, overflow=codec.overflow)
     over = over | over_own
   return Encoded(q, None, q, over, sc)
-
-
-def _fake_quantize(
-  x, fmt: ScaledFormat, mode, overflow, scales=None, bits=None
-):
-  """`scaled.fake_quantize_and_scales` of the codec's resolved format and
-  checked choices (no key: random bits come as `bits`)."""
-  return scaled._fake_quantize(x, fmt, mode, None, overflow, scales, bits)
 
 
 def _scale_count(shape, how) -> int:

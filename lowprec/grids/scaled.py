@@ -533,7 +533,16 @@ def fake_quantize_and_scales(
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 4))
-def _fake_quantize(x, fmt, mode, key, overflow, scales, bits=None):
+def _fake_quantize(
+  x,
+  fmt: ScaledFormat,
+  mode="nearest",
+  key=None,
+  overflow="saturate",
+  scales=None,
+  bits=None,
+):
+  """`fake_quantize_and_scales` of a resolved `fmt` and checked choices."""
   q, over, per, scales = _round_blocks(
     x, fmt, mode, key, overflow, scales, bits
   )
