@@ -1,5 +1,8 @@
 """Formats against ml_dtypes (named) and the IEEE definition (generic)."""
 
+import ast
+import pathlib
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -177,3 +180,39 @@ def test_unknown_name_suggests_and_lists_what_the_caller_also_takes():
 def test_bad_format_arguments(name, kwargs, match):
   with pytest.raises(ValueError, match=match):
     lowprec.get_format(name, **kwargs)
+
+
+# A name is resolved (and a choice checked) where it enters: the public
+# functions. The underscore functions of these modules take resolved
+# `Format`s / `ScaledFormat`s / `Codec`s, except the two that resolve for
+# the public functions.
+_RESOLVERS = {"get_format", "get_scaled_format", "is_scaled", "check_choice"}
+_RESOLVING_HELPERS = {"_check_overflow", "_resolved"}
+_LIB = pathlib.Path(lowprec.__file__).parent
+
+
+def _called(fn: ast.AST) -> set[str]:
+  out = set()
+  for node in ast.walk(fn):
+    if isinstance(node, ast.Call):
+      f = node.func
+      out.add(f.id if isinstance(f, ast.Name) else getattr(f, "attr", ""))
+  return out
+
+
+@pytest.mark.parametrize(
+  "module", ["grids/rounding.py", "grids/scaled.py", "engine/codec.py"]
+)
+def test_underscore_functions_take_resolved_formats(module):
+  tree = ast.parse((_LIB / module).read_text())
+  resolving = _RESOLVERS | _RESOLVING_HELPERS
+  bad = {
+    fn.name: sorted(_called(fn) & resolving)
+    for fn in ast.walk(tree)
+    if isinstance(fn, ast.FunctionDef)
+    and fn.name.startswith("_")
+    and not fn.name.startswith("__")
+    and fn.name not in _RESOLVING_HELPERS
+    and _called(fn) & resolving
+  }
+  assert not bad, f"{module}: helpers that resolve a name again: {bad}"

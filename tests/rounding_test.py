@@ -20,7 +20,7 @@ from gfloat.formats import (
 )
 
 import lowprec
-from lowprec.grids import rng
+from lowprec.grids import rng, rounding
 from lowprec.grids.formats import NAMED
 from lowprec.grids.rounding import round_with_bits
 
@@ -677,6 +677,48 @@ def test_output_keeps_shape_and_carrier_dtype():
 def test_bad_input_errors(call, err, match):
   with pytest.raises(err, match=match):
     call()
+
+
+# The underscore twins take a resolved format and a checked overflow mode,
+# so each public function must refuse a bad name itself.
+@pytest.mark.parametrize(
+  "call",
+  [
+    lambda fmt, ovf: lowprec.round_nearest(jnp.ones(3), fmt, overflow=ovf),
+    lambda fmt, ovf: lowprec.round_stochastic(
+      jnp.ones(3), fmt, jax.random.key(0), overflow=ovf
+    ),
+    lambda fmt, ovf: round_with_bits(
+      jnp.ones(3), fmt, jnp.zeros(3, jnp.uint32), overflow=ovf
+    ),
+    lambda fmt, ovf: rounding.round_and_flag(jnp.ones(3), fmt, overflow=ovf),
+    lambda fmt, ovf: rounding.round_scaled_code(
+      jnp.ones(3),
+      jnp.zeros(3, jnp.int32),
+      fmt,
+      overflow=ovf,
+      dtype=jnp.float8_e4m3fn,
+    ),
+  ],
+  ids=[
+    "round_nearest",
+    "round_stochastic",
+    "round_with_bits",
+    "round_and_flag",
+    "round_scaled_code",
+  ],
+)
+@pytest.mark.parametrize(
+  "fmt, ovf, match",
+  [
+    ("bf16", "saturate", "unknown format"),
+    ("float8_e4m3fn", "clip", "unknown overflow mode"),
+  ],
+  ids=["format", "overflow"],
+)
+def test_each_public_function_checks_its_names(call, fmt, ovf, match):
+  with pytest.raises(ValueError, match=match):
+    call(fmt, ovf)
 
 
 def _assert_codes_equal(got, want):

@@ -384,6 +384,53 @@ def test_bad_input_errors(call, match):
     call()
 
 
+# The block helpers take a resolved format and checked choices, so each
+# public function must refuse a bad name itself.
+_X = jnp.ones((1, 32))
+
+
+@pytest.mark.parametrize(
+  "call, match",
+  [
+    (lambda: scaled.block_amax(_X, "mxfp8"), "unknown scaled format"),
+    (lambda: scaled.scales_from_amax(1.0, "mxfp8"), "unknown scaled format"),
+    (lambda: scaled.compute_scales(_X, "mxfp8"), "unknown scaled format"),
+    (lambda: scaled.pow2_exponent(1.0, 448.0, "ocpp"), "unknown scale rule"),
+    (lambda: scaled.quantize(_X, "nvfp4", "nearst"), "unknown rounding mode"),
+    (
+      lambda: scaled.fake_quantize(_X, "nvfp4", overflow="clip"),
+      "unknown overflow mode",
+    ),
+    (
+      lambda: scaled.fake_quantize_and_scales(_X, "mxfp8_e4m3", "up"),
+      "unknown rounding mode",
+    ),
+    (
+      lambda: scaled.fake_quantize_and_scales(_X, "nvfp4", overflow="clip"),
+      "unknown overflow mode",
+    ),
+    (
+      lambda: scaled.dequantize(scaled.quantize(_X, "nvfp4"), "nvfp"),
+      "unknown scaled format",
+    ),
+  ],
+  ids=[
+    "block_amax",
+    "scales_from_amax",
+    "compute_scales",
+    "pow2_exponent",
+    "quantize-mode",
+    "fake_quantize-ovf",
+    "and_scales-mode",
+    "and_scales-ovf",
+    "dequantize",
+  ],
+)
+def test_each_public_function_checks_its_names(call, match):
+  with pytest.raises(ValueError, match=match):
+    call()
+
+
 def test_get_format_points_a_scaled_name_to_the_scaled_api():
   from lowprec import get_format
 

@@ -35,7 +35,7 @@ from lowprec.engine.counting import count as tally
 from lowprec.grids import choices, scaled
 from lowprec.grids.codemaps import CodeMap
 from lowprec.grids.formats import Format
-from lowprec.grids.rounding import OVERFLOW_MODES, ROUNDINGS, round_and_flag
+from lowprec.grids.rounding import OVERFLOW_MODES, ROUNDINGS, _round_and_flag
 from lowprec.grids.scaled import ScaledFormat
 
 __all__ = ["Codec", "Encoded", "decode", "encode", "land", "tally"]
@@ -182,10 +182,10 @@ def encode(codec: Codec, x, old=None, bits=None) -> Encoded:
     per = per.astype(jnp.float32)
   y = x if per is None else _quotient(codec, x, per)
   sr = bits if codec.rounding == "stochastic" else None
-  q, over = round_and_flag(y, codec.fmt, sr, overflow=codec.overflow)
+  q, over = _round_and_flag(y, codec.fmt, sr, codec.overflow)
   v = q if per is None else _product(codec, q, per)
   if codec.rounding == "deadzone" and old is not None:
-    q_sr, over_sr = round_and_flag(y, codec.fmt, bits, overflow=codec.overflow)
+    q_sr, over_sr = _round_and_flag(y, codec.fmt, bits, codec.overflow)
     stuck = (v == old) & (x != old)
     q = jnp.where(stuck, q_sr, q)
     over = jnp.where(stuck, over_sr, over)
@@ -249,14 +249,14 @@ def _encode_scaled(codec: Codec, x, old, bits) -> Encoded:
   """`x` onto the MX grid of scales from `x` itself, or from `old` under
   `keep_scales`."""
   fmt = codec.fmt
-  kept = scaled.compute_scales(old, fmt) if codec.keep_scales else None
+  kept = scaled._compute_scales(old, fmt) if codec.keep_scales else None
   mode = "nearest" if codec.rounding == "nearest" else "stochastic"
   sr_bits = None if mode == "nearest" else bits
-  q, over, sc = scaled.fake_quantize_and_scales(
+  q, over, sc = scaled._fake_quantize(
     x, fmt, mode, overflow=codec.overflow, bits=sr_bits, scales=kept
   )
   if codec.rounding == "deadzone":
-    q_rn, over_rn, _ = scaled.fake_quantize_and_scales(
+    q_rn, over_rn, _ = scaled._fake_quantize(
       x, fmt, overflow=codec.overflow, scales=kept
     )
     erased = q_rn == old
@@ -266,9 +266,7 @@ def _encode_scaled(codec: Codec, x, old, bits) -> Encoded:
     # Only a block whose maximum fell to the top of the binade below
     # its scale's is off the grid of its own (halved) scale; putting it
     # there saturates that maximum. The identity on every other block.
-    q, over_own, _ = scaled.fake_quantize_and_scales(
-      q, fmt, overflow=codec.overflow
-    )
+    q, over_own, _ = scaled._fake_quantize(q, fmt, overflow=codec.overflow)
     over = over | over_own
   return Encoded(q, None, q, over, sc)
 
@@ -306,9 +304,7 @@ def _pow2_scales(s, codec: Codec):
   a = jnp.where(jnp.isfinite(s), jnp.abs(s), 0.0)
   amax = _block_max(a, codec.scale)
   # The no-clip rule of lowprec.scaled, within float32's normal range.
-  k = scaled.pow2_exponent(
-    amax, codec.fmt.max_finite, "noclip", lo=-126, hi=127
-  )
+  k = scaled._pow2_exponent(amax, codec.fmt.max_finite, "noclip", -126, 127)
   return jax.lax.bitcast_convert_type((k + 127) << 23, jnp.float32)
 
 

@@ -4,6 +4,12 @@ Both functions take float32 (or float64 under x64; narrower floats are widened
 to float32) and return an array of the same shape and carrier dtype holding
 grid values exactly. They work on integer bit patterns, so they are exact for
 subnormals on every backend and XLA cannot optimise them away under jit.
+
+The public functions take a format name or a `Format` and check their
+choices; each then calls a twin with a leading underscore (`_round_nearest`,
+`_round_to`, `_round_and_flag`, `_round_scaled_code`) that takes a resolved
+`Format` and checked choices. `lowprec.grids.scaled` and
+`lowprec.engine.codec`, which hold resolved formats already, call the twins.
 """
 
 from __future__ import annotations
@@ -182,6 +188,11 @@ def round_scaled_code(
   """
   fmt = get_format(fmt)
   _check_overflow(overflow)
+  return _round_scaled_code(x, exp_shift, fmt, bits, overflow, dtype)
+
+
+def _round_scaled_code(x, exp_shift, fmt: Format, bits, overflow: str, dtype):
+  """`round_scaled_code` of a resolved `fmt` and a checked `overflow`."""
   dtype = jnp.dtype(dtype)
   if x.dtype != jnp.float32 or not _direct(fmt, x.dtype, dtype):
     return None
@@ -222,6 +233,12 @@ def round_nearest(
     ```
   """
   fmt = get_format(fmt)
+  _check_overflow(overflow)
+  return _round_nearest(x, fmt, overflow, dtype)
+
+
+def _round_nearest(x, fmt: Format, overflow: str = "saturate", dtype=None):
+  """`round_nearest` of a resolved `fmt` and a checked `overflow`."""
   return _round_to(x, fmt, None, overflow, dtype)
 
 
@@ -262,6 +279,7 @@ def round_stochastic(
     ```
   """
   fmt = get_format(fmt)
+  _check_overflow(overflow)
   x, lay = _bits.carrier(x)
   bits = rng_lib.random_bits(key, x.shape, rng=rng, width=lay.width)
   return _round_to(x, fmt, bits, overflow, dtype)
@@ -277,16 +295,17 @@ def round_with_bits(
   known bits (tests, reproducing another library's draw). `dtype` as in
   `round_nearest`.
   """
-  return _round_to(x, get_format(fmt), bits, overflow, dtype)
+  fmt = get_format(fmt)
+  _check_overflow(overflow)
+  return _round_to(x, fmt, bits, overflow, dtype)
 
 
 def _round_to(x, fmt: Format, bits, overflow: str, dtype) -> jax.Array:
   """Nearest (`bits` None) or stochastic rounding, emitted as `dtype`."""
-  _check_overflow(overflow)
   x, _ = _bits.carrier(x)
   if dtype is not None and _direct(fmt, x.dtype, dtype := jnp.dtype(dtype)):
     return _code_direct(x, fmt, bits, overflow, dtype)
-  return _emit(round_and_flag(x, fmt, bits, overflow=overflow)[0], fmt, dtype)
+  return _emit(_round_and_flag(x, fmt, bits, overflow)[0], fmt, dtype)
 
 
 def round_and_flag(
@@ -301,6 +320,11 @@ def round_and_flag(
   """
   fmt = get_format(fmt)
   _check_overflow(overflow)
+  return _round_and_flag(x, fmt, bits, overflow)
+
+
+def _round_and_flag(x, fmt: Format, bits, overflow: str):
+  """`round_and_flag` of a resolved `fmt` and a checked `overflow`."""
   x, lay = _bits.carrier(x)
   if not fmt.is_float:
     k = x / jnp.asarray(fmt.scale, x.dtype)

@@ -63,7 +63,10 @@ rounding (`2^-24` relative) of `x / s`.
 The formats themselves (`ScaledFormat`, the registry `SCALED`,
 `get_scaled_format`, `is_scaled`, `SCALE_RULES`) are data of
 `lowprec.formats`, documented there and importable from here too; this
-module computes scales and rounds onto them.
+module computes scales and rounds onto them. Its public functions take a
+name or a `ScaledFormat` and check their choices once; the functions with
+a leading underscore take a resolved `ScaledFormat` and checked choices
+(`lowprec.engine.codec`, whose `Codec` holds both, calls them too).
 
 Example:
   >>> x = jnp.linspace(-1.0, 1.0, 64).reshape(2, 32)
@@ -97,9 +100,9 @@ from lowprec.grids.formats import get_scaled_format as get_scaled_format
 from lowprec.grids.formats import is_scaled as is_scaled
 from lowprec.grids.rounding import (
   OVERFLOW_MODES,
-  round_and_flag,
-  round_nearest,
-  round_scaled_code,
+  _round_and_flag,
+  _round_nearest,
+  _round_scaled_code,
 )
 
 MODES = ("nearest", "stochastic")
@@ -227,6 +230,11 @@ def pow2_exponent(
     hi: the largest exponent of the scale type.
   """
   choices.check_choice("scale rule", rule, SCALE_RULES)
+  return _pow2_exponent(amax, top, rule, lo, hi)
+
+
+def _pow2_exponent(amax, top: float, rule: str, lo: int, hi: int):
+  """`pow2_exponent` of a checked `rule`."""
   a = abs_bits(jnp.asarray(amax, jnp.float32))
   e, frac = _log2_parts(jnp.maximum(a, jnp.uint32(1)))
   t = np.array(top, np.float32).view(np.uint32)
@@ -266,7 +274,10 @@ def ldexp(x, k) -> jax.Array:
 
 def block_amax(x, fmt) -> jax.Array:
   """The largest finite `|x|` of each block (float32, the scales' shape)."""
-  fmt = get_scaled_format(fmt)
+  return _block_amax(x, get_scaled_format(fmt))
+
+
+def _block_amax(x, fmt: ScaledFormat):
   x = _float32(x)
   a = jnp.max(abs_bits(_to_blocks(x, fmt)), axis=-1, initial=0)
   amax = jax.lax.bitcast_convert_type(a, jnp.float32)
@@ -284,12 +295,15 @@ def scales_from_amax(amax, fmt, *, tensor_amax=None) -> Scales:
     tensor_amax: NVFP4 only: the amax behind `s_t` (default the largest
       `amax`); `6 * 448` gives `s_t = 1`, the block-only NVFP4 of Qwix.
   """
-  fmt = get_scaled_format(fmt)
+  return _scales_from_amax(amax, get_scaled_format(fmt), tensor_amax)
+
+
+def _scales_from_amax(amax, fmt: ScaledFormat, tensor_amax=None) -> Scales:
   amax = jnp.asarray(amax, jnp.float32)
   amax = jnp.where(jnp.isfinite(amax), jnp.abs(amax), 0.0)
   top = fmt.max_finite
   if fmt.scale_type == "e8m0":
-    k = pow2_exponent(amax, top, fmt.rule)
+    k = _pow2_exponent(amax, top, fmt.rule, E8M0_MIN_EXP, E8M0_MAX_EXP)
     code = (k + 127).astype(jnp.uint8)
     return Scales(jax.lax.bitcast_convert_type(code, jnp.float8_e8m0fnu))
   if fmt.rule == "amax":
@@ -299,7 +313,7 @@ def scales_from_amax(amax, fmt, *, tensor_amax=None) -> Scales:
   t = jnp.asarray(t, jnp.float32)
   s_t = jnp.maximum(t / _opaque(6 * 448), np.float32(NVFP4_TENSOR_SCALE_MIN))
   s_t = jnp.where(t > 0, s_t, jnp.float32(1.0))
-  s_b = round_nearest(amax / (np.float32(6) * s_t), _E4M3, dtype=_E4M3.native)
+  s_b = _round_nearest(amax / (np.float32(6) * s_t), _E4M3, dtype=_E4M3.native)
   return Scales(s_b, s_t)
 
 
@@ -311,7 +325,11 @@ def _opaque(c):
 
 def compute_scales(x, fmt) -> Scales:
   """`scales_from_amax(block_amax(x, fmt), fmt)`: current scaling."""
-  return scales_from_amax(block_amax(x, fmt), fmt)
+  return _compute_scales(x, get_scaled_format(fmt))
+
+
+def _compute_scales(x, fmt: ScaledFormat) -> Scales:
+  return _scales_from_amax(_block_amax(x, fmt), fmt)
 
 
 def _per_block(scales: Scales, fmt: ScaledFormat):
@@ -349,22 +367,18 @@ def _divide(x, s):
 def _round_blocks(x, fmt, mode, key, overflow, scales, bits=None):
   """`(q, overflowed, per, scales)`: element grid values in blocks, where
   they overflowed, the per-block scales and the `Scales`."""
-  fmt = get_scaled_format(fmt)
   xb, bits, per, scales = _blocks(x, fmt, mode, key, overflow, scales, bits)
   if fmt.scale_type == "e8m0":
     y = ldexp(xb, -per)
   else:
     y = _divide(xb, per)
-  q, over = round_and_flag(y, fmt.element, bits, overflow=overflow)
+  q, over = _round_and_flag(y, fmt.element, bits, overflow)
   return q, over, per, scales
 
 
 def _blocks(x, fmt, mode, key, overflow, scales, bits):
   """`(x, bits, per, scales)`: `x` and its random bits (None for nearest)
   in blocks, the per-block scales (`_per_block`) and the `Scales`."""
-  choices.check_choice("rounding mode", mode, MODES)
-  choices.check_choice("overflow mode", overflow, OVERFLOW_MODES)
-  fmt = get_scaled_format(fmt)
   x = _float32(x)
   if mode == "nearest":
     bits = None
@@ -379,7 +393,7 @@ def _blocks(x, fmt, mode, key, overflow, scales, bits):
     bits = _to_blocks(rng_lib.random_bits(key, x.shape), fmt)
   xb = _to_blocks(x, fmt)
   if scales is None:
-    scales = compute_scales(x, fmt)
+    scales = _compute_scales(x, fmt)
   return xb, bits, _per_block(scales, fmt), scales
 
 
@@ -393,6 +407,14 @@ def _once_per_block(k):
 
 def _scale_back(q, per, fmt: ScaledFormat):
   return ldexp(q, per) if fmt.scale_type == "e8m0" else q * per
+
+
+def _resolved(fmt, mode: str, overflow: str) -> ScaledFormat:
+  """`fmt` as a `ScaledFormat`, once `mode` and `overflow` are checked."""
+  fmt = get_scaled_format(fmt)
+  choices.check_choice("rounding mode", mode, MODES)
+  choices.check_choice("overflow mode", overflow, OVERFLOW_MODES)
+  return fmt
 
 
 def quantize(
@@ -432,7 +454,8 @@ def quantize(
     >>> float(q.scales.block.astype(jnp.float32)[0, 0])  # 2^(0 - 2)
     0.25
   """
-  return _quantize(x, get_scaled_format(fmt), mode, key, overflow, scales)
+  fmt = _resolved(fmt, mode, overflow)
+  return _quantize(x, fmt, mode, key, overflow, scales)
 
 
 # Jitted with the format static: one compiled program per format and shape
@@ -446,15 +469,13 @@ def _quantize(x, fmt, mode, key, overflow, scales):
     # ldexp cost more than the rest of the rounding).
     xb, bits, per, scales = _blocks(x, fmt, mode, key, overflow, scales, None)
     k = _once_per_block(per)
-    q = round_scaled_code(
-      xb, k, fmt.element, bits, overflow=overflow, dtype=dtype
-    )
+    q = _round_scaled_code(xb, k, fmt.element, bits, overflow, dtype)
     if q is not None:
       return Quantized(_from_blocks(q, x.shape, fmt), scales)
   q, _, _, scales = _round_blocks(x, fmt, mode, key, overflow, scales)
   q = _from_blocks(q, x.shape, fmt)
   if dtype != np.float32:
-    q = round_nearest(q, fmt.element, overflow="ieee", dtype=dtype)
+    q = _round_nearest(q, fmt.element, "ieee", dtype)
   return Quantized(q, scales)
 
 
@@ -488,7 +509,7 @@ def fake_quantize(
     >>> fake_quantize(x, "nvfp4")[0, :4]  # s_t s_b = 100 / 6
     Array([  0.      ,   8.333333,  33.333332, 100.      ], dtype=float32)
   """
-  fmt = get_scaled_format(fmt)
+  fmt = _resolved(fmt, mode, overflow)
   return _fake_quantize(x, fmt, mode, key, overflow, scales)[0]
 
 
@@ -507,12 +528,21 @@ def fake_quantize_and_scales(
   "ieee"), and the scales used. `bits` (uint32, `x`'s shape) replaces the
   key's random bits for stochastic rounding, as in
   `lowprec.grids.rounding.round_with_bits`."""
-  fmt = get_scaled_format(fmt)
+  fmt = _resolved(fmt, mode, overflow)
   return _fake_quantize(x, fmt, mode, key, overflow, scales, bits)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 4))
-def _fake_quantize(x, fmt, mode, key, overflow, scales, bits=None):
+def _fake_quantize(
+  x,
+  fmt: ScaledFormat,
+  mode="nearest",
+  key=None,
+  overflow="saturate",
+  scales=None,
+  bits=None,
+):
+  """`fake_quantize_and_scales` of a resolved `fmt` and checked choices."""
   q, over, per, scales = _round_blocks(
     x, fmt, mode, key, overflow, scales, bits
   )
@@ -552,10 +582,10 @@ def move_probability(w, x, fmt) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnums=2)
 def _move_probability(w, x, fmt):
-  per = _per_block(compute_scales(x, fmt), fmt)
+  per = _per_block(_compute_scales(x, fmt), fmt)
   wb, xb = ldexp(_to_blocks(w, fmt), -per), ldexp(_to_blocks(x, fmt), -per)
   e = fmt.element
-  on_grid = round_nearest(wb, e) == wb
+  on_grid = _round_nearest(wb, e) == wb
   gap = jnp.where(xb > wb, e.gap_up(wb), e.gap_down(wb))
   p = jnp.minimum(jnp.abs(xb - wb) / gap, 1.0)
   p = jnp.where(xb == wb, 0.0, jnp.where(on_grid, p, 1.0))
