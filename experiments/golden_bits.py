@@ -9,9 +9,10 @@ results are therefore the same on every backend that computes IEEE
 float32 correctly and keeps every rounding the recipe asks for: the file
 `tests/golden_bits.json`, made on CPU, is what a GPU or TPU must give bit
 for bit. `tests/golden_bits_test.py` checks it on CPU; the device check
-(`scripts/device_check.sh`) checks it there, with and without XLA's
-excess precision, and reports per recipe `equal` or the first element
-that differs with both values.
+(`scripts/device_check.sh`) checks it there, in one process under each of
+`SETTINGS` (XLA's default options, and excess precision off, given to
+each recipe's compiled update), and reports per recipe and setting
+`equal` or the first element that differs with both values.
 
 Recorded per recipe, after the last step: every stored array (weights,
 buffers, remainders, stored moments and their scales) as the bytes of its
@@ -47,10 +48,11 @@ WRITE = "python -m experiments.golden_bits --write"
 STEPS = 4
 SHAPE = (4, 64)  # the last axis holds two MX blocks of 32
 # The compile options a comparison runs under (`--settings`), given to
-# every program of a recipe (init, update, apply): XLA's defaults, and
-# excess precision off, under which XLA keeps every narrowing conversion
-# it would otherwise drop or compute wider (docs/compiler.md). One process
-# compares under both.
+# each recipe's jitted update, where its arithmetic runs (its init and
+# `optax.apply_updates` run op by op): XLA's defaults, and excess
+# precision off, under which XLA keeps every narrowing conversion it would
+# otherwise drop or compute wider (docs/compiler.md). One process compares
+# under both; the update is compiled once per setting.
 SETTINGS = {
   "default": {},
   "no_excess_precision": {"xla_allow_excess_precision": False},
@@ -120,13 +122,12 @@ def _run_writeback(tx, params, options: dict) -> dict:
   state arrays."""
   import optax
 
-  state = _jit(tx.init, options)(params)
+  state = tx.init(params)
   step = _jit(tx.update, options)
-  apply = _jit(optax.apply_updates, options)
   for t in range(STEPS):
     u = {"w": _proposals(t)}
     updates, state = step(u, state, params)
-    params = apply(params, updates)
+    params = optax.apply_updates(params, updates)
   return _record(params, state)
 
 
@@ -139,13 +140,12 @@ def _run_adamw(tx, params, options: dict) -> dict:
   import lowprec
 
   chain = optax.chain(lowprec.in_float32(optax.adamw(1e-3)), tx)
-  state = _jit(chain.init, options)(params)
+  state = chain.init(params)
   step = _jit(chain.update, options)
-  apply = _jit(optax.apply_updates, options)
   for t in range(STEPS):
     g = {"w": _proposals(t, seed=200) * 1e3}
     updates, state = step(g, state, params)
-    params = apply(params, updates)
+    params = optax.apply_updates(params, updates)
   return _record(params, state)
 
 
@@ -172,7 +172,7 @@ def _fixed_moments(seed: int):
 
 
 def _run_state(tx, params, options: dict) -> dict:
-  state = _jit(tx.init, options)(params)
+  state = tx.init(params)
   step = _jit(tx.update, options)
   for _ in range(STEPS):
     _, state = step(params, state, params)

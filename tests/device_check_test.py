@@ -163,6 +163,13 @@ def test_plan_fits_the_budget_in_the_order_of_value():
   assert device_report.BENCH_SECTIONS == ("rounding", "writeback")
 
 
+def test_docs_show_the_plan_as_it_is():
+  with open(os.path.join(ROOT, "docs", "scaling.md")) as f:
+    docs = f.read()
+  table = device_plan.markdown().split("\n\n")[0]
+  assert table in docs
+
+
 def test_plan_table_and_limits_from_the_command_line():
   def cli(*args):
     return subprocess.run(
@@ -269,7 +276,7 @@ def test_dry_run_of_device_check_on_the_cpu(tmp_path):
     env=env,
     capture_output=True,
     text=True,
-    timeout=1800,
+    timeout=3600,
   )
   out = tmp_path / "out"
   logs = ""
