@@ -185,7 +185,8 @@ def test_plan_table_and_limits_from_the_command_line():
   expected = sum(p.expected_s for p in device_plan.PLAN)
   limits = device_plan.BUDGET_S - device_plan.REPORT_S
   assert f"| sum | {expected} | {limits} |" in table
-  assert cli("--limit", "families").stdout == "100\n"
+  families = device_plan.part("families").limit_s
+  assert cli("--limit", "families").stdout == f"{families}\n"
   dry = str(device_plan.DRY_LIMIT_S) + "\n"
   assert cli("--limit", "families", "--dry_run").stdout == dry
   assert cli("--budget").stdout == "480\n"
