@@ -192,7 +192,9 @@ def get_config(arg=None):
     c.opt.b2 = 0.95
     c.train.eval_every_steps = 500  # the last 20% starts at step 8000
   if c.study.scale == "smoke":
-    common.shrink_to_smoke(c, 4)
+    # 20 steps: the advisor reads the last half and needs 10 of them
+    # (lowprec.freeze.advise's MIN_WINDOW_STEPS).
+    common.shrink_to_smoke(c, 20)
     c.study.seeds = (0,)
     c.data.eval_batches = 2
     # The float32 arm that carries every prediction and one recipe.

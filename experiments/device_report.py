@@ -1,16 +1,22 @@
 """The report of `scripts/device_check.sh`: one JSON file, one Markdown table.
 
-`device_check.sh` runs each part (environment, wheels, a few steps of each
-full-scale config, each benchmark section) under its own time limit, keeps
-its output in a parts folder and appends `name, exit status, seconds,
-limit` to `parts.tsv` there. `collect` reads that folder; a part that
-failed or timed out is reported as such and the rest still are.
+`device_check.sh` runs each part of its plan (`experiments/device_plan.py`:
+wheels, environment, golden bits, a few steps of each full-scale config,
+the write-back families, two benchmark sections, the frontier smoke) under
+its own time limit, keeps its output in a parts folder and appends `name,
+exit status, seconds, limit` to `parts.tsv` there; after each part it
+writes the report again, so a check stopped midway keeps what finished.
+`collect` reads that folder; a part that failed or timed out is reported
+as such, one not reached yet as not run, and the rest still are.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+
+from experiments import device_plan
 
 # The distributions of the accelerator machine's image (with their own
 # dependencies); what else the check imports travels as wheels
@@ -27,14 +33,11 @@ DEVICE_IMAGE = (
   "matplotlib",
 )
 CONFIGS = ("freeze_gpt2_fp8", "attention_reuse")
-BENCH_SECTIONS = (
-  "rounding",
-  "writeback",
-  "trace",
-  "ops",
-  "train",
-  "user_ops",
-  "frontier",
+# The benchmark sections the plan runs (`bench_<section>` parts).
+BENCH_SECTIONS = tuple(
+  name.removeprefix("bench_")
+  for name in device_plan.names()
+  if name.startswith("bench_")
 )
 # What each full-scale result reports, with its Markdown column.
 _COLUMNS = (
@@ -49,13 +52,17 @@ _COLUMNS = (
 
 
 def environment() -> dict:
-  """Versions and devices of this process (imports jax)."""
+  """Versions and devices of this process (imports jax), and the
+  persistent compilation cache the parts share: its folder and how many
+  programs it held when the check started (with some, the parts' compile
+  times are partly cache reads)."""
   import platform
 
   import jax
   import jaxlib
 
   devices = jax.devices()
+  cache = os.environ.get("JAX_COMPILATION_CACHE_DIR", "")
   return {
     "python": platform.python_version(),
     "jax": jax.__version__,
@@ -64,7 +71,16 @@ def environment() -> dict:
     "devices": len(devices),
     "device_kind": devices[0].device_kind,
     "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    "compilation_cache": cache or None,
+    "cached_programs": _cached_programs(cache),
   }
+
+
+def _cached_programs(cache: str) -> int:
+  """The programs in a JAX compilation cache folder (`<key>-cache` files)."""
+  if not cache or not os.path.isdir(cache):
+    return 0
+  return sum(n.endswith("-cache") for n in os.listdir(cache))
 
 
 def _status(rc: int) -> str:
@@ -159,6 +175,7 @@ def collect(parts_dir: str, dry_run: bool = False) -> dict:
   return {
     "dry_run": dry_run,
     "env": _last_json_line(os.path.join(parts_dir, "env.out")) or {},
+    "plan": [dataclasses.asdict(p) for p in device_plan.PLAN],
     "parts": parts(parts_dir),
     "configs": configs,
     "families": _json_lines(os.path.join(parts_dir, "families.out")),
@@ -168,22 +185,25 @@ def collect(parts_dir: str, dry_run: bool = False) -> dict:
   }
 
 
+# The settings of the golden-bits part (experiments/golden_bits.SETTINGS),
+# with their column titles.
 GOLDEN_RUNS = {
-  "golden_bits": "default flags",
-  "golden_bits_no_excess": "--xla_allow_excess_precision=false",
+  "default": "default flags",
+  "no_excess_precision": "--xla_allow_excess_precision=false",
 }
 
 
 def _golden_bits(parts_dir: str) -> dict:
-  """`{run: {recipe: "equal" or the first difference}}` of the golden-bits
-  parts that left their comparison."""
-  out = {}
-  for name in GOLDEN_RUNS:
-    path = os.path.join(parts_dir, f"{name}.json")
-    if os.path.exists(path):
-      with open(path) as f:
-        out[name] = json.load(f)
-  return out
+  """`{setting: {recipe: "equal" or the first difference}}` of the
+  golden-bits part (each setting written as it finishes)."""
+  path = os.path.join(parts_dir, "golden_bits.json")
+  if not os.path.exists(path):
+    return {}
+  with open(path) as f:
+    try:
+      return json.load(f)
+    except json.JSONDecodeError:  # stopped while writing
+      return {}
 
 
 def _cell(key: str, value) -> str:
@@ -209,12 +229,14 @@ def markdown(report: dict) -> str:
       f"{env.get('python')}",
       "",
     ]
-  lines += ["| part | status | seconds | limit s |", "|---|---|---:|---:|"]
-  for p in report["parts"]:
-    lines.append(
-      f"| {p['name']} | {p['status']} | {p['seconds']:.0f} | "
-      f"{p['limit_s']:.0f} |"
-    )
+    if env.get("cached_programs"):
+      lines += [
+        f"The compilation cache ({env['compilation_cache']}) held "
+        f"{env['cached_programs']} programs at the start: compile times "
+        "below are partly cache reads.",
+        "",
+      ]
+  lines += _part_lines(report)
   lines += ["", "| config | " + " | ".join(c for _, c in _COLUMNS) + " |"]
   lines.append("|---|" + "---:|" * len(_COLUMNS))
   for name in CONFIGS:
@@ -257,10 +279,13 @@ def _family_lines(families: list[dict]) -> list[str]:
   if not families:
     return ["", "Write-back families: not run (see the parts above)."]
   base = next((f for f in families if f.get("recipe") == "float32"), None)
+  first = families[0]
+  model = first["config"]
+  if first.get("params"):  # the families run fewer layers than the config
+    model += f", {first['params']:,} params"
   lines = [
     "",
-    f"| {families[0]['config']}: recipe | tokens/s | step / float32's | "
-    "peak memory |",
+    f"| {model}: recipe | tokens/s | step / float32's | peak memory |",
     "|---|---:|---:|---:|",
   ]
   for f in families:
@@ -274,13 +299,53 @@ def _family_lines(families: list[dict]) -> list[str]:
   return lines
 
 
+def _part_lines(report: dict) -> list[str]:
+  """Per part of the plan, in its order: status, seconds, the plan's
+  expected seconds on an H200 and limit, and the peak memory where the part
+  measures it; parts not reached yet read `not run`."""
+  ran = {p["name"]: p for p in report["parts"]}
+  plan = {p["name"]: p for p in report.get("plan", [])}
+  lines = [
+    "| part | status | seconds | expected s (H200) | limit s | peak memory |",
+    "|---|---|---:|---:|---:|---:|",
+  ]
+  for name in [*plan, *(n for n in ran if n not in plan)]:
+    p = ran.get(name, {"status": "not run", "seconds": 0.0})
+    expected = plan[name]["expected_s"] if name in plan else "-"
+    limit = p.get("limit_s", plan.get(name, {}).get("limit_s"))
+    peak = _part_peak(report, name)
+    lines.append(
+      f"| {name} | {p['status']} | {p['seconds']:.0f} | {expected} | "
+      f"{'-' if limit is None else f'{limit:.0f}'} | "
+      f"{'-' if peak is None else _cell('peak_device_bytes', peak)} |"
+    )
+  return lines
+
+
+def _part_peak(report: dict, name: str):
+  """The peak device memory (a CPU: the process's resident peak) a part
+  measured, in bytes, or None: the steps, and the families' largest."""
+  results = []
+  if name.startswith("step_"):
+    results = [report["configs"].get(name.removeprefix("step_"))]
+  elif name == "families":
+    results = report.get("families", [])
+  peaks = [
+    r.get("peak_device_bytes") or r.get("peak_rss_bytes")
+    for r in results
+    if r is not None
+  ]
+  peaks = [x for x in peaks if x]
+  return max(peaks) if peaks else None
+
+
 def _golden_lines(golden: dict) -> list[str]:
-  """Golden bits per recipe under each flag setting: `equal`, or the
-  first differing element with both values; AdamW records are marked as
+  """Golden bits per recipe under each setting: `equal`, or the first
+  differing element with both values; AdamW records are marked as
   information."""
   if not golden:
     return ["", "Golden bits: not run (see the parts above)."]
-  runs = [r for r in GOLDEN_RUNS if r in golden]
+  runs = [r for r in golden if r in GOLDEN_RUNS]
   lines = [
     "",
     "| golden bits: recipe | "

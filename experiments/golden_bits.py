@@ -9,9 +9,10 @@ results are therefore the same on every backend that computes IEEE
 float32 correctly and keeps every rounding the recipe asks for: the file
 `tests/golden_bits.json`, made on CPU, is what a GPU or TPU must give bit
 for bit. `tests/golden_bits_test.py` checks it on CPU; the device check
-(`scripts/device_check.sh`) checks it there, with and without XLA's
-excess precision, and reports per recipe `equal` or the first element
-that differs with both values.
+(`scripts/device_check.sh`) checks it there, in one process under each of
+`SETTINGS` (XLA's default options, and excess precision off, given to
+each recipe's compiled update), and reports per recipe and setting
+`equal` or the first element that differs with both values.
 
 Recorded per recipe, after the last step: every stored array (weights,
 buffers, remainders, stored moments and their scales) as the bytes of its
@@ -25,7 +26,8 @@ sets), and skips them, naming the difference, elsewhere.
 
   python -m experiments.golden_bits --write   # remake the file (CPU)
   python -m experiments.golden_bits           # compare here, print a table
-  python -m experiments.golden_bits --no_excess_precision --json OUT.json
+  python -m experiments.golden_bits --settings default,no_excess_precision \
+      --json OUT.json                         # both settings, one process
 """
 
 from __future__ import annotations
@@ -45,6 +47,16 @@ GOLDEN_BITS = os.path.join(ROOT, "tests", "golden_bits.json")
 WRITE = "python -m experiments.golden_bits --write"
 STEPS = 4
 SHAPE = (4, 64)  # the last axis holds two MX blocks of 32
+# The compile options a comparison runs under (`--settings`), given to
+# each recipe's jitted update, where its arithmetic runs (its init and
+# `optax.apply_updates` run op by op): XLA's defaults, and excess
+# precision off, under which XLA keeps every narrowing conversion it would
+# otherwise drop or compute wider (docs/compiler.md). One process compares
+# under both; the update is compiled once per setting.
+SETTINGS = {
+  "default": {},
+  "no_excess_precision": {"xla_allow_excess_precision": False},
+}
 
 
 # ---- fixed inputs ------------------------------------------------------------
@@ -97,14 +109,21 @@ def _key():
   return jax.random.key(7)
 
 
-def _run_writeback(tx, params) -> dict:
+def _jit(fn, options: dict):
+  """`jax.jit(fn)` compiled with the XLA options `options` (DebugOptions
+  fields, as `--xla_...` flags set them for a whole process)."""
+  import jax
+
+  return jax.jit(fn, compiler_options=options or None)
+
+
+def _run_writeback(tx, params, options: dict) -> dict:
   """`STEPS` updates of `tx` with the fixed proposals; the final params and
   state arrays."""
-  import jax
   import optax
 
   state = tx.init(params)
-  step = jax.jit(tx.update)
+  step = _jit(tx.update, options)
   for t in range(STEPS):
     u = {"w": _proposals(t)}
     updates, state = step(u, state, params)
@@ -112,18 +131,17 @@ def _run_writeback(tx, params) -> dict:
   return _record(params, state)
 
 
-def _run_adamw(tx, params) -> dict:
+def _run_adamw(tx, params, options: dict) -> dict:
   """`STEPS` updates of `in_float32(adamw)` then `tx`, on fixed gradients:
   the optimizer's own arithmetic enters (its FMA contractions are the
   backend's), so these records are information, not a contract."""
-  import jax
   import optax
 
   import lowprec
 
   chain = optax.chain(lowprec.in_float32(optax.adamw(1e-3)), tx)
   state = chain.init(params)
-  step = jax.jit(chain.update)
+  step = _jit(chain.update, options)
   for t in range(STEPS):
     g = {"w": _proposals(t, seed=200) * 1e3}
     updates, state = step(g, state, params)
@@ -153,11 +171,9 @@ def _fixed_moments(seed: int):
   return optax.GradientTransformation(init, update)
 
 
-def _run_state(tx, params) -> dict:
-  import jax
-
+def _run_state(tx, params, options: dict) -> dict:
   state = tx.init(params)
-  step = jax.jit(tx.update)
+  step = _jit(tx.update, options)
   for _ in range(STEPS):
     _, state = step(params, state, params)
   return _record(None, state)
@@ -322,14 +338,18 @@ def _as_weights(tx, params):
   return ("weights", tx, params)
 
 
-def _run(make) -> dict:
+def _run(make, options: dict) -> dict:
   kind, tx, params = make()
   runs = {"weights": _run_writeback, "state": _run_state, "adamw": _run_adamw}
-  return runs[kind](tx, params)
+  return runs[kind](tx, params, options)
 
 
-def _recipes() -> dict[str, Callable[[], dict]]:
-  return {name: (lambda m=make: _run(m)) for name, make in transforms().items()}
+def _recipes(setting: str = "default") -> dict[str, Callable[[], dict]]:
+  options = SETTINGS[setting]
+  return {
+    name: (lambda m=make: _run(m, options))
+    for name, make in transforms().items()
+  }
 
 
 # ---- recording and comparing -------------------------------------------------
@@ -381,9 +401,10 @@ _NARROW = (
 )
 
 
-def compute(names=None) -> dict[str, dict]:
-  """Every recipe's record (or those in `names`), computed here."""
-  recipes = _recipes()
+def compute(names=None, setting: str = "default") -> dict[str, dict]:
+  """Every recipe's record (or those in `names`), computed here with the
+  compile options of `SETTINGS[setting]`."""
+  recipes = _recipes(setting)
   return {
     n: recipes[n]() for n in sorted(recipes) if names is None or n in names
   }
@@ -430,11 +451,14 @@ def first_difference(want: dict, got: dict) -> str | None:
   return None
 
 
-def compare(path: str = GOLDEN_BITS, names=None) -> dict[str, str]:
-  """`{recipe: "equal" or the first difference}` against the file."""
+def compare(
+  path: str = GOLDEN_BITS, names=None, setting: str = "default"
+) -> dict[str, str]:
+  """`{recipe: "equal" or the first difference}` against the file, each
+  recipe's programs compiled with the options of `SETTINGS[setting]`."""
   with open(path) as f:
     want = json.load(f)["recipes"]
-  got = compute(names if names is not None else list(want))
+  got = compute(names if names is not None else list(want), setting)
   out = {}
   for name in sorted(want if names is None else names):
     if name not in got:
@@ -468,36 +492,53 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--write", action="store_true", help="remake the file")
   parser.add_argument("--path", default=GOLDEN_BITS)
-  parser.add_argument("--json", default=None, help="write the comparison here")
   parser.add_argument(
-    "--no_excess_precision",
-    action="store_true",
-    help="run with XLA_FLAGS --xla_allow_excess_precision=false",
+    "--json", default=None, help="write {setting: {recipe: verdict}} here"
+  )
+  parser.add_argument(
+    "--settings",
+    default="default",
+    help=f"comma-separated compile settings to compare under, of "
+    f"{', '.join(SETTINGS)}",
   )
   args = parser.parse_args(argv)
-  if args.no_excess_precision:
-    if "jax" in sys.modules:
-      parser.error("--no_excess_precision must be set before jax starts")
-    flags = os.environ.get("XLA_FLAGS", "")
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_allow_excess_precision=false"
   if args.write:
     write(args.path)
     print(f"wrote {args.path}")
     return 0
-  result = compare(args.path)
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(result, f, indent=1)
-  width = max(map(len, result))
-  for name, verdict in result.items():
-    note = (
-      " (information)" if informational(name) and verdict != "equal" else ""
-    )
-    print(f"{name:<{width}}  {verdict}{note}")
+  settings = args.settings.split(",")
+  unknown = [s for s in settings if s not in SETTINGS]
+  if unknown:
+    parser.error(f"unknown setting(s) {unknown}; valid: {', '.join(SETTINGS)}")
+  results = {}
+  for setting in settings:
+    results[setting] = compare(args.path, setting=setting)
+    if args.json:  # a killed run keeps the settings that finished
+      with open(args.json, "w") as f:
+        json.dump(results, f, indent=1)
+  print(_table(results), flush=True)
   failed = [
-    n for n, v in result.items() if v != "equal" and not informational(n)
+    n
+    for result in results.values()
+    for n, v in result.items()
+    if v != "equal" and not informational(n)
   ]
   return 1 if failed else 0
+
+
+def _table(results: dict[str, dict[str, str]]) -> str:
+  """One line per recipe: its verdict under each setting."""
+  names = sorted({n for r in results.values() for n in r})
+  width = max(map(len, names))
+  lines = [f"{'recipe':<{width}}  " + " | ".join(results)]
+  for name in names:
+    verdicts = []
+    for result in results.values():
+      v = result.get(name, "not run")
+      note = " (information)" if informational(name) and v != "equal" else ""
+      verdicts.append(v + note)
+    lines.append(f"{name:<{width}}  " + " | ".join(verdicts))
+  return "\n".join(lines)
 
 
 if __name__ == "__main__":

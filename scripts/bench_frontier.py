@@ -60,8 +60,8 @@ def run(quick: bool = False) -> Result:
   }
   base = statistics.median(times[FLOAT32])
   return Result(
-    f"frontier: whole train steps of its model ({jax.device_count()} CPU "
-    "device(s))",
+    f"frontier: whole train steps of its model ({jax.device_count()} "
+    f"{jax.default_backend()} device(s))",
     times,
     (NEAREST, FLOAT32),
     notes=(f"float32 AdamW: {1 / base:,.1f} steps/s.",),

@@ -1,4 +1,4 @@
-"""Training-step throughput of a small GPT on CPU: float32 vs lowprec."""
+"""Training-step throughput of a small GPT: float32 vs lowprec."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def run(quick: bool = False) -> Result:
   base = statistics.median(times["float32 AdamW"])
   return Result(
     f"train: small GPT step ({tokens} tokens/step, "
-    f"{jax.device_count()} CPU device(s))",
+    f"{jax.device_count()} {jax.default_backend()} device(s))",
     times,
     ("float32 AdamW",),
     notes=(f"float32 AdamW: {tokens / base:,.0f} tokens/s.",),

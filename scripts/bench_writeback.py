@@ -1,11 +1,14 @@
 """Write-back step cost: `optax.adamw` alone vs adamw + `lowprec.writeback`.
 
 One jitted optimizer step (update and `optax.apply_updates`) on a pytree of
-20M float32 parameters (2M with --quick): ten square matrices and their
-biases. Write-back params are float32 holding bfloat16 grid values. Rows:
-nearest, stochastic and dead-zone write-back, each with telemetry on and
-off; the compensated write-backs (Kahan with a bfloat16 buffer,
-two-component, remainder, split weights with an int8 correction) and ECO
+20M float32 parameters: ten square matrices and their biases. With
+--quick, 2M parameters in two matrices and the rows of `QUICK` only: each
+row is a program to compile, longer with every leaf, and the full set on
+ten matrices did not finish in 55 s on an H200. Write-back params are
+float32 holding bfloat16 grid values. Rows: nearest, stochastic and
+dead-zone write-back, each with telemetry on and off; the compensated
+write-backs (Kahan with a bfloat16 buffer, two-component, remainder, split
+weights with an int8 correction) and ECO
 (`lowprec.eco` around adamw, nearest) without telemetry; and AdamW with
 its moments stored (`lowprec.store_state`, no telemetry) in bfloat16 by
 stochastic rounding, and as PyTorch's 8- and 4-bit optimizers store them
@@ -43,9 +46,25 @@ MOMENTS = {
 }
 
 
-def _params(n_params: int) -> dict:
-  side = int((n_params / 10) ** 0.5)
-  keys = jax.random.split(jax.random.key(0), 10)
+# The rows of --quick: both baselines, a rounding with and without
+# telemetry, a compensated write-back of each kind of state, ECO, and a
+# 16- and an 8-bit store of the moments.
+QUICK = (
+  "adamw",
+  "+ nearest",
+  "+ stochastic",
+  "+ stochastic + telemetry",
+  "+ kahan (bf16 buffer)",
+  "+ split (8-bit correction)",
+  "+ eco (nearest)",
+  "adamw, bf16 stochastic moments",
+  "adamw, dynamic8/dynamic8u block256 moments",
+)
+
+
+def _params(n_params: int, layers: int) -> dict:
+  side = int((n_params / layers) ** 0.5)
+  keys = jax.random.split(jax.random.key(0), layers)
   return {
     f"layer{i}": {
       "kernel": 0.02 * jax.random.normal(k, (side, side)),
@@ -65,8 +84,8 @@ def _step(opt):
 
 
 def run(quick: bool) -> Result:
-  n_params, repeats, rounds = (2_000_000, 3, 3) if quick else (20_000_000, 3, 9)
-  params = lowprec.to_grid(_params(n_params), "bfloat16")
+  n_params, layers, rounds = (2_000_000, 2, 3) if quick else (20_000_000, 10, 9)
+  params = lowprec.to_grid(_params(n_params, layers), "bfloat16")
   grads = jax.tree.map(lambda p: 1e-3 * jnp.sign(p) + 1e-4, params)
   count = sum(p.size for p in jax.tree.leaves(params))
   adamw = optax.adamw(1e-3)
@@ -99,11 +118,13 @@ def run(quick: bool) -> Result:
     cases[f"adamw, {name} moments"] = lowprec.store_state(
       adamw, {"mu": mu, "nu": nu}, key=key, telemetry=False
     )
+  if quick:
+    cases = {name: cases[name] for name in QUICK}
   calls = {
     name: (_step(opt), (params, opt.init(params), grads))
     for name, opt in cases.items()
   }
-  times = interleave(calls, rounds=rounds, repeats=repeats)
+  times = interleave(calls, rounds=rounds, repeats=3)
   title = (
     f"write-back step, {count / 1e6:.1f}M params, "
     f"{jax.devices()[0].platform} x{jax.device_count()}"

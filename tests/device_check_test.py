@@ -1,27 +1,33 @@
-"""scripts/device_check.sh: its CPU dry run, its report, its environment.
+"""scripts/device_check.sh: its plan, its CPU dry run, its report, its
+environment.
 
-The dry run is the script as an accelerator machine runs it (`python3`,
-every part, the report), on the CPU with tiny shapes, inside a Python that
-hides every installed package the machine's image lacks and the wheel list
-does not bring: an import the list misses fails here, not there. Also:
-the report's reading of failed and timed-out parts, the XLA flags (no CPU
-flag on an accelerator), the wheel list, and that DeprecationWarnings from
-our own modules fail the test run.
+The plan (experiments/device_plan.py) fits the budget: its limits add up
+to it less the report's reserve, in the order of value, each above the
+part's expected time. The dry run is the script as an accelerator machine
+runs it (`python3`, every part, the report), on the CPU with tiny shapes,
+inside a Python that hides every installed package the machine's image
+lacks and the wheel list does not bring: an import the list misses fails
+here, not there. A check stopped after a part keeps that part's report.
+Also: the report's reading of failed, timed-out and unreached parts, the
+XLA flags (no CPU flag on an accelerator), the wheel list, and that
+DeprecationWarnings from our own modules fail the test run.
 """
 
 import importlib.metadata
 import json
 import os
 import re
+import signal
 import stat
 import subprocess
 import sys
+import time
 import warnings
 
 import pytest
 from packaging.requirements import Requirement
 
-from experiments import device_report, golden_bits, xla_flags
+from experiments import device_plan, device_report, golden_bits, xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OURS = ("lowprec", "experiments", "configs", "scripts")
@@ -126,6 +132,142 @@ def test_the_guard_hides_what_the_device_lacks(tmp_path):
   assert run.returncode != 0 and b"not on the device image" in run.stderr
 
 
+# The parts in the order of their value (the wheels, when there are any,
+# come first: the rest imports them).
+ORDER = (
+  "wheels",
+  "env",
+  "golden_bits",
+  "step_freeze_gpt2_fp8",
+  "step_attention_reuse",
+  "families",
+  "bench_rounding",
+  "bench_writeback",
+  "frontier",
+)
+
+
+def test_plan_fits_the_budget_in_the_order_of_value():
+  plan = device_plan.PLAN
+  assert device_plan.names() == ORDER
+  assert device_plan.BUDGET_S == 480  # 8 minutes on the accelerator
+  limits = sum(p.limit_s for p in plan)
+  assert limits + device_plan.REPORT_S == device_plan.BUDGET_S
+  for p in plan:
+    assert 0 < p.expected_s < p.limit_s, p
+    assert p.basis, p
+  # Every benchmark section the plan names exists.
+  from scripts import bench
+
+  assert set(device_report.BENCH_SECTIONS) <= set(bench.SECTIONS)
+  assert device_report.BENCH_SECTIONS == ("rounding", "writeback")
+
+
+def test_docs_show_the_plan_as_it_is():
+  with open(os.path.join(ROOT, "docs", "scaling.md")) as f:
+    docs = f.read()
+  table = device_plan.markdown().split("\n\n")[0]
+  assert table in docs
+
+
+def test_plan_table_and_limits_from_the_command_line():
+  def cli(*args):
+    return subprocess.run(
+      [sys.executable, "-m", "scripts.device_report", *args],
+      cwd=ROOT,
+      capture_output=True,
+      text=True,
+    )
+
+  table = cli("--plan").stdout
+  for p in device_plan.PLAN:
+    assert f"| {p.name} | {p.expected_s} | {p.limit_s} |" in table
+  expected = sum(p.expected_s for p in device_plan.PLAN)
+  limits = device_plan.BUDGET_S - device_plan.REPORT_S
+  assert f"| sum | {expected} | {limits} |" in table
+  families = device_plan.part("families").limit_s
+  assert cli("--limit", "families").stdout == f"{families}\n"
+  dry = str(device_plan.DRY_LIMIT_S) + "\n"
+  assert cli("--limit", "families", "--dry_run").stdout == dry
+  assert cli("--budget").stdout == "480\n"
+  assert cli("--reserve").stdout == f"{device_plan.REPORT_S}\n"
+  bad = cli("--limit", "step_gpt3")
+  assert bad.returncode == 2 and "valid: wheels, env," in bad.stderr
+
+
+def test_a_check_stopped_after_a_part_keeps_its_report(tmp_path):
+  """The report is rewritten after every part: killed while the golden
+  bits run, the check leaves the environment's row and the plan's other
+  parts as not run."""
+  env, _ = _device_like_env(tmp_path)
+  out = tmp_path / "out"
+  proc = subprocess.Popen(
+    ["bash", "scripts/device_check.sh"],
+    cwd=ROOT,
+    env=env,
+    stdout=subprocess.DEVNULL,
+    stderr=subprocess.DEVNULL,
+    start_new_session=True,
+  )
+  try:
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+      started = (out / "device_check" / "golden_bits.err").exists()
+      if started and (out / "device_check.json").exists():
+        break
+      time.sleep(0.2)
+    else:
+      pytest.fail("the golden bits never started")
+  finally:
+    _kill_session(proc.pid)
+    proc.wait()
+  report = json.loads((out / "device_check.json").read_text())
+  assert [p["name"] for p in report["parts"]] == ["env"]
+  assert report["env"]["backend"] == "cpu"
+  md = (out / "device_check.md").read_text()
+  assert "| env | ok |" in md
+  for name in ORDER[2:]:
+    assert f"| {name} | {_row(name, 'not run', 0)} | - |" in md
+
+
+def _kill_session(sid: int) -> None:
+  """Kills the processes of session `sid` (the check and its parts:
+  `timeout` puts each part in a process group of its own), by their ids."""
+  for entry in os.listdir("/proc"):
+    if not entry.isdigit():
+      continue
+    try:
+      with open(f"/proc/{entry}/stat") as f:
+        # The fields after the command's closing parenthesis: state, ppid,
+        # pgrp, session.
+        session = int(f.read().rpartition(")")[2].split()[3])
+    except (OSError, ValueError, IndexError):
+      continue
+    if session == sid:
+      try:
+        os.kill(int(entry), signal.SIGKILL)
+      except ProcessLookupError:
+        pass
+
+
+def test_a_check_out_of_time_skips_every_part_in_the_plans_order(tmp_path):
+  env, _ = _device_like_env(tmp_path)
+  env["DEVICE_CHECK_BUDGET_S"] = str(device_plan.REPORT_S)  # no time left
+  run = subprocess.run(
+    ["bash", "scripts/device_check.sh"],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert run.returncode == 1
+  assert run.stdout.startswith(device_plan.markdown())  # the plan first
+  report = json.loads((tmp_path / "out" / "device_check.json").read_text())
+  assert [p["name"] for p in report["parts"]] == list(ORDER[1:])  # dry
+  assert {p["status"] for p in report["parts"]} == {"skipped"}
+
+
 @pytest.mark.slow
 def test_dry_run_of_device_check_on_the_cpu(tmp_path):
   env, _ = _device_like_env(tmp_path)
@@ -135,27 +277,24 @@ def test_dry_run_of_device_check_on_the_cpu(tmp_path):
     env=env,
     capture_output=True,
     text=True,
-    timeout=600,
+    timeout=3600,
   )
   out = tmp_path / "out"
   logs = ""
   for p in sorted((out / "device_check").glob("*.err")):
     logs += f"--- {p.name}\n{p.read_text()[-2000:]}\n"
   assert run.returncode == 0, run.stdout + run.stderr + logs
+  # The plan it expects on the accelerator, before the parts.
+  plan = device_plan.markdown()
+  assert run.stdout.startswith(plan), run.stdout[:2000]
+  assert f"under {device_plan.DRY_LIMIT_S} s" in run.stdout
   report = json.loads((out / "device_check.json").read_text())
   assert report["dry_run"] is True
   names = [p["name"] for p in report["parts"]]
-  assert names == [
-    "env",
-    "golden_bits",
-    "golden_bits_no_excess",
-    "step_freeze_gpt2_fp8",
-    "families",
-    "step_attention_reuse",
-    "bench_rounding",
-    "frontier",
-  ]
+  assert names == list(ORDER[1:])  # no wheels to install on the CPU
   assert all(p["status"] == "ok" for p in report["parts"]), report["parts"]
+  assert all(p["limit_s"] == device_plan.DRY_LIMIT_S for p in report["parts"])
+  assert [p["name"] for p in report["plan"]] == list(ORDER)
   assert report["env"]["backend"] == "cpu"
   for name in device_report.CONFIGS:
     r = report["configs"][name]
@@ -168,22 +307,34 @@ def test_dry_run_of_device_check_on_the_cpu(tmp_path):
     "bf16_eco", "bf16_sr+q8",
   ]  # fmt: skip
   assert all(f["tokens_per_s"] > 0 for f in report["families"])
+  # Two layers: more parameters than the one-layer step of the same width.
+  step_params = report["configs"]["freeze_gpt2_fp8"]["params"]
+  assert all(f["params"] > step_params for f in report["families"])
   assert report["advice"][0].startswith("Recommended (")
   assert len(report["advice"]) >= 6  # a line per group
-  ratios = report["bench"]["rounding"]["ratios"]
-  assert ratios and all(
-    r["median"] > 0 for case in ratios.values() for r in case.values()
-  )
+  for section in ("rounding", "writeback"):
+    ratios = report["bench"][section]["ratios"]
+    assert ratios and all(
+      r["median"] > 0 for case in ratios.values() for r in case.values()
+    )
   md = (out / "device_check.md").read_text()
   assert md.startswith("# Device check (dry run)")
   assert "| freeze_gpt2_fp8 | 21,984 |" in md
-  assert "| bench_rounding | ok |" in md
-  assert "| freeze_gpt2_fp8: recipe | tokens/s | step / float32's |" in md
+  assert f"| wheels | {_row('wheels', 'not run', 0)} | - |" in md
+  bench = device_plan.part("bench_rounding").expected_s
+  dry = device_plan.DRY_LIMIT_S
+  assert re.search(
+    rf"\| bench_rounding \| ok \| \d+ \| {bench} \| {dry} \|", md
+  )
+  # The steps and the families report their peak memory.
+  for name in ("step_freeze_gpt2_fp8", "step_attention_reuse", "families"):
+    assert re.search(rf"\| {name} \| ok \| .* \| \d+\.\d GB \|", md), name
+  assert re.search(r"\| freeze_gpt2_fp8, [\d,]+ params: recipe \|", md)
   assert "| float32 |" in md and "| 1.00x |" in md
   assert "Frontier smoke, the advisor's recommendation:" in md
-  # The golden bits, on the CPU, equal the file under both flag settings.
-  for run_name in device_report.GOLDEN_RUNS:
-    verdicts = report["golden_bits"][run_name]
+  # The golden bits, on the CPU, equal the file under both settings.
+  assert list(report["golden_bits"]) == list(golden_bits.SETTINGS)
+  for verdicts in report["golden_bits"].values():
     assert set(verdicts) == set(golden_bits.transforms())
     assert all(v == "equal" for v in verdicts.values()), verdicts
   assert "| writeback/bfloat16/stochastic | equal | equal |" in md
@@ -194,14 +345,38 @@ def test_golden_bits_table_shows_the_first_difference_and_information(
 ):
   d = _parts_dir(tmp_path, [("env", "0", "3", "60")])
   diff = "params['w'][1, 3]: expected 0.5, got 0.625 (1 of 256 elements differ)"
+  verdicts = {"kahan/bfloat16/bfloat16/nearest": diff, "adamw/x": diff}
   (d / "golden_bits.json").write_text(
-    json.dumps({"kahan/bfloat16/bfloat16/nearest": diff, "adamw/x": diff})
+    json.dumps({"default": verdicts, "no_excess_precision": {"adamw/x": diff}})
   )
   report = device_report.write(str(d), str(tmp_path / "out"))
-  assert set(report["golden_bits"]) == {"golden_bits"}
+  assert set(report["golden_bits"]) == set(golden_bits.SETTINGS)
   md = (tmp_path / "out" / "device_check.md").read_text()
-  assert f"| kahan/bfloat16/bfloat16/nearest | {diff} |" in md
-  assert f"| adamw/x | information: {diff} |" in md
+  head = "| golden bits: recipe | default flags | "
+  assert head + "--xla_allow_excess_precision=false |" in md
+  assert f"| kahan/bfloat16/bfloat16/nearest | {diff} | not run |" in md
+  assert f"| adamw/x | information: {diff} | information: {diff} |" in md
+
+
+def test_golden_bits_of_a_part_stopped_while_writing_read_as_not_run(
+  tmp_path,
+):
+  d = _parts_dir(tmp_path, [("golden_bits", "124", "80", "80")])
+  (d / "golden_bits.json").write_text('{"default": {"writeback/x": "eq')
+  report = device_report.write(str(d), str(tmp_path / "out"))
+  assert report["golden_bits"] == {}
+  md = (tmp_path / "out" / "device_check.md").read_text()
+  assert "Golden bits: not run (see the parts above)." in md
+
+
+def _row(name: str, status: str, seconds: int) -> str:
+  """The cells of a part's row from its status to its limit (the plan's)."""
+  p = device_plan.part(name)
+  return f"{status} | {seconds} | {p.expected_s} | {p.limit_s}"
+
+
+def _limit(name: str) -> str:
+  return str(device_plan.part(name).limit_s)
 
 
 def _parts_dir(tmp_path, rows):
@@ -211,13 +386,13 @@ def _parts_dir(tmp_path, rows):
   return d
 
 
-def test_report_names_failed_timed_out_and_skipped_parts(tmp_path):
+def test_report_names_failed_timed_out_skipped_and_unreached_parts(tmp_path):
   d = _parts_dir(
     tmp_path,
     [
-      ("env", "0", "3", "60"),
-      ("step_freeze_gpt2_fp8", "124", "140", "140"),
-      ("step_attention_reuse", "1", "12", "170"),
+      ("env", "0", "3", _limit("env")),
+      ("step_freeze_gpt2_fp8", "124", "55", _limit("step_freeze_gpt2_fp8")),
+      ("step_attention_reuse", "1", "12", _limit("step_attention_reuse")),
       ("bench_rounding", "skipped", "0", "0"),
     ],
   )
@@ -233,17 +408,46 @@ def test_report_names_failed_timed_out_and_skipped_parts(tmp_path):
   }
   assert report["configs"] == {} and report["bench"] == {}
   md = (tmp_path / "out" / "device_check.md").read_text()
-  assert "| step_freeze_gpt2_fp8 | timed out | 140 | 140 |" in md
+  row = _row("step_freeze_gpt2_fp8", "timed out", 55)
+  assert f"| step_freeze_gpt2_fp8 | {row} | - |" in md
+  bench = device_plan.part("bench_rounding").expected_s
+  assert f"| bench_rounding | skipped | 0 | {bench} | 0 | - |" in md
+  assert f"| families | {_row('families', 'not run', 0)} | - |" in md
   assert "| attention_reuse | - | - |" in md
+  # The parts table follows the plan's order, whatever order they ran in.
+  rows = [x.split(" | ")[0][2:] for x in md.splitlines() if " | " in x]
+  assert rows[1 : 1 + len(ORDER)] == list(ORDER)
+
+
+def test_report_says_when_the_compilation_cache_held_programs(tmp_path):
+  d = _parts_dir(tmp_path, [("env", "0", "3", "15")])
+  env = {"devices": 1, "compilation_cache": "/tmp/c", "cached_programs": 12}
+  (d / "env.out").write_text(json.dumps(env) + "\n")
+  md = device_report.markdown(device_report.collect(str(d)))
+  assert "The compilation cache (/tmp/c) held 12 programs at the start" in md
+  (d / "env.out").write_text(json.dumps(dict(env, cached_programs=0)) + "\n")
+  md = device_report.markdown(device_report.collect(str(d)))
+  assert "compilation cache" not in md
+
+
+def test_environment_counts_the_programs_of_the_cache(tmp_path, monkeypatch):
+  for name in ("jit_a-1-cache", "jit_a-1-atime", "jit_b-2-cache"):
+    (tmp_path / name).write_text("")
+  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path))
+  env = device_report.environment()
+  assert env["compilation_cache"] == str(tmp_path)
+  assert env["cached_programs"] == 2
+  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "none"))
+  assert device_report.environment()["cached_programs"] == 0
 
 
 def test_report_tables_write_back_families_and_the_advice(tmp_path):
-  d = _parts_dir(tmp_path, [("families", "0", "50", "150")])
+  d = _parts_dir(tmp_path, [("families", "0", "50", _limit("families"))])
   rows = [
     dict(config="freeze_gpt2_fp8", recipe="float32", tokens_per_s=1000.0,
-         step_s=0.5, peak_device_bytes=2e9),
+         step_s=0.5, peak_device_bytes=2e9, params=53_000_000),
     dict(config="freeze_gpt2_fp8", recipe="bf16_sr+q8", tokens_per_s=800.0,
-         step_s=0.625, peak_device_bytes=1e9),
+         step_s=0.625, peak_device_bytes=1e9, params=53_000_000),
   ]  # fmt: skip
   (d / "families.out").write_text("".join(json.dumps(r) + "\n" for r in rows))
   (d / "frontier.out").write_text(
@@ -251,13 +455,17 @@ def test_report_tables_write_back_families_and_the_advice(tmp_path):
     "\nwrote x (config fragment) and y (optax code)\n"
   )
   md = device_report.markdown(device_report.collect(str(d)))
+  assert "| freeze_gpt2_fp8, 53,000,000 params: recipe | tokens/s |" in md
+  row = _row("families", "ok", 50)
+  assert f"| families | {row} | 2.0 GB |" in md  # the largest
   assert "| float32 | 1,000 | 1.00x | 2.0 GB |" in md
   assert "| bf16_sr+q8 | 800 | 1.25x | 1.0 GB |" in md
   assert "Recommended (4.031 bytes/param):\n- mlp: bf16_sr+q8\n" in md
 
 
 def test_report_cells_of_a_config_and_a_benchmark(tmp_path):
-  d = _parts_dir(tmp_path, [("step_freeze_gpt2_fp8", "0", "40", "140")])
+  name = "step_freeze_gpt2_fp8"
+  d = _parts_dir(tmp_path, [(name, "0", "40", _limit(name))])
   result = dict(
     params=124_439_808,
     tokens_per_step=65536,
@@ -278,6 +486,8 @@ def test_report_cells_of_a_config_and_a_benchmark(tmp_path):
     "| freeze_gpt2_fp8 | 124,439,808 | 65,536 | 512,000 | 41.2% | 31.3 GB "
     "| 35.50 | 0.13 |" in md
   )
+  row = _row("step_freeze_gpt2_fp8", "ok", 40)
+  assert f"| step_freeze_gpt2_fp8 | {row} | 31.3 GB |" in md
   assert "| rounding | a | b | 0.50x (0.25-0.75) |" in md
   assert "| rounding | a | a |" not in md
 

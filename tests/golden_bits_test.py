@@ -10,6 +10,9 @@ experiments/goldens.py keys its sets).
 """
 
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -46,6 +49,90 @@ def test_recipe_equals_its_golden_bits(name):
     golden_bits.first_difference(WANT[name], got)
     + "; if the change is intended: python -m experiments.golden_bits --write"
   )
+
+
+# One recipe of each family: what the test above checks for every recipe
+# with XLA's defaults, here with excess precision off.
+NO_EXCESS = sorted(
+  {
+    n.split("/")[0]: n for n in WANT if not golden_bits.informational(n)
+  }.values()
+)
+
+
+@pytest.mark.parametrize("name", NO_EXCESS)
+def test_recipe_equals_its_golden_bits_without_excess_precision(name):
+  got = golden_bits.compute([name], setting="no_excess_precision")[name]
+  assert golden_bits.first_difference(WANT[name], got) is None
+
+
+PROBE = """
+import jax, jax.numpy as jnp, numpy as np
+x = jnp.full((4,), 1 + 2.0**-10, jnp.float32)
+print(np.asarray(jax.jit({fn})(x)).tobytes().hex())
+"""
+# exp of a bfloat16 value, read back as float32: with excess precision XLA
+# may compute it in float32 and drop the narrowing to bfloat16.
+EXP_BF16 = "lambda v: jnp.exp(v.astype(jnp.bfloat16) * 1.5).astype(jnp.float32)"
+
+
+def test_a_setting_compiles_as_the_process_wide_flag_does():
+  """The no_excess_precision setting, given per program, computes what
+  the whole process computes under `--xla_allow_excess_precision=false`
+  (run in a process of its own), and the probe tells the two settings
+  apart."""
+  import jax
+  import jax.numpy as jnp
+
+  fn = eval(EXP_BF16, {"jnp": jnp})
+  x = jnp.full((4,), 1 + 2.0**-10, jnp.float32)
+  here = {
+    s: np.asarray(golden_bits._jit(fn, golden_bits.SETTINGS[s])(x))
+    for s in golden_bits.SETTINGS
+  }
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = (
+    env.get("XLA_FLAGS", "") + " --xla_allow_excess_precision=false"
+  )
+  run = subprocess.run(
+    [sys.executable, "-c", PROBE.format(fn=EXP_BF16)],
+    env=env,
+    capture_output=True,
+    text=True,
+    check=True,
+  )
+  flagged = np.frombuffer(bytes.fromhex(run.stdout.strip()), np.float32)
+  assert here["no_excess_precision"].tobytes() == flagged.tobytes()
+  assert here["default"].tobytes() != flagged.tobytes(), jax.devices()
+  # Without excess precision the exponential is a bfloat16 value.
+  assert flagged[0] == flagged[0].astype(jnp.bfloat16).astype(np.float32)
+
+
+def test_main_compares_under_each_setting_and_fails_on_a_contract(
+  tmp_path, monkeypatch, capsys
+):
+  diff = "params['w'][0, 1]: expected 1.0, got 1.0078125 (1 of 256 elements)"
+  verdicts = {
+    "default": {"writeback/x": "equal", "adamw/x": diff},
+    "no_excess_precision": {"writeback/x": diff, "adamw/x": "equal"},
+  }
+  monkeypatch.setattr(
+    golden_bits,
+    "compare",
+    lambda path, names=None, setting="default": verdicts[setting],
+  )
+  out = tmp_path / "gb.json"
+  argv = ["--settings", "default,no_excess_precision", "--json", str(out)]
+  assert golden_bits.main(argv) == 1  # a recipe differs without excess
+  assert json.loads(out.read_text()) == verdicts
+  table = capsys.readouterr().out
+  assert f"adamw/x      {diff} (information) | equal" in table
+  assert f"writeback/x  equal | {diff}" in table
+  assert golden_bits.main(["--settings", "default", "--json", str(out)]) == 0
+  assert list(json.loads(out.read_text())) == ["default"]
+  with pytest.raises(SystemExit):
+    golden_bits.main(["--settings", "default,fast"])
+  assert "unknown setting(s) ['fast']" in capsys.readouterr().err
 
 
 def test_records_hold_the_stored_arrays_in_their_dtypes():
