@@ -420,6 +420,7 @@ class _Loop:
 
   def first_evaluation(self) -> None:
     """Step 0's validation loss (and probe) for a run that starts afresh."""
+    self.say(f"{self.tag} {tasks.compute_header(self.config)}", flush=True)
     if self.start == 0:
       params = self.state.params
       val = self.evaluate(params)
