@@ -246,5 +246,7 @@ def test_a_gpt_with_native_fp8_trains_as_the_emulation():
     got[native] = _value_and_grad(tasks.build(c))
   (value, grads), (want, want_grads) = got[True], got[False]
   np.testing.assert_allclose(value, want, rtol=1e-5)
-  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+  for a, b in zip(
+    jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True
+  ):
     np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-6)
