@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 
 from lowprec.backward.ops import saved
-from lowprec.backward.ops.base import Op
-from lowprec.backward.ops.dense import _fp8_matmul, _is_fp8, per_value
+from lowprec.backward.ops.base import Op, per_value
+from lowprec.backward.ops.dense import _fp8_matmul, _is_fp8
 from lowprec.backward.ops.requirements import Requirement
 from lowprec.backward.ops.rounding import Rounding
 from lowprec.grids import choices
