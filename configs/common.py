@@ -99,9 +99,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # cast for the forward; the stored weights, the optimizer and the loss
   # stay float32) and the precision of float32 matmuls: "default" is
   # XLA's (TF32 on NVIDIA GPUs from Ampere on, full float32 on CPUs),
-  # "highest" full float32 everywhere, "tf32", "bfloat16".
+  # "highest" full float32 everywhere, "tf32" (bfloat16 products:
+  # compute_dtype).
   c.model.compute_dtype = "float32"  # float32 | bfloat16
-  c.model.matmul_precision = "default"  # default | highest | tf32 | bfloat16
+  c.model.matmul_precision = "default"  # default | highest | tf32
   # Attention as jax.nn.dot_product_attention (cuDNN's fused kernel on a
   # GPU) where an arm rounds neither its probabilities, its output nor
   # its gradients; an arm that does keeps the per-use operator. On in the

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +26,8 @@ class Task:
   # (params, key) -> {name: scalar}, logged every train.probe_every_steps;
   # compiled on its first call; `.programs(params, key)` its compiled parts
   probe: Callable[..., dict] | None = None
+  # how the model computes: jit `compute.precise(fn)` for its precision
+  compute: Compute | None = None
 
 
 # model.compute_dtype: the dtype the forward and backward compute in.
@@ -32,12 +35,11 @@ COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # model.matmul_precision: how float32 matmuls and convolutions are
 # computed (jax.default_matmul_precision); "default" is XLA's own choice,
 # which is TF32 on NVIDIA GPUs from Ampere on, one bfloat16 pass on TPUs
-# and full float32 on CPUs.
+# and full float32 on CPUs. bfloat16 products: model.compute_dtype.
 MATMUL_PRECISIONS = {
   "default": None,
   "highest": "float32",
   "tf32": "tensorfloat32",
-  "bfloat16": "bfloat16",
 }
 
 
@@ -63,9 +65,11 @@ class Compute:
     return c
 
   def __call__(self, apply):
-    """`apply(params, *args, **kw)` computing this way."""
+    """`apply(params, *args, **kw)` with the floating parameters cast to
+    `dtype` (their gradients flow back to the float32 parameters)."""
     dtype = COMPUTE_DTYPES[self.dtype]
-    precision = MATMUL_PRECISIONS[self.matmul_precision]
+    if dtype == jnp.float32:
+      return apply
 
     def cast(x):
       if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype:
@@ -73,12 +77,22 @@ class Compute:
       return x
 
     def run(params, *args, **kw):
-      if dtype != jnp.float32:
-        params = jax.tree.map(cast, params)
-      if precision is None:
-        return apply(params, *args, **kw)
+      return apply(jax.tree.map(cast, params), *args, **kw)
+
+    return run
+
+  def precise(self, fn):
+    """`fn` traced under the matmul precision: wrap the whole function
+    that is jitted (a train step with its gradient, an evaluation), so the
+    backward's products, traced after the forward returns, have it too."""
+    precision = MATMUL_PRECISIONS[self.matmul_precision]
+    if precision is None:
+      return fn
+
+    @functools.wraps(fn)
+    def run(*args, **kw):
       with jax.default_matmul_precision(precision):
-        return apply(params, *args, **kw)
+        return fn(*args, **kw)
 
     return run
 
@@ -157,7 +171,7 @@ def gpt_task(config) -> Task:
   probe = None
   if config.train.probe_every_steps:
     probe = _gpt_probe(config.train, model, data.eval_batches()[0], compute)
-  return Task(init, _lm_loss(model, compute), data, model, probe)
+  return Task(init, _lm_loss(model, compute), data, model, probe, compute)
 
 
 def _gpt_probe(t, model, batch, compute):
@@ -185,6 +199,7 @@ def _gpt_probe(t, model, batch, compute):
     t.probe_draws,
     t.probe_chunk_rows,
   )
+  fn = compute.precise(fn)
   if lean:
     return fn
   jitted = jax.jit(fn)
