@@ -94,6 +94,20 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # to float32 rounding. On in the full-scale presets; off at CPU scale,
   # whose documented numbers were made with the unrolled loop.
   c.model.scan_layers = False
+  # Compute precision, a stated choice (config.json records it, the run
+  # header prints it): the dtype the model computes in (its parameters are
+  # cast for the forward; the stored weights, the optimizer and the loss
+  # stay float32) and the precision of float32 matmuls: "default" is
+  # XLA's (TF32 on NVIDIA GPUs from Ampere on, full float32 on CPUs),
+  # "highest" full float32 everywhere, "tf32" (bfloat16 products:
+  # compute_dtype).
+  c.model.compute_dtype = "float32"  # float32 | bfloat16
+  c.model.matmul_precision = "default"  # default | highest | tf32
+  # Attention as jax.nn.dot_product_attention (cuDNN's fused kernel on a
+  # GPU) where an arm rounds neither its probabilities, its output nor
+  # its gradients; an arm that does keeps the per-use operator. On in the
+  # full-scale presets.
+  c.model.fused_attention = False
 
   c.data = ml_collections.ConfigDict()
   c.data.name = "builtin_text"  # see experiments/data registry
@@ -163,6 +177,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.lowprec.groups = ()
   c.lowprec.group_recipes = ()
   c.lowprec.policy = ""  # backward-state policy string ("" = reference)
+  # Dense products whose input and kernel both round to float8 run as
+  # float8 dots with a float32 result (an FP8 GEMM on hardware that has
+  # one): equal to the emulation up to float32 rounding (ops.Dense).
+  c.lowprec.native_fp8 = False
   c.lowprec.fwd_format = "float32"  # rounding of saved forward tensors
   c.lowprec.fwd_rounding = "nearest"
   c.lowprec.weight_format = "float32"  # forward rounding of kernels

@@ -24,9 +24,11 @@ PRESETS = {
 
 def use(c, name: str) -> None:
   """Sets `c.model`'s shape (layers, heads, width, vocabulary, length),
-  with its blocks compiled once (`model.scan_layers`)."""
+  with its blocks compiled once (`model.scan_layers`) and attention fused
+  where the arm allows it (`model.fused_attention`)."""
   c.model.update(PRESETS[name])
   c.model.scan_layers = True
+  c.model.fused_attention = True
 
 
 def gpt_390m_probe_run(c, probe_every_steps: int) -> None:

@@ -61,6 +61,7 @@ def numerics_from(lp) -> lpnn.Numerics:
     grads=rounding(lp.bwd_format, lp.bwd_rounding),
     attn_fresh_out=lp.attn_fresh_out,
     compute=compute,
+    native_fp8=bool(lp.get("native_fp8", False)),
   )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -12,6 +13,8 @@ import optax
 
 from experiments import data as data_lib
 from experiments import models, probes
+from lowprec import nn as lpnn
+from lowprec.grids import choices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,6 +26,75 @@ class Task:
   # (params, key) -> {name: scalar}, logged every train.probe_every_steps;
   # compiled on its first call; `.programs(params, key)` its compiled parts
   probe: Callable[..., dict] | None = None
+  # how the model computes: jit `compute.precise(fn)` for its precision
+  compute: Compute | None = None
+
+
+# model.compute_dtype: the dtype the forward and backward compute in.
+COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# model.matmul_precision: how float32 matmuls and convolutions are
+# computed (jax.default_matmul_precision); "default" is XLA's own choice,
+# which is TF32 on NVIDIA GPUs from Ampere on, one bfloat16 pass on TPUs
+# and full float32 on CPUs. bfloat16 products: model.compute_dtype.
+MATMUL_PRECISIONS = {
+  "default": None,
+  "highest": "float32",
+  "tf32": "tensorfloat32",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Compute:
+  """How a model computes: `dtype` for its floating parameters (cast for
+  the forward; the stored parameters, their gradients, the optimizer and
+  the loss stay float32) and the matmul precision of float32 products."""
+
+  dtype: str = "float32"
+  matmul_precision: str = "default"
+
+  @classmethod
+  def of(cls, m) -> Compute:
+    """The `model` section's choice, checked."""
+    c = cls(
+      m.get("compute_dtype", "float32"), m.get("matmul_precision", "default")
+    )
+    choices.check_choice("model.compute_dtype", c.dtype, COMPUTE_DTYPES)
+    choices.check_choice(
+      "model.matmul_precision", c.matmul_precision, MATMUL_PRECISIONS
+    )
+    return c
+
+  def __call__(self, apply):
+    """`apply(params, *args, **kw)` with the floating parameters cast to
+    `dtype` (their gradients flow back to the float32 parameters)."""
+    dtype = COMPUTE_DTYPES[self.dtype]
+    if dtype == jnp.float32:
+      return apply
+
+    def cast(x):
+      if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype:
+        return x.astype(dtype)
+      return x
+
+    def run(params, *args, **kw):
+      return apply(jax.tree.map(cast, params), *args, **kw)
+
+    return run
+
+  def precise(self, fn):
+    """`fn` traced under the matmul precision: wrap the whole function
+    that is jitted (a train step with its gradient, an evaluation), so the
+    backward's products, traced after the forward returns, have it too."""
+    precision = MATMUL_PRECISIONS[self.matmul_precision]
+    if precision is None:
+      return fn
+
+    @functools.wraps(fn)
+    def run(*args, **kw):
+      with jax.default_matmul_precision(precision):
+        return fn(*args, **kw)
+
+    return run
 
 
 def _gpt_cfg(m) -> dict:
@@ -48,10 +120,39 @@ def _gpt_cfg(m) -> dict:
   }
 
 
+def compute_header(config) -> str:
+  """The run header's line on how the model computes: dtype, matmul
+  precision and, for a GPT, which attention runs.
+
+  Example: `compute float32, matmul precision default, attention fused
+  (jax.nn.dot_product_attention)`.
+  """
+  c = Compute.of(config.model)
+  line = f"compute {c.dtype}, matmul precision {c.matmul_precision}"
+  if config.model.kind == "gpt":
+    kind = lpnn.attention_kind(_numerics(config))
+    line += ", attention " + (
+      "fused (jax.nn.dot_product_attention)"
+      if kind == "fused"
+      else "per-use operator (lowprec.ops.Attention)"
+    )
+  if config.lowprec.get("native_fp8", False):
+    line += ", float8 products as float8 dots"
+  return line
+
+
+def _numerics(config):
+  """The model's `lowprec.nn.Numerics`, with `model.fused_attention`."""
+  num = models.numerics_from(config.lowprec)
+  fused = bool(config.model.get("fused_attention", False))
+  return dataclasses.replace(num, fused_attention=fused)
+
+
 def gpt_task(config) -> Task:
   m, d = config.model, config.data
   cfg = _gpt_cfg(m) | {"compute_keep_last": config.lowprec.compute_keep_last}
-  model = models.GPT(cfg, models.numerics_from(config.lowprec))
+  model = models.GPT(cfg, _numerics(config))
+  compute = Compute.of(m)
   common = dict(
     seq_len=m.seq_len,
     batch_size=d.batch_size,
@@ -69,11 +170,11 @@ def gpt_task(config) -> Task:
   data = _EvalLimited(data, d.eval_batches)
   probe = None
   if config.train.probe_every_steps:
-    probe = _gpt_probe(config.train, model, data.eval_batches()[0])
-  return Task(init, _lm_loss(model), data, model, probe)
+    probe = _gpt_probe(config.train, model, data.eval_batches()[0], compute)
+  return Task(init, _lm_loss(model, compute), data, model, probe, compute)
 
 
-def _gpt_probe(t, model, batch):
+def _gpt_probe(t, model, batch, compute):
   """The gradient probe of `experiments.probes` on (part of) `batch`.
 
   The reference: the same forward draws, the reference reads, gradients
@@ -82,11 +183,11 @@ def _gpt_probe(t, model, batch):
   lean = t.get("probe_lean", False)
   cfg = model.cfg | ({"remat": True} if t.get("probe_remat", False) else {})
   ref = model.numerics.reference()
-  ref_loss = _lm_loss(models.GPT(cfg, ref))
+  ref_loss = _lm_loss(models.GPT(cfg, ref), compute)
   run = model.numerics
   if not t.probe_grad_rounding:
     run = run.without_grad_rounding()
-  loss = _lm_loss(models.GPT(cfg, run))
+  loss = _lm_loss(models.GPT(cfg, run), compute)
   if t.probe_batch_size:
     batch = tuple(x[: t.probe_batch_size] for x in batch)
   build = probes.lean_gradient_probe if lean else probes.gradient_probe
@@ -98,6 +199,7 @@ def _gpt_probe(t, model, batch):
     t.probe_draws,
     t.probe_chunk_rows,
   )
+  fn = compute.precise(fn)
   if lean:
     return fn
   jitted = jax.jit(fn)
@@ -109,10 +211,14 @@ def _gpt_probe(t, model, batch):
   return probe
 
 
-def _lm_loss(model):
+def _lm_loss(model, compute: Compute = Compute()):
+  apply = compute(
+    lambda params, *a, **kw: model.apply({"params": params}, *a, **kw)
+  )
+
   def loss(params, batch, key):
     inputs, targets = batch
-    logits = model.apply({"params": params}, inputs, rngs={"lowprec": key})
+    logits = apply(params, inputs, rngs={"lowprec": key})
     ce = optax.softmax_cross_entropy_with_integer_labels(
       logits.astype(jnp.float32), targets
     )

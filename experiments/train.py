@@ -277,10 +277,14 @@ def build_run(config) -> Run:
     metrics = {"loss": loss, "grad_norm": optim.global_norm(grads), **aux}
     return TrainState(state.step + 1, params, opt_state), metrics
 
+  # The matmul precision holds for the whole traced step, backward too.
+  precise = task.compute.precise if task.compute else (lambda fn: fn)
   step_fn = jax.jit(
-    train_step, donate_argnums=0, out_shardings=(state_shard, mesh.replicated())
+    precise(train_step),
+    donate_argnums=0,
+    out_shardings=(state_shard, mesh.replicated()),
   )
-  eval_fn = jax.jit(make_eval_loss(task, mesh, parts))
+  eval_fn = jax.jit(precise(make_eval_loss(task, mesh, parts)))
   probe_fn = task.probe
   return Run(task, mesh, state, step_fn, eval_fn, eval_key, probe_fn)
 
@@ -421,6 +425,7 @@ class _Loop:
 
   def first_evaluation(self) -> None:
     """Step 0's validation loss (and probe) for a run that starts afresh."""
+    self.say(f"{self.tag} {tasks.compute_header(self.config)}", flush=True)
     if self.start == 0:
       params = self.state.params
       val = self.evaluate(params)

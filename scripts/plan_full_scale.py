@@ -59,8 +59,8 @@ def main(argv=None) -> None:
   parser.add_argument(
     "--model",
     default="",
-    help="model.* overrides for --step, e.g. n_layer=1,d_model=32 (integers;"
-    " tiny shapes for a dry run)",
+    help="model.* overrides for --step, e.g. n_layer=1,d_model=32 (integers"
+    " or true/false: tiny shapes for a dry run, scan_layers=false)",
   )
   parser.add_argument(
     "--recipe",
@@ -101,12 +101,18 @@ def main(argv=None) -> None:
       print(json.dumps(result), flush=True)
 
 
-def _model_overrides(parser, text: str) -> dict[str, int]:
+def _model_overrides(parser, text: str) -> dict[str, int | bool]:
   out = {}
   for item in text.split(","):
     key, _, value = item.partition("=")
-    if not value.strip().lstrip("-").isdigit():
-      parser.error(f"--model takes key=integer pairs, got {item!r}")
+    value = value.strip()
+    if value.lower() in ("true", "false"):
+      out[key.strip()] = value.lower() == "true"
+      continue
+    if not value.lstrip("-").isdigit():
+      parser.error(
+        f"--model takes key=integer or key=true/false pairs, got {item!r}"
+      )
     out[key.strip()] = int(value)
   return out
 

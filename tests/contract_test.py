@@ -157,3 +157,45 @@ def test_check_step_warns_once_per_finding_naming_the_fix():
   assert len(found) == 1 and len(caught) == 1
   assert issubclass(caught[0].category, contract.CompilerContractWarning)
   assert "reduce_precision" in str(caught[0].message)
+
+
+def test_a_round_trip_in_a_comparison_is_found():
+  # The float16 ceiling lowprec once computed: convert down, back up, and
+  # compare with the value; XLA:GPU drops the pair and the test with it.
+  def ceil_f16(s):
+    h = s.astype(jnp.float16)
+    below = h.astype(jnp.float32) < s
+    return jnp.where(below, h.astype(jnp.float32) * 2, h.astype(jnp.float32))
+
+  [f] = contract.check(ceil_f16, jnp.ones(4))
+  assert f.kind == "round trip" and f.use == "lt"
+  assert "f32[4] -> f16[4]" in f.operation
+
+
+@pytest.mark.parametrize(
+  "divide, found",
+  [
+    (lambda x: x / 448.0, True),
+    (lambda x: x / jnp.float32(7.0), True),
+    # An optimization barrier does not keep XLA:GPU from the reciprocal.
+    (
+      lambda x: (
+        x
+        / jax.lax.optimization_barrier(
+          jnp.broadcast_to(jnp.float32(448.0), x.shape)
+        )
+      ),
+      True,
+    ),
+    (lambda x: x / 4.0, False),  # an exact reciprocal
+    (lambda x: x / 0.125, False),
+    (lambda x: x / jnp.max(x), False),  # a value computed at run time
+  ],
+  ids=["literal", "scalar", "barrier", "pow2", "pow2-small", "runtime"],
+)
+def test_a_division_by_a_constant_is_found_unless_a_power_of_two(divide, found):
+  findings = contract.check(jax.jit(divide), jnp.ones((2, 4)))
+  assert bool(findings) == found, findings
+  if found:
+    assert findings[0].kind == "constant division"
+    assert "reciprocal" in str(findings[0])

@@ -74,6 +74,17 @@ class Numerics:
       `ops.ScaledDense.nvfp4()`); its inputs and kernels are rounded by it,
       not by `saved` and `weights`. A `NormDense` then computes its norm
       unrounded and feeds the recipe. None: `ops.Dense`.
+    fused_attention: run attention as `jax.nn.dot_product_attention`
+      (cuDNN's fused kernel on a GPU where it applies, XLA's otherwise)
+      wherever that is the same function: when neither the probabilities,
+      the output nor the incoming gradients are rounded, every read of
+      every attention use is the reference's, whatever the policy says.
+      Where any of them is rounded, `ops.Attention` runs (its reads are
+      the point); `attention_kind` says which.
+    native_fp8: dense layers whose input and kernel both round to a
+      float8 format compute their forward product as a float8 dot with a
+      float32 result (an FP8 GEMM where the hardware has one; equal to the
+      emulation up to float32 rounding, `ops.Dense.native_fp8`).
   """
 
   policy: Policy | str | None = None
@@ -83,6 +94,8 @@ class Numerics:
   rng: str = "lowprec"
   attn_fresh_out: str = "redraw"
   compute: ops.ScaledDense | None = None
+  fused_attention: bool = False
+  native_fp8: bool = False
 
   def __post_init__(self):
     policy = ops.REFERENCE if self.policy is None else self.policy
@@ -121,6 +134,24 @@ class Numerics:
       grads=Rounding("float8_e5m2", "stochastic"),
       **kw,
     )
+
+
+def attention_kind(numerics: Numerics) -> str:
+  """`"fused"` where `CausalSelfAttention` runs
+  `jax.nn.dot_product_attention` under `numerics`, else `"op"`
+  (`ops.Attention`, whose backward reads per use).
+
+  Example:
+    >>> attention_kind(Numerics(fused_attention=True))
+    'fused'
+    >>> attention_kind(Numerics.fp8(fused_attention=True))  # rounds P, O
+    'op'
+  """
+  if not numerics.fused_attention:
+    return "op"
+  if not (numerics.saved.is_identity and numerics.grads.is_identity):
+    return "op"
+  return "fused"
 
 
 def call(module: nn.Module, op: ops.Op, numerics: Numerics, *args):
@@ -305,6 +336,7 @@ class Dense(nn.Module):
       x=num.saved if self.round_input else None,
       kernel=num.weights,
       grad=num.grads,
+      native_fp8=num.native_fp8,
     )
     return _call(self, op, num, x, kernel, bias)
 
@@ -346,6 +378,7 @@ class NormDense(nn.Module):
       out=num.saved,
       kernel=num.weights,
       grad=num.grads,
+      native_fp8=num.native_fp8,
     )
     return _call(self, op, num, x, gain, shift, kernel, bias)
 
@@ -415,13 +448,17 @@ class CausalSelfAttention(nn.Module):
     q, k, v = (a.reshape(b, t, self.num_heads, head) for a in (q, k, v))
     if self.rotary_base is not None:
       q, k = rotary(q, self.rotary_base), rotary(k, self.rotary_base)
-    op = ops.Attention(
-      probs=num.saved,
-      out=num.saved,
-      grad=num.grads,
-      fresh_out=num.attn_fresh_out,
-    )
-    o = _call(self, op, num, q, k, v).reshape(b, t, width)
+    if attention_kind(num) == "fused":
+      o = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+      o = o.reshape(b, t, width)
+    else:
+      op = ops.Attention(
+        probs=num.saved,
+        out=num.saved,
+        grad=num.grads,
+        fresh_out=num.attn_fresh_out,
+      )
+      o = _call(self, op, num, q, k, v).reshape(b, t, width)
     # The attention output is already rounded (by `saved`).
     return Dense(
       width,

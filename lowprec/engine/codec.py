@@ -314,7 +314,7 @@ def _amax_scales(x, codec: Codec, bad=None):
   a = jnp.where(jnp.isfinite(x), jnp.abs(x), 0.0)
   amax = _block_max(a, codec.scale)
   top = np.float32(codec.fmt.max_finite)
-  s = amax if top == 1 else _divide(amax, top)
+  s = amax if top == 1 else _quotient_by_constant(amax, top)
   if codec.scale_dtype == "float16":
     s = _ceil_float16(s)
   elif top != 1:  # a scale that XLA:CPU would flush to 0 stays normal
@@ -328,15 +328,62 @@ def _amax_scales(x, codec: Codec, bad=None):
 
 def _ceil_float16(s):
   """The smallest float16 at or above float32 `s > 0`, within [2^-24,
-  65504] (float32 values)."""
+  65504], as float32 values. Computed on float32 bit patterns: a
+  conversion to float16 and back, compared with `s`, is what XLA:GPU
+  simplifies away (lowprec.contract)."""
   s = jnp.maximum(s, np.float32(2.0**-24))
-  h = s.astype(jnp.float16)
-  below = h.astype(jnp.float32) < s
-  bits = jax.lax.bitcast_convert_type(h, jnp.uint16)
-  h = jnp.where(
-    below, jax.lax.bitcast_convert_type(bits + jnp.uint16(1), jnp.float16), h
-  )
-  return jnp.minimum(h.astype(jnp.float32), np.float32(_F16_MAX))
+  # float16's normal range keeps 10 of float32's 23 fraction bits: round
+  # the 13 others up (a carry into the exponent is the next binade).
+  bits = jax.lax.bitcast_convert_type(s, jnp.uint32)
+  low = jnp.uint32(0x1FFF)
+  up = jnp.where(bits & low, (bits | low) + jnp.uint32(1), bits)
+  normal = jax.lax.bitcast_convert_type(up, jnp.float32)
+  # Below 2^-14 float16 is a grid of step 2^-24: exact in float32.
+  sub = jnp.ceil(s * np.float32(2.0**24)) * np.float32(2.0**-24)
+  h = jnp.where(s < np.float32(2.0**-14), sub, normal)
+  return jnp.minimum(h, np.float32(_F16_MAX))
+
+
+def _quotient_by_constant(a, c: np.float32):
+  """`a / c`, correctly rounded, for float32 `a >= 0` and a constant
+  `c >= 1`, on integer bit patterns: the same bits on every backend
+  (XLA:GPU turns a division by a constant into a product with its rounded
+  reciprocal, 1 ulp off for some quotients, even through an optimization
+  barrier). A quotient below float32's normal range is 0 (the scales clamp
+  it up to 2^-126 after)."""
+  c = np.float32(c)
+  cm, ce = np.frexp(np.float64(c))  # c = cm 2^ce, cm in [0.5, 1)
+  mc = int(cm * 2**24)  # 24-bit significand of c
+  ec = int(ce) - 24  # c = mc 2^ec
+  bits = jax.lax.bitcast_convert_type(a, jnp.uint32)
+  exp = (bits >> 23).astype(jnp.int32)
+  ma = (bits & jnp.uint32(0x7FFFFF)) | jnp.uint32(0x800000)  # normal a
+  # a = ma 2^(exp - 150); long division of ma 2^25 by mc, one bit a step
+  # (the remainder stays below 2^25).
+  q = ma // jnp.uint32(mc)
+  r = ma - q * jnp.uint32(mc)
+  for _ in range(25):
+    r = r << 1
+    bit = (r >= jnp.uint32(mc)).astype(jnp.uint32)
+    r = r - bit * jnp.uint32(mc)
+    q = (q << 1) | bit
+  # q = floor(ma 2^25 / mc), in [2^24, 2^26): 24 significant bits, a
+  # guard bit and a sticky bit, rounded to nearest, ties to even.
+  wide = q >= jnp.uint32(1 << 25)
+  sig = jnp.where(wide, q >> 2, q >> 1)
+  guard = jnp.where(wide, (q >> 1) & 1, q & 1)
+  sticky = jnp.where(wide, (q & 1) | (r != 0), (r != 0).astype(jnp.uint32))
+  sig = sig + (guard & (sticky | (sig & 1)))
+  # The quotient is sig 2^(e - 23) with e its unbiased exponent.
+  e = exp - 127 - ec - 24 + 1 + jnp.where(wide, 0, -1)
+  carry = sig >= jnp.uint32(1 << 24)
+  sig = jnp.where(carry, sig >> 1, sig)
+  e = e + carry.astype(jnp.int32)
+  biased = e + 127
+  out = (biased.astype(jnp.uint32) << 23) | (sig & jnp.uint32(0x7FFFFF))
+  value = jax.lax.bitcast_convert_type(out, jnp.float32)
+  ok = (exp > 0) & (biased > 0)
+  return jnp.where(ok, value, jnp.float32(0.0))
 
 
 def _encode_mapped(codec: Codec, x, old, bits) -> Encoded:

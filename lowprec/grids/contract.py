@@ -11,12 +11,21 @@ XLA:CPU, so a CPU-only test suite cannot see them:
   once at the end of the fusion instead of after every operation
   ("excess precision", on by default; jax-ml/jax#23007).
 
+A third rewrite changes bits on GPU that XLA:CPU computes exactly:
+
+* a division by a constant is computed as a product with the constant's
+  rounded reciprocal, one ulp off for some quotients (`x / 448`), even
+  when an optimization barrier hides the constant from XLA's own
+  simplifier.
+
 The contract: every rounding a step relies on is computed on integer bit
 patterns (`bitcast_convert_type`, as `lowprec.grids.rounding` does) or guarded
 by `jax.lax.reduce_precision`, which XLA must honour; a narrowing
 conversion is only ever applied to a value already on the narrow grid (so
-skipping it changes nothing), or is the step's stored output; and no
-arithmetic runs on narrow floats.
+skipping it changes nothing), or is the step's stored output, and never
+feeds arithmetic or a comparison once widened; no arithmetic runs on
+narrow floats; and no float is divided by a constant other than a power
+of two (an exact reciprocal).
 
 `check(fn, *args)` traces `fn` to the program JAX hands to XLA (its
 jaxpr: one StableHLO operation per equation, nested calls, loops and
@@ -63,15 +72,12 @@ _MOVES = frozenset(
 )
 # Operations whose float result is exact by construction.
 _EXACT = frozenset({"bitcast_convert_type", "reduce_precision", "iota"})
-# Operations that compute no float value (comparisons, tests, bit logic).
+# Comparisons: no float value, but a widened round trip compared with the
+# value it came from is the test XLA:GPU simplifies away.
+_COMPARISONS = frozenset({"eq", "ne", "lt", "le", "gt", "ge"})
+# Operations that compute no float value (tests, bit logic).
 _NO_VALUE = frozenset(
   {
-    "eq",
-    "ne",
-    "lt",
-    "le",
-    "gt",
-    "ge",
     "is_finite",
     "and",
     "or",
@@ -92,7 +98,7 @@ _NARROW = ("bfloat16", "float16", "float8", "float6", "float4")
 class Finding(NamedTuple):
   """One operation that breaks the contract."""
 
-  kind: str  # "round trip" or "narrow arithmetic"
+  kind: str  # "round trip", "narrow arithmetic" or "constant division"
   operation: str  # the operation, e.g. "convert_element_type f32[4] -> bf16[4]"
   use: str  # what uses its result in arithmetic
   where: str  # the source line that wrote it, if known
@@ -109,6 +115,11 @@ _FIXES = {
   "to x and skip the rounding. Round with jax.lax.reduce_precision(x, "
   "exponent_bits, mantissa_bits) before the conversion (or use "
   "lowprec.round_nearest / round_stochastic, which round on bit patterns)",
+  "constant division": "XLA:GPU divides by a constant as a product with "
+  "its rounded reciprocal (one ulp off for some quotients), even through "
+  "an optimization barrier. Divide by a power of two, or compute the "
+  "quotient on integer bit patterns (as lowprec's block scales do: "
+  "lowprec.engine.codec)",
   "narrow arithmetic": "XLA may compute narrow-float arithmetic in float32 "
   "(excess precision) and round once at the end of a fusion. Compute in "
   "float32 and round explicitly (jax.lax.reduce_precision or lowprec's "
@@ -166,20 +177,58 @@ def _sub_jaxprs(eqn):
   return out
 
 
-def _walk(jaxpr, facts, found, seen, narrow_ops=True) -> dict:
+# Operations through which a scalar constant stays that constant.
+_CONSTANT_MOVES = frozenset(
+  {
+    "broadcast_in_dim",
+    "reshape",
+    "squeeze",
+    "expand_dims",
+    "optimization_barrier",
+    "copy",
+    "copy_p",
+    "convert_element_type",
+  }
+)
+
+
+def _exact_reciprocal(c: np.ndarray) -> bool:
+  """Whether dividing by `c` is multiplying by an exact reciprocal: a
+  power of two (or zero, inf, NaN: no rounding to differ)."""
+  v = float(np.asarray(c, np.float64).reshape(()))
+  if v == 0 or not np.isfinite(v):
+    return True
+  mantissa, _ = np.frexp(abs(v))
+  return mantissa == 0.5
+
+
+def _walk(jaxpr, facts, found, seen, narrow_ops=True, consts=None) -> dict:
   """Propagates what is known of each variable through `jaxpr`."""
+  consts = {} if consts is None else consts
 
   def fact(v):
     if isinstance(v, Literal):
       return ("exact",)
     return facts.get(v, ("computed",))
 
+  def constant(v):
+    """The value of `v` where it is a scalar constant, else None."""
+    if isinstance(v, Literal):
+      return np.asarray(v.val)
+    return consts.get(v)
+
   for eqn in jaxpr.eqns:
     prim = eqn.primitive.name
     ins = [fact(v) for v in eqn.invars]
     for inner, direct in _sub_jaxprs(eqn):
       sub = dict(zip(inner.invars, ins, strict=True)) if direct else {}
-      inner_facts = _walk(inner, sub, found, seen, narrow_ops)
+      inner_consts = {}
+      if direct:
+        for iv, v in zip(inner.invars, eqn.invars, strict=True):
+          c = constant(v)
+          if c is not None:
+            inner_consts[iv] = c
+      inner_facts = _walk(inner, sub, found, seen, narrow_ops, inner_consts)
       if direct and len(inner.outvars) == len(eqn.outvars):
         for o, io in zip(eqn.outvars, inner.outvars, strict=True):
           if not isinstance(io, Literal):
@@ -187,6 +236,19 @@ def _walk(jaxpr, facts, found, seen, narrow_ops=True) -> dict:
     if _sub_jaxprs(eqn):
       continue
     out = eqn.outvars[0] if eqn.outvars else None
+    if out is not None and prim in _CONSTANT_MOVES and eqn.invars:
+      c = constant(eqn.invars[-1] if prim == "select_n" else eqn.invars[0])
+      if c is not None and c.size == 1:
+        consts[out] = c
+    if prim == "div" and _is_float(out.aval):
+      c = constant(eqn.invars[1])
+      if c is not None and not _exact_reciprocal(c):
+        desc = (
+          f"div {_describe(eqn.invars[0].aval)} by the constant {c.item()!r}"
+        )
+        if (desc, prim) not in seen:
+          seen.add((desc, prim))
+          found.append(Finding("constant division", desc, prim, _where(eqn)))
     if prim == "convert_element_type":
       src, dst = eqn.invars[0].aval, out.aval
       if _is_narrow(dst) and _is_float(src) and not _is_narrow(src):
@@ -218,11 +280,14 @@ def _walk(jaxpr, facts, found, seen, narrow_ops=True) -> dict:
       continue
     if prim in _NO_VALUE:
       continue
-    # Arithmetic: a widened round trip feeding it, or narrow operands.
+    # Arithmetic or a comparison: a widened round trip feeding it, or
+    # narrow operands.
     for f in ins:
       if f[0] == "widened" and not f[1] and (f[2], prim) not in seen:
         seen.add((f[2], prim))
         found.append(Finding("round trip", f[2], prim, f[3]))
+    if prim in _COMPARISONS:
+      continue
     if narrow_ops and out is not None and _is_narrow(out.aval):
       key = (prim, _describe(out.aval), _where(eqn))
       if key not in seen:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from lowprec.backward.ops.base import Op
 from lowprec.backward.ops.requirements import Requirement
 from lowprec.backward.ops.rounding import Rounding
+from lowprec.grids import rounding as rounding_lib
 
 _TABLE = (
   Requirement(
@@ -56,6 +59,17 @@ class Dense(Op):
     x: rounding of the input (a `Rounding` or `"format:mode"`).
     kernel: rounding of the kernel.
     grad: rounding of the incoming gradient.
+    native_fp8: compute the forward product as a dot of float8 operands
+      with a float32 result (`jax.lax.dot_general` with
+      `preferred_element_type`), which XLA lowers to an FP8 GEMM on
+      hardware that has one (Hopper, Ada, Blackwell), where `x` and
+      `kernel` both round to a float8 format (e4m3 or e5m2, per-tensor
+      scaled or not): `y = (q_x q_W) / (s_x s_W)` with `q` the float8
+      codes and `s` the per-tensor scales. An fp8 x fp8 product is exact
+      in float32, so `y` equals the emulated `x~ W~` up to float32
+      accumulation order, and, with scales, the rounding of one division
+      per output instead of one per operand (a few float32 ulps). Other
+      roundings, and the backward's products, stay emulated.
 
   Example:
     ```python
@@ -69,6 +83,7 @@ class Dense(Op):
   x: Rounding | str | None = None
   kernel: Rounding | str | None = None
   grad: Rounding | str | None = None
+  native_fp8: bool = False
 
   name = "dense"
   args = ("x", "kernel", "bias")
@@ -87,10 +102,23 @@ class Dense(Op):
     res = {}
     xr = self._round("x", x, keys, reads, res)
     wr = self._round("kernel", kernel, keys, reads, res)
-    y = jnp.matmul(xr, wr)
+    if self.uses_native_fp8:
+      y = _fp8_matmul(
+        self.rounding("x"), xr, x, self.rounding("kernel"), wr, kernel
+      )
+    else:
+      y = jnp.matmul(xr, wr)
     if bias is not None:
       y = y + bias
     return y, res
+
+  @property
+  def uses_native_fp8(self) -> bool:
+    """Whether the forward product runs as a float8 dot (`native_fp8`
+    and both operands rounded to a float8 format)."""
+    return self.native_fp8 and all(
+      _is_fp8(self.rounding(t)) for t in ("x", "kernel")
+    )
 
   def _backward(self, values, res, g):
     bkey = res["backward_key"]
@@ -101,6 +129,42 @@ class Dense(Op):
     dw = jnp.matmul(xv.reshape(-1, xv.shape[-1]).T, g2)
     dx = jnp.matmul(g, wv.T)
     return dx, dw, g2.sum(0)
+
+
+def _is_fp8(r: Rounding) -> bool:
+  native = None if r.is_scaled_format else r.format.native_dtype
+  return (
+    native is not None
+    and np.dtype(native).itemsize == 1
+    and (r.format.bits == 8)
+  )
+
+
+def _codes(r: Rounding, value, raw):
+  """`(float8 codes, scale or None)` of a value `r` rounded: the codes are
+  the grid values of `value * s`, given back exactly by nearest rounding
+  (`Rounding.round` makes `value` as `q / s`)."""
+  s = r.scale(raw)
+  q = value.astype(jnp.float32) if s is None else value.astype(jnp.float32) * s
+  native = r.format.native_dtype
+  return rounding_lib.round_nearest(q, r.format, dtype=native), s
+
+
+def _fp8_matmul(rx, xr, x, rw, wr, w):
+  """`xr @ wr` as a float8 dot with a float32 result, then the scales."""
+  qx, sx = _codes(rx, xr, x)
+  qw, sw = _codes(rw, wr, w)
+  y = jax.lax.dot_general(
+    qx,
+    qw,
+    (((qx.ndim - 1,), (0,)), ((), ())),
+    preferred_element_type=jnp.float32,
+  )
+  scale = None
+  for s in (sx, sw):
+    if s is not None:
+      scale = s if scale is None else scale * s
+  return y if scale is None else y / scale
 
 
 def dense(x, kernel, bias=None, *, policy=None, key=None, **rounding):

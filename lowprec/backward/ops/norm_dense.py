@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from lowprec.backward.ops import saved
 from lowprec.backward.ops.base import Op, per_value
+from lowprec.backward.ops.dense import _fp8_matmul, _is_fp8
 from lowprec.backward.ops.requirements import Requirement
 from lowprec.backward.ops.rounding import Rounding
 from lowprec.grids import choices
@@ -109,6 +110,9 @@ class NormDense(Op):
     out: rounding of the norm output `y`.
     kernel: rounding of the dense kernel.
     grad: rounding of the incoming gradient `dz`.
+    native_fp8: the forward product `y~ W~` as a float8 dot where `out`
+      and `kernel` both round to a float8 format (`ops.Dense.native_fp8`
+      says what that computes).
 
   Example:
     ```python
@@ -123,6 +127,7 @@ class NormDense(Op):
   out: Rounding | str | None = None
   kernel: Rounding | str | None = None
   grad: Rounding | str | None = None
+  native_fp8: bool = False
 
   name = "norm_dense"
   args = ("x", "gain", "shift", "kernel", "bias")
@@ -164,7 +169,10 @@ class NormDense(Op):
         shift=shift,
       )
       wr = self._round("kernel", kernel, keys, reads, res)
-    z = jnp.matmul(yr, wr)
+    if self.native_fp8 and _is_fp8(self.out) and _is_fp8(self.kernel):
+      z = _fp8_matmul(self.out, yr, y, self.kernel, wr, kernel)
+    else:
+      z = jnp.matmul(yr, wr)
     if bias is not None:
       z = z + bias
     return z, res
