@@ -128,6 +128,7 @@ def _dots(config):
   return [line for line in text.splitlines() if "dot_general" in line]
 
 
+@pytest.mark.slow
 def test_bfloat16_compute_runs_every_dot_in_bfloat16():
   dots = _dots(_config(compute_dtype="bfloat16"))
   assert dots
@@ -138,6 +139,7 @@ def test_bfloat16_compute_runs_every_dot_in_bfloat16():
   assert all("bf16" not in d for d in dots32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "name, hlo",
   [("highest", "HIGHEST"), ("tf32", "HIGH"), ("default", "DEFAULT")],
@@ -150,6 +152,7 @@ def test_matmul_precision_reaches_every_dot(name, hlo):
   assert all(f"precision = [{hlo}, {hlo}]" in d for d in dots), dots[:2]
 
 
+@pytest.mark.slow
 def test_bfloat16_compute_trains_close_to_float32():
   losses = {}
   for dtype in ("float32", "bfloat16"):
@@ -237,6 +240,7 @@ def _value_and_grad(task):
   return jax.jit(jax.value_and_grad(loss))(task.init(jax.random.key(0)))
 
 
+@pytest.mark.slow
 def test_a_gpt_with_native_fp8_trains_as_the_emulation():
   got = {}
   for native in (False, True):

@@ -5,6 +5,8 @@ import os
 import sys
 import tempfile
 
+import pytest
+
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
@@ -43,3 +45,44 @@ def pytest_sessionfinish(session):
     jax.clear_caches()
   gc.collect()
   gc.freeze()
+
+
+HEAVY = os.path.join(os.path.dirname(__file__), "heavy_tests.txt")
+
+
+def _heavy_ids() -> set[str]:
+  with open(HEAVY) as f:
+    return {
+      line.strip() for line in f if line.strip() and not line.startswith("#")
+    }
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+  """Marks the tests of tests/heavy_tests.txt `slow` (before `-m` picks);
+  an id there whose file was collected whole but which no longer exists
+  is an error, so the list cannot go stale unseen."""
+  heavy = _heavy_ids()
+  seen = set()
+  for item in items:
+    if item.nodeid in heavy:
+      item.add_marker(pytest.mark.slow)
+      seen.add(item.nodeid)
+  whole_files = {
+    arg.split("::")[0] for arg in config.args if "::" not in arg
+  } | ({"tests"} if not config.args else set())
+  collected = {item.nodeid.split("::")[0] for item in items}
+  # The docs' blocks are named by their line, which moves with every edit
+  # of a page: those ids are not checked.
+  missing = sorted(
+    i
+    for i in heavy - seen
+    if i.split("::")[0] in collected
+    and not i.startswith("tests/docs_test.py")
+    and any(i.startswith(w.rstrip("/")) for w in whole_files)
+  )
+  if missing and not config.getoption("keyword"):
+    raise pytest.UsageError(
+      f"{HEAVY} lists tests that no longer exist: {missing[:5]}; remove "
+      "them (or correct their ids)"
+    )

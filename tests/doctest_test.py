@@ -45,7 +45,7 @@ DOCTESTED = _with_prompts()
 def test_some_modules_carry_doctests():
   # The discovery must find the modules known to hold doctests; an empty
   # list would make the test below pass vacuously.
-  assert {"lowprec.formats", "lowprec.policy"} <= set(DOCTESTED)
+  assert {"lowprec.grids.formats", "lowprec.backward.policy"} <= set(DOCTESTED)
 
 
 @pytest.mark.parametrize("name", DOCTESTED)
