@@ -262,6 +262,86 @@ def test_ulp_is_the_gap_above_and_ties_round_to_even():
   assert np.asarray(lowprec.optim.split.rebuild(w, rho))[0] == want
 
 
+# ---- the rebuild without division, against division --------------------
+
+
+def _rebuild_by_division(w, rho, top):
+  """The rebuild's float32 bits with the quotient and remainder of `|n|
+  2^16` by `top` taken by integer division (numpy, int64), then rounded to
+  24 significant bits (ties to even) and scaled by `2^(E-8)`, flushed
+  below 2^-126: the rebuild as long division computes it."""
+  b = np.asarray(w, F32).view(np.uint32).astype(np.int64)
+  field = (b >> 23) & 0xFF
+  m = ((b >> 16) & 0x7F) | np.where(field > 0, 0x80, 0)
+  m = np.where(b >> 31 == 1, -m, m)
+  big_e = np.maximum(field, 1) - 127
+  n = 2 * m * top + np.asarray(rho, np.int64)
+  f, r1 = np.divmod(np.abs(n) << 16, top)
+  wide = f >= 1 << 24
+  sig = f >> wide
+  half_up = (f & 1 == 1) & ((r1 != 0) | (sig & 1 == 1))
+  sig = sig + np.where(wide, half_up, 2 * r1 > top)
+  carry = sig >= 1 << 24
+  sig = np.where(carry, sig >> 1, sig)
+  biased = 7 + wide + carry + big_e - 8 + 127
+  normal = (f >= 1 << 23) & (biased >= 1)
+  mag = (np.maximum(biased, 0) << 23) | (sig & 0x7FFFFF)
+  bits = np.where(n < 0, 1 << 31, 0) | np.where(normal, mag, 0)
+  return bits.astype(np.uint32)
+
+
+@pytest.mark.parametrize("bits", [8, 16])
+def test_quotient_equals_integer_division_on_every_significand_and_code(bits):
+  """`floor(|n| 2^16 / K)` and its remainder, `n = 2 m K + rho`, for every
+  bfloat16 significand `m` (-255 to 255, subnormals' included) and every
+  code of the dtype (-128 and -32768 too): 130,816 and 33,488,896 pairs,
+  against numpy's division."""
+  top, dtype = TOPS[bits], CODE_DTYPES[bits]
+  info = np.iinfo(dtype)
+  rho = np.arange(info.min, info.max + 1, dtype=np.int32)
+  quotient = jax.jit(
+    lambda m, rho, n: lowprec.optim.split._quotient(m, rho, n, top)
+  )
+  for ms in np.array_split(np.arange(-255, 256, dtype=np.int32), 7):
+    m, r = (x.ravel() for x in np.meshgrid(ms, rho, indexing="ij"))
+    n = 2 * m * top + r
+    f, r1 = quotient(m, r, n)
+    want_f, want_r1 = np.divmod(np.abs(n.astype(np.int64)) << 16, top)
+    np.testing.assert_array_equal(np.asarray(f, np.int64), want_f)
+    np.testing.assert_array_equal(np.asarray(r1, np.int64), want_r1)
+
+
+@pytest.mark.parametrize("bits", [8, 16])
+def test_rebuild_equals_the_rebuild_by_division(bits):
+  """`rebuild` bit for bit against long division: with 8 bits every code
+  with every bfloat16 significand (binades from 2^-126 to 2^127 and
+  subnormals, both signs, zero); with 16 bits every code with random
+  weights across all binades (seed 3), and the extreme codes with each
+  significand."""
+  top, dtype = TOPS[bits], CODE_DTYPES[bits]
+  info = np.iinfo(dtype)
+  codes = np.arange(info.min, info.max + 1)
+  man = np.arange(0x80, dtype=np.uint16)
+  # Exponent fields 0 (zero, subnormals) and 1 to 254 in steps of 23.
+  fields = np.concatenate([[0], np.arange(1, 255, 23)]).astype(np.uint16)
+  w = np.concatenate([man | (e << 7) for e in fields]).view(BF16).astype(F32)
+  w = np.concatenate([w, -w])
+  if bits == 8:
+    w, rho = (x.ravel() for x in np.meshgrid(w, codes, indexing="ij"))
+  else:
+    rng = np.random.default_rng(3)
+    pos = rng.integers(0x0000, 0x7F80, codes.size, dtype=np.uint16)
+    signs = rng.integers(0, 2, codes.size, dtype=np.uint16) << 15
+    random_w = (pos | signs).view(BF16).astype(F32)
+    ends = np.array([info.min, -top, -1, 0, 1, top])
+    edge_w, edge_rho = (x.ravel() for x in np.meshgrid(w, ends, indexing="ij"))
+    w = np.concatenate([random_w, edge_w])
+    rho = np.concatenate([codes, edge_rho])
+  got = jax.jit(lowprec.optim.split.rebuild)(w, rho.astype(dtype))
+  want = _rebuild_by_division(w, rho, top)
+  np.testing.assert_array_equal(_bits(np.asarray(got)), want)
+
+
 # ---- precision against a float32 master ----------------------------------
 
 

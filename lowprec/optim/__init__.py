@@ -1,7 +1,8 @@
 """Optax transforms: training with weights and optimizer state stored low.
 
 Write-back without master weights (`writeback`; `compensated`: Kahan,
-two-component, remainder; `eco`; `split`), optimizer state in low
+two-component, remainder; `eco` and its closed-form fold, `eco_fold`;
+`split`), optimizer state in low
 precision (`stored_state`), named recipes and tensor groups (`recipes`,
 `groups`), what each transform counted (`telemetry`), bytes per parameter
 (`memory`), float32 views of stored weights (`float32_views`) and the Flax

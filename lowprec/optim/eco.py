@@ -12,7 +12,10 @@ does), writes its update back onto the weights' grid through the storage
 engine (`lowprec.leafwise`, `lowprec.store`), and folds each weight's
 error into that weight's first moment (`mu` of the Adam family, `trace` of
 SGD with momentum). The fold is scaled by how the optimizer turns its first
-moment into updates, measured at each step as a forward-mode derivative:
+moment into updates, read off the optimizer in closed form where eco knows
+its transforms (`lowprec.optim.eco_fold`: optax's Adam family and SGD
+with momentum, in chains with clips, schedules and weight decay), else
+measured at each step as a forward-mode derivative (`jax.jvp`):
 
   fold = e (1 - r) / D,    r = dm'/dm,    D = du/dm,
 
@@ -43,6 +46,7 @@ from lowprec.engine.weights import format_lookup, is_array, path_name
 from lowprec.grids import choices
 from lowprec.grids import rng as rng_lib
 from lowprec.grids.rounding import OVERFLOW_MODES
+from lowprec.optim import eco_fold
 from lowprec.optim.compensated import as_emitted
 from lowprec.optim.float32_views import _widen as float32_view
 from lowprec.optim.stored_state import StoredState
@@ -58,6 +62,8 @@ _COUNTS = ("proposals", "moved", "saturated", "unreachable", "nonfinite")
 _REPORTED = ("proposals", "erased", "moved", "saturated", "unreachable")
 _REPORTED += ("nonfinite",)
 _MASSES = ("carried",)
+# How the fold's derivatives are taken, by the code `EcoState.fold` keeps.
+_FOLDS = ("jvp", "closed")
 
 
 class EcoState(NamedTuple):
@@ -66,7 +72,9 @@ class EcoState(NamedTuple):
   `inner` is the inner optimizer's state for float32 params; its first
   moment holds the folded errors. Counts are dicts from parameter path to
   an int32 scalar (`carried` to a float32 scalar), for the parameters that
-  have a format; None with `telemetry=False`.
+  have a format; None with `telemetry=False`. `fold` says how the fold's
+  derivatives are taken (an array, so that views of the state and
+  checkpoints keep it; None with `telemetry=False` too).
   """
 
   count: jax.Array  # int32 []: updates applied so far.
@@ -78,28 +86,35 @@ class EcoState(NamedTuple):
   unreachable: dict[str, jax.Array] | None  # int32 [] per path: detoured.
   nonfinite: dict[str, jax.Array] | None  # int32 [] per path: u or W^ bad.
   carried: dict[str, jax.Array] | None  # float32 [] per path: sum |e| folded.
+  fold: jax.Array | None  # int32 []: r and D taken by 0 jvp, 1 closed form.
 
   def arrays(self) -> dict[str, jax.Array]:
-    """The telemetry as arrays, traceable: keys as in `report()`."""
-    return counting.of_state(self, _REPORTED, masses=_MASSES, host=False)
+    """The telemetry as arrays, traceable: keys as in `report()`, with
+    `fold` as its int32 code (0 "jvp", 1 "closed")."""
+    out = counting.of_state(self, _REPORTED, masses=_MASSES, host=False)
+    return _with_fold(out, self.fold)
 
-  def report(self) -> dict[str, int | float]:
+  def report(self) -> dict[str, int | float | str]:
     """The telemetry as plain numbers: totals, then `<count>/<path>`.
 
-    Keys: `steps`, `proposals` (finite `u != 0`), `erased` (proposals
-    whose weight did not move; their error is folded), `moved`,
-    `saturated`, `unreachable` (as in `lowprec.writeback`), `nonfinite`
-    (a NaN or infinite `u`, or a NaN weight: never written or folded),
-    `erased_fraction` (erased / proposals, NaN without proposals),
-    `carried` (the float32 sum of `|e|` folded into the momentum this
-    step), and each of them per parameter path.
+    Keys: `steps`, `fold` ("closed" where `r` and `D` are read off the
+    optimizer, "jvp" where they are taken by forward-mode
+    differentiation; see `eco`), `proposals` (finite `u != 0`),
+    `erased` (proposals whose weight did not move; their error is
+    folded), `moved`, `saturated`, `unreachable` (as in
+    `lowprec.writeback`), `nonfinite` (a NaN or infinite `u`, or a NaN
+    weight: never written or folded), `erased_fraction` (erased /
+    proposals, NaN without proposals), `carried` (the float32 sum of
+    `|e|` folded into the momentum this step), and each of them per
+    parameter path.
     """
-    return counting.of_state(
-      jax.device_get(self._replace(key=None, inner=None)),
-      _REPORTED,
-      masses=_MASSES,
-      host=True,
-    )
+    st = jax.device_get(self._replace(key=None, inner=None))
+    out = counting.of_state(st, _REPORTED, masses=_MASSES, host=True)
+    if st.fold is None:
+      return out
+    codes = np.asarray(st.fold)
+    names = np.asarray(_FOLDS)[codes]
+    return _with_fold(out, names.tolist() if codes.ndim else str(names))
 
   def check_stored(self, prefix: str, plan: dict) -> None:
     """Raises where a `lowprec.store_state` around eco stores this state's
@@ -155,10 +170,20 @@ def eco(
   and the emitted delta `W^' - W^` lands exactly through
   `optax.apply_updates` (`lowprec.apply_updates` for float8 storage).
   `r` and `D` are the derivatives of the inner's new first moment and of
-  its update with respect to the first moment it read, taken at this step
-  by forward-mode differentiation (`jax.jvp`, one pass with the update).
-  A unit left in `m'` decays by `r` a step and is emitted as `D`, so the
-  fold's later updates sum to `e` while `r` and `D` stay as they are:
+  its update with respect to the first moment it read. Where `inner` is
+  built of optax transforms eco knows (`scale_by_adam` or `trace` for the
+  moment, as `optax.adam`, `optax.adamw`, `optax.nadam`, `optax.sgd` with
+  momentum or Nesterov and `optax.rmsprop` with momentum build it, in
+  `optax.chain`s with any transforms before the moment, and `scale`,
+  schedules and weight decay after it), they are read off it in closed
+  form, its hyperparameters and this step's learning rate and second
+  moment (`lowprec.optim.eco_fold`), and the fold is one or two products
+  per element. Otherwise (`optax.inject_hyperparams`, other wrappers,
+  optimizers of your own) they are taken at this step by forward-mode
+  differentiation (`jax.jvp`, one pass with the update). The two agree to
+  float32 rounding; telemetry's `fold` names the path. A unit left in
+  `m'` decays by `r` a step and is emitted as `D`, so the fold's later
+  updates sum to `e` while `r` and `D` stay as they are:
 
   * heavy-ball (`optax.sgd(eta, momentum=beta)`, `optax.trace`): `r =
     beta`, `D = -eta beta`, fold `-e / c` with `c = eta beta / (1 -
@@ -184,8 +209,14 @@ def eco(
   within a factor of two of `W~` (Sterbenz): always under nearest
   rounding short of saturation, and under stochastic rounding except
   where it rounds a value below the grid's smallest positive one up to
-  it. The fold `e (1 - r) / D` and `m' + fold` are two float32 roundings,
-  each relative to its own result.
+  it. By jvp, the fold `e (1 - r) / D` and `m' + fold` are two float32
+  roundings, each relative to its own result; in closed form the fold is
+  `(e k) den` with the scalar `k = (1 - r) / (D den)` (`den = 1` for
+  heavy ball, Adam's `sqrt(nhat) + eps` for Adam), two or three
+  roundings, and `D` itself rounds differently, so the two paths' folds
+  differ by a few float32 roundings (where `k` and `(1 - r) / D` are
+  powers of two, as in the golden recipes' `optax.sgd(2^-10, 0.5)`, not
+  at all).
 
   Coordinates whose `u` or `W^` is not finite keep their weight and fold
   nothing (`nonfinite`); neither does a coordinate with `D == 0` (an
@@ -196,8 +227,9 @@ def eco(
   momentum (a global-norm clip of the update, Muon's orthogonalization) is
   not checked for.
 
-  Telemetry, read with `lowprec.telemetry`: `proposals`, `erased`,
-  `moved`, `saturated`, `unreachable`, `nonfinite`, `erased_fraction` and
+  Telemetry, read with `lowprec.telemetry`: `fold` ("closed" or "jvp":
+  how `r` and `D` are taken), `proposals`, `erased`, `moved`,
+  `saturated`, `unreachable`, `nonfinite`, `erased_fraction` and
   `carried` (the float32 sum of `|e|` folded this step), in total and per
   parameter path (`EcoState.report`).
 
@@ -289,6 +321,7 @@ def eco(
   if random:
     key_state = rng_lib.state_key(key, f"eco(rounding={rounding!r})")
   inner = optax.with_extra_args_support(inner)
+  form = eco_fold.read(inner)  # None: r and D by jax.jvp
   leaf = _Leaf(
     leafwise.Plain(rounding, overflow, "keep", telemetry, "recompute")
   )
@@ -309,6 +342,7 @@ def eco(
       key=key_state[0] if random else None,
       inner=inner_state,
       **counts,
+      fold=_fold_code(form) if telemetry else None,
     )
 
   def update_fn(updates, state, params=None, **extra):
@@ -317,13 +351,22 @@ def eco(
         "eco rounds W^ + u onto the weights' grid and needs the current "
         "params: call opt.update(updates, state, params)"
       )
-    u, new_inner, d_u, d_inner, moments = _run_inner(
-      inner, lookup, float32_view(updates), state.inner, params, extra
-    )
+    g = float32_view(updates)
+    if form is None:
+      u, new_inner, d_u, d_inner, moments = _run_inner(
+        inner, lookup, g, state.inner, params, extra
+      )
+      fold_of = _by_jvp(d_u, d_inner)
+    else:
+      u, new_inner, moments = _run_plain(
+        inner, lookup, g, state.inner, params, extra
+      )
+      co = eco_fold.coefficients(form, state.inner, new_inner)
+      fold_of = _closed(co)
     u = jax.tree.map(as_emitted, u)
     ks = (state.key, key_state[1]) if random else None
     deltas, new_key, kept = leafwise.step("eco", lookup, u, params, ks, leaf)
-    new_inner, carried = _fold(new_inner, d_u, d_inner, moments, kept)
+    new_inner, carried = _fold(new_inner, moments, kept, fold_of)
     per = {n: k[1:] for n, k in kept.items()}
     counts = counting.by_field(per, _COUNTS, telemetry)
     counts["carried"] = carried if telemetry else None
@@ -332,6 +375,7 @@ def eco(
       key=new_key,
       inner=new_inner,
       **counts,
+      fold=_fold_code(form) if telemetry else None,
     )
     return deltas, new_state
 
@@ -480,16 +524,21 @@ def _first_moments(state, weights) -> dict[str, int]:
   return {n: at[0] for n, at in found.items()}
 
 
-def _run_inner(inner, lookup, g, state, params, extra):
-  """`inner.update` on float32 views, with the derivatives of its update
-  and new state with respect to the first moments it reads: `(u, new
-  state, du, d new state, {name: moment leaf index})`."""
+def _weights_of(lookup, params) -> dict:
+  """`{name: (path, format, weight)}` of the params that have a format."""
   weights = {}
   for path, w in jax.tree_util.tree_flatten_with_path(params)[0]:
     f = leafwise.weight_format(lookup, path, w)
     if f is not None:
       weights[path_name(path)] = (path, f, w)
-  moments = _first_moments(state, weights)
+  return weights
+
+
+def _run_inner(inner, lookup, g, state, params, extra):
+  """`inner.update` on float32 views, with the derivatives of its update
+  and new state with respect to the first moments it reads: `(u, new
+  state, du, d new state, {name: moment leaf index})`."""
+  moments = _first_moments(state, _weights_of(lookup, params))
   leaves, treedef = jax.tree_util.tree_flatten(state)
   at = sorted(set(moments.values()))
   p32 = float32_view(params)
@@ -508,27 +557,77 @@ def _run_inner(inner, lookup, g, state, params, extra):
   return u, new, du, dnew, moments
 
 
-def _fold(new, du, dnew, moments, kept):
-  """The new inner state with `e (1 - r) / D` added to each weight's
-  first moment, and `{name: float32 sum |e| folded}`."""
-  leaves, treedef = jax.tree_util.tree_flatten(new)
+def _run_plain(inner, lookup, g, state, params, extra):
+  """`inner.update` on float32 views: `(u, new state, {name: moment leaf
+  index})`."""
+  moments = _first_moments(state, _weights_of(lookup, params))
+  u, new = inner.update(g, state, float32_view(params), **extra)
+  return u, new, moments
+
+
+def _by_jvp(du, dnew):
+  """The fold `e (1 - r) / D` of parameter `name` (moment leaf `i`), with
+  `r` and `D` the tangents `jax.jvp` gave, and where it applies."""
   rates = jax.tree_util.tree_leaves(dnew)
   slopes = {
     path_name(p): x
     for p, x in jax.tree_util.tree_flatten_with_path(du)[0]
     if x is not None
   }
+
+  def fold_of(name, i, e):
+    r, d = _f32(rates[i]), _f32(slopes[name])
+    ok = (e != 0) & (d != 0) & jnp.isfinite(d) & jnp.isfinite(r)
+    return (e * (1 - r)) / jnp.where(ok, d, jnp.float32(1)), ok
+
+  return fold_of
+
+
+def _closed(co: eco_fold.Coefficients):
+  """The fold `(e k) den`, `k = (1 - r) / slope`, from the closed form's
+  coefficients (`D = slope / den`; `den = 1` for heavy ball), and where
+  it applies: where the jvp's `D` would be finite and nonzero."""
+  k = (1 - co.rate) / co.slope
+  scalars = (co.slope != 0) & jnp.isfinite(co.slope) & jnp.isfinite(co.rate)
+
+  def fold_of(name, i, e):
+    del i
+    ok = (e != 0) & scalars
+    if co.den is None:
+      return e * k, ok
+    den = co.den[name]
+    return (e * k) * den, ok & (den != 0) & jnp.isfinite(den)
+
+  return fold_of
+
+
+def _fold(new, moments, kept, fold_of):
+  """The new inner state with each weight's fold (`fold_of`) added to its
+  first moment, and `{name: float32 sum |e| folded}`."""
+  leaves, treedef = jax.tree_util.tree_flatten(new)
   carried = {}
   for name, k in kept.items():
     i = moments[name]
-    m = leaves[i]
-    e, r, d = k[0], _f32(rates[i]), _f32(slopes[name])
-    ok = (e != 0) & (d != 0) & jnp.isfinite(d) & jnp.isfinite(r)
-    fold = (e * (1 - r)) / jnp.where(ok, d, jnp.float32(1))
+    m, e = leaves[i], k[0]
+    fold, ok = fold_of(name, i, e)
     fold = jnp.where(ok, fold, jnp.float32(0))
     leaves[i] = (_f32(m) + fold).astype(jnp.result_type(m))
     carried[name] = mass(jnp.where(ok, e, jnp.float32(0)))
   return jax.tree_util.tree_unflatten(treedef, leaves), carried
+
+
+def _fold_code(form) -> jax.Array:
+  code = _FOLDS.index("jvp" if form is None else "closed")
+  return jnp.asarray(code, jnp.int32)
+
+
+def _with_fold(out: dict, fold) -> dict:
+  """`out` (a report) with `fold` after `steps`; as it is where the state
+  keeps no fold (a view of a state saved without one)."""
+  if fold is None:
+    return out
+  first, *rest = out.items()
+  return dict([first, ("fold", fold), *rest])
 
 
 def _f32(x):

@@ -30,9 +30,10 @@ bfloat16; and `w' = 0` only where `v' = 0`, whose correction is 0.
 correctly rounded `K e / (ulp / 2)`, ties to even, computed on integers
 (ties occur only at `e = +-ulp / 4`, where ties away from zero, as in
 FlashOptim's kernels, give the same code). The rebuild rounds the exact
-rational `w + rho / K * ulp / 2` once to float32, computed by integer
-division; `v + u` is one float32 addition, the proposal rounded to float32
-as the optimizer emitted it. So a run is the same bits on every backend.
+rational `w + rho / K * ulp / 2` once to float32, computed on integers
+(products, shifts and comparisons; no division by `K`); `v + u` is one
+float32 addition, the proposal rounded to float32 as the optimizer
+emitted it. So a run is the same bits on every backend.
 
 **Subnormals.** Float32 values below `2^-126` in magnitude are zero here:
 a proposal or a value there is read as zero and a sum there is flushed to
@@ -356,18 +357,14 @@ def _rebuild(w, rho, top: int):
   """float32 nearest to `w + rho / top * ulp(w) / 2`, zero below 2^-126.
 
   With `x = w / 2^(E-8) + rho / top = n / top` (`n` an integer below 2^24
-  in magnitude), `x` is rounded to 24 significant bits by integer long
-  division, then scaled by `2^(E-8)` on its exponent field.
+  in magnitude), `x` is rounded to 24 significant bits from the quotient
+  and remainder of `|n| 2^16` by `top` (`_quotient`), then scaled by
+  `2^(E-8)` on its exponent field.
   """
   big_e, m = _bf16_parts(w)
   n = 2 * m * top + rho
-  a = jnp.abs(n).astype(jnp.uint32)
+  f, r1 = _quotient(m, rho, n, top)
   k = jnp.uint32(top)
-  # floor(a * 2^16 / top) with its remainder, in two steps within 32 bits.
-  r0 = a % k
-  r1_num = r0 << 16
-  f = ((a // k) << 16) + r1_num // k
-  r1 = r1_num % k
   # 24 significant bits: f itself for x in [128, 256), f >> 1 above.
   wide = f >= (1 << 24)
   drop = wide.astype(jnp.uint32)
@@ -385,6 +382,33 @@ def _rebuild(w, rho, top: int):
   mag = (jnp.maximum(biased, 0).astype(jnp.uint32) << 23) | (sig & 0x7FFFFF)
   bits = sign | jnp.where(normal, mag, jnp.uint32(0))
   return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _quotient(m, rho, n, top: int):
+  """`floor(|n| 2^16 / top)` and its remainder (uint32), for `n = 2 m top +
+  rho` with `m` a bfloat16 significand and `rho` any int8 (int16) code,
+  `|rho| <= top + 1`, without an integer division: x86 has no vector one,
+  so XLA:CPU would divide element by element.
+
+  `|n| = 2 |m| top + t` with `t` the code signed as `n` (a nonzero `m`
+  gives `n` its sign, `2 top > |rho|`), so `|n| = q0 top + r0` with `q0 =
+  2 |m| + s`, `s = floor(t / top)` (-2, -1, 0 or 1 for `t` from `-top - 1`
+  to `top + 1`) and `r0 = t - s top` in `[0, top)`. With the constants
+  `2^16 = Q top + R`, `r0 2^16 = (Q r0) top + R r0` where `R r0 < R top`:
+  the quotient is `Q r0` plus the number of multiples `i top` (`0 < i <
+  R`) at or below `R r0`. These are integer identities, so the bits are
+  those of the division (tests/split_test.py compares the two on every
+  `m` and every code).
+  """
+  t = jnp.where(n < 0, -rho, rho)
+  s = (t >= top).astype(jnp.int32) - (t < 0) - (t < -top)
+  q0 = 2 * jnp.abs(m) + s
+  r0 = t - s * top
+  big_q, big_r = divmod(1 << 16, top)  # 516, 4 (K = 127); 2, 2 (32767)
+  more = sum((big_r * r0 >= i * top).astype(jnp.int32) for i in range(1, big_r))
+  f = (q0 << 16) + big_q * r0 + more
+  r1 = big_r * r0 - more * top
+  return f.astype(jnp.uint32), r1.astype(jnp.uint32)
 
 
 def _code(vp, new_w, top: int):

@@ -118,7 +118,8 @@ _REBUILT = {
   ),
   # A view has no `recipe`: a static record, not an array.
   SplitState: (set(SplitState._fields) - {"recipe"}, "lowprec.split_writeback"),
-  EcoState: (set(EcoState._fields) - {"key"}, "lowprec.eco"),
+  # `fold` is missing from a view of a state saved before eco kept it.
+  EcoState: (set(EcoState._fields) - {"key", "fold"}, "lowprec.eco"),
 }
 # States of the layers above (lowprec.freeze's traces) that a plain view
 # cannot be rebuilt into, recognized by their fields to name the fix:
@@ -255,7 +256,8 @@ def telemetry(opt_state) -> dict[str, float | int]:
       docstring.
 
   Returns:
-    `{name: int or float}` (lists of them for a batched state).
+    `{name: int or float}` (lists of them for a batched state); the one
+      name among the values is `lowprec.eco`'s `fold`, "closed" or "jvp".
 
   Raises:
     ValueError: `opt_state` holds no such state, or holds a reference
@@ -285,7 +287,8 @@ def telemetry_arrays(opt_state) -> dict[str, jax.Array]:
   """All telemetry in `opt_state` as arrays: traceable inside jit and scan.
 
   The same keys as `telemetry`, with int32 counts and float32 fractions
-  (NaN at a step without proposals). Return it from a `lax.scan` body to
+  (NaN at a step without proposals), and eco's `fold` as its int32 code
+  (0 "jvp", 1 "closed"). Return it from a `lax.scan` body to
   get per-step curves stacked along a leading axis, or from a `vmap`ped
   step to get one value per ensemble member.
 
@@ -352,6 +355,8 @@ def reseed(opt_state, key: jax.Array):
 
 
 def _plain(v):
+  if isinstance(v, str):  # a name, such as eco's `fold`
+    return v
   a = np.asarray(jax.device_get(v))
   if a.ndim:
     return a.tolist()
