@@ -102,7 +102,9 @@ class Dense(Op):
     res = {}
     xr = self._round("x", x, keys, reads, res)
     wr = self._round("kernel", kernel, keys, reads, res)
-    if self.uses_native_fp8:
+    # ScaledDense shares this forward; its block-scaled operands have no
+    # native float8 switch.
+    if getattr(self, "uses_native_fp8", False):
       y = _fp8_matmul(
         self.rounding("x"), xr, x, self.rounding("kernel"), wr, kernel
       )
