@@ -52,6 +52,12 @@ def path_name(path) -> str:
   return jax.tree_util.keystr(path, simple=True, separator="/")
 
 
+def _first(names, n: int) -> str:
+  """The first `n` of `names`, quoted, and how many more there are."""
+  more = f" and {len(names) - n} more" if len(names) > n else ""
+  return ", ".join(repr(x) for x in names[:n]) + more
+
+
 def _is_box_key(k) -> bool:
   return isinstance(k, jax.tree_util.GetAttrKey) and k.name in _BOX_FIELDS
 
@@ -145,11 +151,9 @@ def format_lookup(spec) -> FormatLookup:
       if keys[:n] in table:
         return table[keys[:n]]
     known = sorted("/".join(k) for k in table)
-    shown = ", ".join(repr(k) for k in known[:8])
-    more = f" and {len(known) - 8} more" if len(known) > 8 else ""
     raise ValueError(
       f"the format pytree has no entry for parameter {path_name(path)!r} or "
-      f"any prefix of it (entries: {shown}{more}); add one, with None to "
+      f"any prefix of it (entries: {_first(known, 8)}); add one, with None to "
       "leave it float32"
     )
 
@@ -238,13 +242,11 @@ def plan(rules, state, *, check: bool) -> dict[str, Any]:
     unused = [r.pattern for r in rules if r.pattern not in used]
     if unused:
       paths = [path_name(p) for p, _ in flat]
-      shown = ", ".join(repr(p) for p in paths[:10])
-      more = f" and {len(paths) - 10} more" if len(paths) > 10 else ""
       raise ValueError(
         f"store_state rule {unused[0]!r} matches no state leaf of the inner "
-        f"transform (its leaves: {shown or 'none'}{more}); a rule's regex "
-        "must re.fullmatch one or more whole '/'-separated components of a "
-        "state path. Fix the regex or drop the rule"
+        f"transform (its leaves: {_first(paths, 10) or 'none'}); a rule's "
+        "regex must re.fullmatch one or more whole '/'-separated components "
+        "of a state path. Fix the regex or drop the rule"
       )
   return out
 
