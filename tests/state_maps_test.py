@@ -267,6 +267,37 @@ def test_every_code_and_every_boundary_of_an_unsigned_map(name):
   assert len(set(code.ravel())) == n
 
 
+@pytest.mark.parametrize(
+  "name", ["dynamic8", "dynamic8u", "dynamic4", "uint4nz"]
+)
+def test_the_bucketed_first_guess_equals_the_binary_search(name):
+  """The table maps find a code from a bucket of the value's bits and at
+  most one comparison; the binary search over the thresholds that it
+  replaced is the reference. Inputs: every threshold and every bucket
+  edge, 2 ulps either side, both signs, 0, -0, +-1, NaN, and 200,000
+  log-uniform values in (-1, 1) (seed 0): all indices equal."""
+  m = lowprec.grids.codemaps.get_map(name)
+  g = lowprec.grids.codemaps._buckets(name)
+  assert g.extra <= 1
+  up = lowprec.grids.codemaps._thresholds(name)[1:]
+  k = np.arange(g.top + 2, dtype=np.int64)
+  one = int(F32(1).view(np.int32))
+  edges = np.minimum(g.floor + (k << g.shift), one).astype(np.int32)
+  v = np.concatenate([up, edges.view(F32)])
+  v = np.concatenate([v, -v])
+  for _ in range(2):
+    v = np.concatenate([v, np.nextafter(v, F32(2)), np.nextafter(v, F32(-2))])
+  rng = np.random.default_rng(0)
+  mag = 10.0 ** rng.uniform(-9, 0, 200_000)
+  r = (rng.choice([-1.0, 1.0], 200_000) * mag).astype(F32)
+  special = np.array([0.0, -0.0, 1.0, -1.0, np.nan], F32)
+  y = np.clip(np.concatenate([v, r, special]), -1 if m.signed else 0, 1)
+  y = jnp.asarray(y.astype(F32))
+  got = jax.jit(m.nearest_index)(y)
+  want = jax.jit(m.search_index)(y)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 def test_dynamic_map_table_and_its_ends():
   """The maps themselves: 256 entries (16 for dynamic4), strictly
   increasing, 0 and 1 in them, the smallest nonzero magnitude 5.5e-7

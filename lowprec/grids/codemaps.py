@@ -54,7 +54,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 from fractions import Fraction
+from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -112,17 +114,33 @@ class CodeMap:
 
   def nearest_index(self, y):
     """The index of the code of normalized `y` (finite, in range)."""
-    n = len(self.table())
     if self.name == "companded8":
       phi = (2.0 * y) / (1.0 + jnp.abs(y))
       return _round_half_up(phi * np.float32(127)) + 127
     if self.name == "sqrt8":
       return _round_half_up(y * np.float32(255))
-    # Branchless binary search: the number of thresholds at or below y,
-    # threshold k the float32 at or above the midpoint of entries k-1, k.
+    # The number of thresholds at or below y (threshold k the float32 at
+    # or above the midpoint of entries k-1, k): a first guess read from
+    # y's bucket (its sign, exponent and leading fraction bits), then at
+    # most `extra` comparisons (`_Buckets`).
+    g = _buckets(self.name)
+    bits = jax.lax.bitcast_convert_type(y, jnp.int32)
+    mag = jnp.maximum(bits & np.int32(0x7FFFFFFF), g.floor) - g.floor
+    mag = jnp.minimum(mag >> g.shift, g.top)
+    bucket = jnp.where(bits < 0, g.top - mag, g.top + 1 + mag)
+    index = jnp.take(jnp.asarray(g.first), bucket).astype(jnp.int32)
+    up = jnp.asarray(g.up)
+    for j in range(1, g.extra + 1):
+      index = index + (y >= jnp.take(up, index + j)).astype(jnp.int32)
+    return jnp.where(jnp.isnan(y), 0, index)
+
+  def search_index(self, y):
+    """`nearest_index` by a branchless binary search over the thresholds
+    (8 dependent steps for 256 entries): the reference the bucketed
+    guess is tested against."""
     up = jnp.asarray(_thresholds(self.name))
     index = jnp.zeros(jnp.shape(y), jnp.int32)
-    step = n // 2
+    step = len(self.table()) // 2
     while step:
       index = jnp.where(y >= jnp.take(up, index + step), index + step, index)
       step //= 2
@@ -247,3 +265,54 @@ def _thresholds(name: str) -> np.ndarray:
   low = up.astype(np.float64) < mid
   up[low] = np.nextafter(up[low], np.float32(np.inf))
   return np.concatenate([[np.float32(-np.inf)], up]).astype(np.float32)
+
+
+class _Buckets(NamedTuple):
+  """A table map's first guess: the float32 `y` in [-1, 1] falls in
+  bucket `top - m` (y < 0, or -0.0) or `top + 1 + m`, where `m` is its
+  magnitude's bit pattern above `floor` (0 below it), shifted right by
+  `shift`; `first[bucket]` is the number of thresholds at or below the
+  bucket's smallest value, and at most `extra` more lie within it. `up`
+  is `_thresholds` padded with `extra` infinities."""
+
+  floor: int
+  shift: int
+  top: int
+  first: np.ndarray
+  extra: int
+  up: np.ndarray
+
+
+@functools.cache
+def _buckets(name: str, max_extra: int = 1) -> _Buckets:
+  """The widest buckets with at most `max_extra` thresholds inside each."""
+  up = _thresholds(name)
+  inner = up[1:].astype(np.float64)
+  # Below the smallest threshold magnitude the count does not change.
+  small = np.min(np.abs(inner[inner != 0]))
+  floor = int(np.float32(2.0 ** np.floor(np.log2(small))).view(np.int32))
+  one = int(np.float32(1).view(np.int32))
+  for shift in range(23, -1, -1):  # the widest buckets that keep max_extra
+    top = (one - floor) >> shift
+    lo, hi = _bucket_counts(up, floor, shift, top)
+    if np.max(hi - lo) <= max_extra:
+      break
+  extra = int(np.max(hi - lo))
+  pad = np.full(extra, np.inf, np.float32)
+  up = np.concatenate([up, pad])
+  return _Buckets(floor, shift, top, lo.astype(np.uint8), extra, up)
+
+
+def _bucket_counts(up, floor: int, shift: int, top: int):
+  """The threshold counts at the smallest and largest value of each
+  bucket (the count grows with the value, so it lies between them)."""
+  m = np.arange(top + 1, dtype=np.int64)
+  small = np.where(m == 0, 0, floor + (m << shift))  # least magnitude
+  large = np.minimum(floor + ((m + 1) << shift) - 1, 0x7F7FFFFF)
+  mags = lambda b: b.astype(np.int32).view(np.float32)
+  count = lambda v: np.searchsorted(up[1:], v, side="right")
+  neg_lo, neg_hi = count(-mags(large)), count(-mags(small))
+  pos_lo, pos_hi = count(mags(small)), count(mags(large))
+  lo = np.concatenate([neg_lo[::-1], pos_lo])
+  hi = np.concatenate([neg_hi[::-1], pos_hi])
+  return lo, hi
