@@ -103,6 +103,53 @@ def test_scan_equals_the_python_loop_bit_for_bit_with_stacked_telemetry():
   assert_telemetry_equal(lowprec.telemetry(s_scan), per_step[-1])
 
 
+@pytest.mark.parametrize("fmt", [FMT, "mxfp8_e4m3"])
+def test_counting_every_third_update_reports_the_counted_ones(fmt):
+  """`telemetry=3`: the same weights bit for bit as `telemetry=True` over
+  8 stochastic steps; after update t (from 1) the counts are those that
+  `telemetry=True` gave after the last counted update (1, 4, 7), which
+  `counted_step` names; one compile serves both kinds of update."""
+  params, x, y = _problem()
+  if fmt != FMT:  # a 32 x 32 kernel on the MX grid, blocks of 32
+    k1, k2, k3 = jax.random.split(jax.random.key(3), 3)
+    params = {"w": jax.random.normal(k1, (32, 32)), "b": jnp.zeros(32)}
+    x, y = (
+      jax.random.normal(k2, (8, 32, 32)),
+      jax.random.normal(k3, (8, 32, 32)),
+    )
+    fmt = [("w", fmt), ("b", FMT)]
+  params = lowprec.to_grid(params, fmt)
+  runs = {}
+  for telemetry in (True, 3):
+    opt = optax.chain(
+      optax.adamw(3e-3),
+      lowprec.writeback(
+        fmt, "stochastic", key=jax.random.key(1), telemetry=telemetry
+      ),
+    )
+    step = jax.jit(_step(opt))
+    carry, seen = (params, opt.init(params)), []
+    for t in range(8):
+      carry, _ = step(carry, (x[t], y[t]))
+      seen.append(lowprec.telemetry(carry[1]))
+    assert step._cache_size() == 1
+    runs[telemetry] = carry[0], seen
+  (p_all, every), (p_some, some) = runs[True], runs[3]
+  for k in p_all:
+    np.testing.assert_array_equal(
+      np.asarray(p_some[k]).view(np.uint32),
+      np.asarray(p_all[k]).view(np.uint32),
+    )
+  for t, tel in enumerate(some, start=1):
+    counted = (t - 1) // 3 * 3 + 1
+    assert tel.pop("count_every") == 3 and tel.pop("counted_step") == counted
+    want = dict(every[counted - 1], steps=t)
+    assert_telemetry_equal(tel, want)
+  assert some[-1]["moved"] > 0
+  with pytest.raises(ValueError, match="telemetry=10"):
+    lowprec.writeback(FMT, telemetry=-1)
+
+
 def test_telemetry_arrays_inside_jit_count_and_are_nan_without_proposals():
   params = {"w": jnp.ones(3)}
   opt = lowprec.writeback(FMT)

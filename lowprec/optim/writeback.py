@@ -17,6 +17,7 @@ per-tensor counts of proposals, erasures and saturations, read with
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -62,6 +63,8 @@ class WritebackState(NamedTuple):
   # int32 [] per path: finite weights off their grid when the update
   # began (None without telemetry): `report()` raises where one is not 0.
   offgrid: dict[str, jax.Array] | None = None
+  # Static: counts taken every k-th update (None: every update).
+  every: CountEvery | None = None
 
   def arrays(self) -> dict[str, jax.Array]:
     """The counts as arrays, traceable: `{name: int32 or float32 array}`.
@@ -87,6 +90,10 @@ class WritebackState(NamedTuple):
     scale changed this step) and `rescaled_fraction`, in total and per
     path.
 
+    Under `telemetry=k` (k > 1) the counts are those of the last counted
+    update, and two keys say which: `count_every` (k) and `counted_step`
+    (that update's number, from 1; 0 before the first).
+
     Raises:
       ValueError: the last update found weights off their grid (the
         `offgrid` counts): something changed the params after the
@@ -95,6 +102,21 @@ class WritebackState(NamedTuple):
     st = jax.device_get(self._replace(key=None))
     check_offgrid(st.offgrid)
     return _telemetry(st, host=True)
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class CountEvery:
+  """A write-back's state counts every `k`-th update (static: no arrays):
+  updates 1, k + 1, 2k + 1, ... (the update number minus one a multiple
+  of k)."""
+
+  k: int
+
+  def counted_step(self, steps):
+    """The number (from 1) of the last counted update after `steps`
+    updates; 0 before the first."""
+    return jnp.where(steps > 0, (steps - 1) // self.k * self.k + 1, 0)
 
 
 def check_offgrid(offgrid) -> None:
@@ -120,6 +142,10 @@ def check_offgrid(offgrid) -> None:
 
 def _telemetry(st: WritebackState, host: bool) -> dict:
   out = counting.of_state(st, _REPORTED, host=host)
+  if st.every is not None:
+    at = st.every.counted_step(st.count)
+    out["count_every"] = st.every.k
+    out["counted_step"] = counting.host_int(at) if host else at
   if st.proposals is not None and st.blocks:
     per = {
       n: {"blocks": b, "rescaled": st.rescaled[n]} for n, b in st.blocks.items()
@@ -138,7 +164,7 @@ def writeback(
   key: jax.Array | None = None,
   overflow: str = "saturate",
   nonfinite: str = "keep",
-  telemetry: bool = True,
+  telemetry: bool | int = True,
   scales: str = "recompute",
 ) -> optax.GradientTransformation:
   """Rounds `w + u` onto the weights' grid and emits the exact deltas.
@@ -180,6 +206,10 @@ def writeback(
     nonfinite: "keep" (default) or "propagate", for non-finite proposals.
     telemetry: keep the counts in the state (one reduction per tensor and
       step; on XLA:CPU it recomputes the rounding: docs/writeback.md).
+      An int `k > 1` counts every k-th update only (the 1st, the k+1-th,
+      ...; the others keep the last counts) at about 1/k of the cost, and
+      the telemetry then names the update it counted (`counted_step`,
+      `count_every`). True is 1, False 0.
     scales: for MX scaled formats only (ignored by the others): the block
       scales of the grid that `w + u` is rounded onto. "recompute"
       (default): from `w + u` itself, `w' = FQ(w + u)`, so a block's grid
@@ -243,12 +273,18 @@ def writeback(
   choices.check_choice("overflow mode", overflow, OVERFLOW_MODES)
   choices.check_choice("nonfinite mode", nonfinite, NONFINITE_MODES)
   choices.check_choice("scales", scales, SCALE_MODES)
+  every = _count_every(telemetry)
+  telemetry = every > 0
   lookup = format_lookup(fmt)
   random = rounding != "nearest"
   key_state = None
   if random:
     key_state = rng_lib.state_key(key, f"writeback(rounding={rounding!r})")
   leaf = leafwise.Plain(rounding, overflow, nonfinite, telemetry, scales)
+  # Under telemetry=k, the deltas of every update come from the step
+  # without counts; a counted update runs the counting step in a branch.
+  silent = leaf._replace(telemetry=False)
+  sometimes = CountEvery(every) if every > 1 else None
 
   def init_fn(params):
     fmts = {
@@ -262,28 +298,58 @@ def writeback(
       **{c: zeros if telemetry else None for c in _COUNTS},
       blocks=on_scaled if telemetry and on_scaled else None,
       rescaled=on_scaled if telemetry and on_scaled else None,
+      every=sometimes,
     )
 
-  def update_fn(updates, state, params=None):
-    ks = (state.key, key_state[1]) if random else None
+  def counted(updates, params, ks):
+    """The deltas, the new key and the state's count fields."""
     deltas, new_key, kept = leafwise.step(
       "writeback", lookup, updates, params, ks, leaf
     )
     counts = counting.by_field(kept, _COUNTS, telemetry)
     n = len(_COUNTS)
     scales = {name: k[n:] for name, k in kept.items() if len(k) > n}
+    counts["blocks"] = {n: b for n, (b, _) in scales.items()} or None
+    counts["rescaled"] = {n: r for n, (_, r) in scales.items()} or None
+    return deltas, new_key, counts
+
+  def update_fn(updates, state, params=None):
+    ks = (state.key, key_state[1]) if random else None
+    if sometimes is None:
+      deltas, new_key, counts = counted(updates, params, ks)
+    else:
+      deltas, new_key, _ = leafwise.step(
+        "writeback", lookup, updates, params, ks, silent
+      )
+      last = {f: getattr(state, f) for f in (*_COUNTS, "blocks", "rescaled")}
+      counts = jax.lax.cond(
+        state.count % every == 0,
+        lambda: counted(updates, params, ks)[2],
+        lambda: last,
+      )
     new_state = WritebackState(
       count=optax.safe_increment(state.count),
       key=new_key,
       **counts,
-      blocks={n: b for n, (b, _) in scales.items()} or None,
-      rescaled={n: r for n, (_, r) in scales.items()} or None,
+      every=sometimes,
     )
     if telemetry and not _traced(counts["offgrid"]):
       check_offgrid(counts["offgrid"])  # an update run eagerly
     return deltas, new_state
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _count_every(telemetry) -> int:
+  """0 (no counts), 1 (every update) or k (every k-th) from `telemetry`."""
+  if isinstance(telemetry, bool):
+    return int(telemetry)
+  if isinstance(telemetry, int | np.integer) and telemetry >= 0:
+    return int(telemetry)
+  raise ValueError(
+    f"writeback's telemetry is True, False or a whole number k >= 1 (count "
+    f"every k-th update), got {telemetry!r}: e.g. telemetry=10"
+  )
 
 
 def _traced(tree) -> bool:
