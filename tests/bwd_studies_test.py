@@ -34,6 +34,7 @@ from experiments import (
   train,
 )
 from experiments.analysis import bwd_tables, figures, tables
+from tests.studies_test import _smoke as study_smoke
 
 STUDIES = ["bwd_operator_checks", "attention_reuse", "norm_store"]
 CONFIGS = sorted(
@@ -383,12 +384,9 @@ def test_probe_table_losses_margin_and_bias_test(tmp_path):
 
 
 def _smoke(name, tmp_path):
-  c = _load(name, "scale=smoke")
-  c.log.results_dir = str(tmp_path)
-  c.lock()
-  summaries = study.run_study(c)
-  assert all(s["status"] == "finished" for s in summaries)
-  md = tables.make(name, str(tmp_path))
+  """The study's smoke through the entry point (tests/studies_test.py),
+  with a figure of a sensible size."""
+  c, md = study_smoke(name, tmp_path)
   png = figures.plot(name, str(tmp_path))
   assert 1000 < os.path.getsize(png) < 200_000
   return c, md

@@ -867,29 +867,62 @@ def test_fp8_table_keeps_each_seed_of_a_scaled_format_apart(tmp_path):
 # -------------------------------------------------------- smoke, end to end
 
 
-def _smoke(name, tmp_path):
+def _smoke(name, root):
+  """Runs study `name` at smoke scale under `root` through the entry point
+  (one device: the programs of one device compile in about 60% of the
+  time of eight), makes its table and figure (an illegible figure is an
+  error: plotting.problems)."""
   c = _load(name, "scale=smoke")
-  c.log.results_dir = str(tmp_path)
-  c.lock()
-  summaries = study.run_study(c)
-  assert all(s["status"] == "finished" for s in summaries)
-  md = tables.make(name, str(tmp_path))
-  png = figures.plot(name, str(tmp_path))
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+  cmd = [
+    sys.executable,
+    "-m",
+    "experiments.run",
+    f"--config=configs/{name}.py:scale=smoke",
+    f"--config.log.results_dir={root}",
+  ]
+  run = subprocess.run(
+    cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800
+  )
+  assert run.returncode == 0, run.stderr[-3000:]
+  for path in (root / name).glob("*/seed*/summary.json"):
+    assert json.loads(path.read_text())["status"] == "finished", path
+  md = tables.make(name, str(root))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", plotting.IllegibleFigure)
+    png = figures.plot(name, str(root))
   assert os.path.getsize(png) > 1000
-  assert os.path.exists(os.path.join(tmp_path, name, "tables", f"{name}.csv"))
+  assert os.path.exists(os.path.join(root, name, "tables", f"{name}.csv"))
+  c.log.results_dir = str(root)
   return c, md
 
 
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+  """`smoke(name) -> (config, table markdown, results root)`: each study's
+  smoke runs once per module (several tests read the same run)."""
+  root = tmp_path_factory.mktemp("smokes")
+  done = {}
+
+  def run(name):
+    if name not in done:
+      done[name] = _smoke(name, root)
+    return (*done[name], root)
+
+  return run
+
+
 @pytest.mark.slow
-def test_int3_replay_smoke_restores_checkpoints_and_tabulates(tmp_path):
-  c, md = _smoke("int3_replay", tmp_path)
+def test_int3_replay_smoke_restores_checkpoints_and_tabulates(smoke):
+  c, md, root = smoke("int3_replay")
   model = "one step for the model (norms, biases float32)"
   for q in ("per tensor", model):
     for rounding in ("stochastic", "nearest"):
       assert f"- {q}, {rounding} write-back, 2 checkpoint(s)" in md
     assert f"- {q}, stochastic minus nearest final val loss, 2 " in md
     assert f"- {q}: start / ln V " in md
-  table = tmp_path / "int3_replay" / "tables" / "int3_replay.csv"
+  table = root / "int3_replay" / "tables" / "int3_replay.csv"
   rows = list(csv.DictReader(open(table)))
   assert len(rows) == 4  # 2 quantizers x 2 checkpoints
   for r in rows:
@@ -904,7 +937,7 @@ def test_int3_replay_smoke_restores_checkpoints_and_tabulates(tmp_path):
   # The parameters a replay starts from are the reference's, bit for bit.
   ref = study.resolve(c, "fp32_reference", 0)
   run = train.build_run(ref)
-  d = os.path.join(tmp_path, "int3_replay", "fp32_reference", "seed0")
+  d = os.path.join(root, "int3_replay", "fp32_reference", "seed0")
   params = checkpoint.restore_params(
     os.path.join(d, "checkpoints"), ref.train.steps, run.state.params
   )
@@ -949,21 +982,21 @@ def test_int3_replay_smoke_restores_checkpoints_and_tabulates(tmp_path):
 
 
 @pytest.mark.slow
-def test_grid_smoke_makes_its_table(tmp_path):
-  _, md = _smoke("freeze_grid", tmp_path)
+def test_grid_smoke_makes_its_table(smoke):
+  _, md, root = smoke("freeze_grid")
   assert "cells with predicted and measured post-init crossings: " in md
   assert "categories differ" in md
   assert re.search(r"measured crossing at step 2: \d+/\d+ \(predicted", md)
   assert "measured crossings after step 2: " in md
-  assert "freeze_grid.png" in os.listdir(tmp_path / "freeze_grid" / "tables")
+  assert "freeze_grid.png" in os.listdir(root / "freeze_grid" / "tables")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
   "name", ["freeze_gpt2_fp8", "freeze_mx", "freeze_transfer", "deadzone_vs_sr"]
 )
-def test_slow_smoke_study_makes_its_table(name, tmp_path):
-  _, md = _smoke(name, tmp_path)
+def test_slow_smoke_study_makes_its_table(name, smoke):
+  _, md, root = smoke(name)
   expect = {
     "freeze_gpt2_fp8": "validation loss fp32_reference",
     "freeze_mx": "rn_mxfp8_e4m3 (mxfp8_e4m3): predicted crossing",
@@ -972,9 +1005,7 @@ def test_slow_smoke_study_makes_its_table(name, tmp_path):
   }[name]
   assert expect in md
   if name == "deadzone_vs_sr":
-    rows = list(
-      csv.DictReader(open(tmp_path / name / "tables" / f"{name}.csv"))
-    )
+    rows = list(csv.DictReader(open(root / name / "tables" / f"{name}.csv")))
     d = float(rows[0]["deadzone_minus_full_sr"])
     want = float(rows[0]["val_loss_deadzone"]) - float(
       rows[0]["val_loss_stochastic"]
@@ -984,12 +1015,12 @@ def test_slow_smoke_study_makes_its_table(name, tmp_path):
 
 
 @pytest.mark.slow
-def test_state_precision_smoke_stores_narrow_state_and_tabulates(tmp_path):
-  _, md = _smoke("state_precision", tmp_path)
+def test_state_precision_smoke_stores_narrow_state_and_tabulates(smoke):
+  _, md, root = smoke("state_precision")
   assert "- bf16w_sr_fp8: final val loss minus float32 state" in md
   rows = list(
     csv.DictReader(
-      open(tmp_path / "state_precision" / "tables" / "state_precision.csv")
+      open(root / "state_precision" / "tables" / "state_precision.csv")
     )
   )
   assert {r["arm"] for r in rows} == {"bf16w_fp32", "bf16w_sr_fp8"}
@@ -1001,14 +1032,12 @@ def test_state_precision_smoke_stores_narrow_state_and_tabulates(tmp_path):
 
 
 @pytest.mark.slow
-def test_user_reports_smoke_predicts_the_stuck_gains(tmp_path):
-  _, md = _smoke("freeze_user_reports", tmp_path)
+def test_user_reports_smoke_predicts_the_stuck_gains(smoke):
+  _, md, root = smoke("freeze_user_reports")
   rows = {
     (r["group"], r["step"]): r
     for r in csv.DictReader(
-      open(
-        tmp_path / "freeze_user_reports" / "tables" / "freeze_user_reports.csv"
-      )
+      open(root / "freeze_user_reports" / "tables" / "freeze_user_reports.csv")
     )
   }
   # Six steps of lr <= 6.5e-4: no bf16 gain of 1.0 can move under nearest
@@ -1057,12 +1086,12 @@ def test_search_mx_settings_validate_and_fit_the_blocks(scale):
 
 
 @pytest.mark.slow
-def test_attention_search_smoke_tabulates_each_setting(tmp_path):
-  _, md = _smoke("attention_reuse_search", tmp_path)
+def test_attention_search_smoke_tabulates_each_setting(smoke):
+  _, md, root = smoke("attention_reuse_search")
   rows = list(
     csv.DictReader(
       open(
-        tmp_path
+        root
         / "attention_reuse_search"
         / "tables"
         / "attention_reuse_search.csv"
@@ -1126,8 +1155,8 @@ def test_reproduce_runs_the_audit_smoke_through_the_entry_point(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["remedies", "remedies_fp8"])
-def test_remedies_smoke_runs_and_tabulates(name, tmp_path):
-  _, md = _smoke(name, tmp_path)
+def test_remedies_smoke_runs_and_tabulates(name, smoke):
+  _, md, root = smoke(name)
   assert "| kahan (float8_e5m2 buffer) |" in md
   assert (
     "- kahan (float8_e5m2 buffer), float32 prediction vs measured (mean "
@@ -1141,14 +1170,12 @@ _IDENTIFIER = re.compile(r"[A-Za-z0-9]_[A-Za-z0-9]")
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", studies.names())
-def test_every_study_writes_worded_tables_and_legible_figures(name, tmp_path):
+def test_every_study_writes_worded_tables_and_legible_figures(name, smoke):
   # At smoke scale, where curves are a few points and arms often agree to
   # the last digit: every column is named in words, and the figure has no
   # text cut or overlapping, no point off its axes, no hidden line and no
-  # empty panel (plotting.problems).
-  with warnings.catch_warnings():
-    warnings.simplefilter("error", plotting.IllegibleFigure)
-    _, md = _smoke(name, tmp_path)
+  # empty panel (plotting.problems, an error in `_smoke`).
+  _, md, _ = smoke(name)
   head = next(line for line in md.splitlines() if line.startswith("| "))
   cells = [c.strip() for c in re.split(r"(?<!\\)\|", head)[1:-1]]
   words = [c for c in cells if not _IDENTIFIER.search(re.sub("`[^`]*`", "", c))]
