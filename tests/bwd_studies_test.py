@@ -386,8 +386,7 @@ def test_probe_table_losses_margin_and_bias_test(tmp_path):
 def _smoke(name, tmp_path):
   """The study's smoke through the entry point (tests/studies_test.py),
   with a figure of a sensible size."""
-  c, md = study_smoke(name, tmp_path)
-  png = figures.plot(name, str(tmp_path))
+  c, md, png = study_smoke(name, tmp_path)
   assert 1000 < os.path.getsize(png) < 200_000
   return c, md
 

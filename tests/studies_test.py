@@ -35,6 +35,7 @@ from experiments import (
 )
 from experiments.analysis import figures, plotting, studies, tables
 from lowprec.freeze import leaf_paths
+from tests.train_test import _run as train_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -871,20 +872,11 @@ def _smoke(name, root):
   """Runs study `name` at smoke scale under `root` through the entry point
   (one device: the programs of one device compile in about 60% of the
   time of eight), makes its table and figure (an illegible figure is an
-  error: plotting.problems)."""
+  error: plotting.problems). Returns the config, the table's markdown
+  and the figure's path."""
   c = _load(name, "scale=smoke")
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
-  cmd = [
-    sys.executable,
-    "-m",
-    "experiments.run",
-    f"--config=configs/{name}.py:scale=smoke",
-    f"--config.log.results_dir={root}",
-  ]
-  run = subprocess.run(
-    cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800
-  )
+  arg = f"--config=configs/{name}.py:scale=smoke"
+  run = train_run(root, arg, devices=1, timeout=1800)
   assert run.returncode == 0, run.stderr[-3000:]
   for path in (root / name).glob("*/seed*/summary.json"):
     assert json.loads(path.read_text())["status"] == "finished", path
@@ -895,7 +887,7 @@ def _smoke(name, root):
   assert os.path.getsize(png) > 1000
   assert os.path.exists(os.path.join(root, name, "tables", f"{name}.csv"))
   c.log.results_dir = str(root)
-  return c, md
+  return c, md, png
 
 
 @pytest.fixture(scope="module")
@@ -907,7 +899,7 @@ def smoke(tmp_path_factory):
 
   def run(name):
     if name not in done:
-      done[name] = _smoke(name, root)
+      done[name] = _smoke(name, root)[:2]
     return (*done[name], root)
 
   return run

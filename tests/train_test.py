@@ -17,7 +17,7 @@ from experiments import results, study
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run(tmp, *args, devices=8, wait=True):
+def _run(tmp, *args, devices=8, wait=True, timeout=600):
   env = dict(os.environ)
   env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
   env["JAX_PLATFORMS"] = "cpu"
@@ -38,7 +38,7 @@ def _run(tmp, *args, devices=8, wait=True):
       text=True,
     )
   return subprocess.run(
-    cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
   )
 
 
