@@ -207,9 +207,9 @@ def writeback(
     telemetry: keep the counts in the state (one reduction per tensor and
       step; on XLA:CPU it recomputes the rounding: docs/writeback.md).
       An int `k > 1` counts every k-th update only (the 1st, the k+1-th,
-      ...; the others keep the last counts) at about 1/k of the cost, and
-      the telemetry then names the update it counted (`counted_step`,
-      `count_every`). True is 1, False 0.
+      ...; the others run without counts and keep the last ones), and the
+      telemetry then names the update it counted (`counted_step`,
+      `count_every`). True is 1, False (or 0) none.
     scales: for MX scaled formats only (ignored by the others): the block
       scales of the grid that `w + u` is rounded onto. "recompute"
       (default): from `w + u` itself, `w' = FQ(w + u)`, so a block's grid
@@ -347,8 +347,8 @@ def _count_every(telemetry) -> int:
   if isinstance(telemetry, int | np.integer) and telemetry >= 0:
     return int(telemetry)
   raise ValueError(
-    f"writeback's telemetry is True, False or a whole number k >= 1 (count "
-    f"every k-th update), got {telemetry!r}: e.g. telemetry=10"
+    f"writeback's telemetry is True, False or a whole number k >= 0 (count "
+    f"every k-th update; 0 is False), got {telemetry!r}: e.g. telemetry=10"
   )
 
 
