@@ -17,6 +17,7 @@ import optax
 
 import lowprec
 from experiments import lowprec_config
+from lowprec.engine import leafwise
 
 
 def _constant(opt, warmup: int, steps: int) -> optax.Schedule:
@@ -90,7 +91,9 @@ def global_norm(tree) -> jax.Array:
   leaves = [x.astype(jnp.float32) for x in jax.tree.leaves(tree)]
   if not leaves:
     return jnp.float32(0)
-  sums = [_pairwise_sum(jnp.ravel(jnp.square(x))) for x in leaves]
+  # Leaves of one shape are summed stacked: one program per kind of leaf.
+  rows = [(jnp.ravel(jnp.square(x)),) for x in leaves]
+  sums = leafwise.grouped(lambda _, v: _pairwise_sum(v), rows)
   return jnp.sqrt(_pairwise_sum(jnp.stack(sums)))
 
 

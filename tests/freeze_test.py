@@ -544,6 +544,55 @@ def test_sample_is_fixed_deterministic_and_spread():
   assert {p for p, _ in pos} == set(flat)  # every leaf is represented
 
 
+def test_same_shaped_leaves_are_sampled_and_counted_as_alone():
+  # Leaves of one shape are traced stacked: the sample must still be the
+  # numpy ravel's values at its positions, and each leaf's counts those
+  # of a trace of that leaf alone.
+  rs = np.random.default_rng(3)
+  params = {f"h_{i}": {"w": rs.standard_normal((6, 10))} for i in range(5)}
+  params["b"] = rs.standard_normal(7)
+  params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
+  grads = jax.tree.map(lambda x: 2e-3 * jnp.cos(7 * x), params)
+  targets = ["bfloat16", Target("float8_e4m3fn", "stochastic")]
+  opt = freeze.reference_trace(targets, sample=40, key=jax.random.key(2))
+  state = jax.jit(lambda g, p: opt.update(g, opt.init(p), p)[1])(grads, params)
+  flat_w = {
+    p: np.asarray(x).ravel()
+    for p, x in zip(
+      freeze.leaf_paths(params), jax.tree_util.tree_leaves(params), strict=True
+    )
+  }
+  flat_u = dict(
+    zip(
+      flat_w,
+      [np.asarray(x).ravel() for x in jax.tree.leaves(grads)],
+      strict=True,
+    )
+  )
+  pos = state.sample_positions()
+  assert {p for p, _ in pos} == set(flat_w)
+  np.testing.assert_array_equal(
+    np.asarray(state.sample_w), [flat_w[p][i] for p, i in pos]
+  )
+  np.testing.assert_array_equal(
+    np.asarray(state.sample_u), [flat_u[p][i] for p, i in pos]
+  )
+  report = state.report()
+  for name in params:
+    alone = freeze.reference_trace(targets)
+    one = {name: params[name]}
+    st = alone.update({name: grads[name]}, alone.init(one), one)[1].report()
+    (leaf,) = freeze.leaf_paths(one)
+    for key, value in st.items():
+      if not key.endswith("/" + leaf):
+        continue
+      if "move_prob" in key:
+        # A float32 sum: XLA may order the stacked reduction otherwise.
+        assert report[key] == pytest.approx(value, rel=1e-6), key
+      else:
+        assert report[key] == value, key  # exact counts
+
+
 def _small_tree():
   params = {
     "a": 0.3 * jax.random.normal(jax.random.key(0), (8, 16)),

@@ -133,22 +133,87 @@ def step(
     keys = rng_lib.leaf_keys(
       step_key, [path_name(p) for p, _, _, f in todo if f is not None]
     )
-  deltas, kept = [], {}
+  rows, statics, names = [], [], []
   for path, u, w, f in todo:
     if f is None:
-      deltas.append(u)
       continue
     name = path_name(path)
     check_shape(caller, name, w, u)
     _check_proposal(name, u)
-    bits = None
-    if keys is not None:
-      bits = rng_lib.random_bits(keys[name], jnp.shape(w))
     w32 = jnp.asarray(w).astype(jnp.float32)
     u32 = jnp.asarray(u).astype(jnp.float32)
-    delta, kept[name] = leaf(path, w32, u32, f, bits)
-    deltas.append(delta)
+    rows.append((w32, u32, None if keys is None else keys[name]))
+    statics.append((path, f))
+    names.append(name)
+
+  def one(static, w32, u32, key):
+    path, f = static
+    bits = None if key is None else rng_lib.random_bits(key, jnp.shape(w32))
+    return leaf(path, w32, u32, f, bits)
+
+  if getattr(leaf, "path_free", False):
+    # Same-shaped leaves (a GPT's layers) step stacked: the program holds
+    # one write-back per kind of leaf, however deep the model.
+    fmts = [f for _, f in statics]
+    out = grouped(lambda f, *row: one((None, f), *row), rows, fmts)
+  else:
+    out = [one(st, *row) for st, row in zip(statics, rows, strict=True)]
+  done = dict(zip(names, out, strict=True))
+  deltas = [
+    u if f is None else done[path_name(path)][0] for path, u, _, f in todo
+  ]
+  kept = {n: done[n][1] for n in names}
   return jax.tree_util.tree_unflatten(treedef, deltas), new_key, kept
+
+
+def same_shapes(rows, statics=None) -> list[list[int]]:
+  """The indices of `rows` (tuples of arrays or None) in groups whose
+  entries agree in shape and dtype, and in `statics[i]` where given, in
+  order of first appearance. A GPT's layers give one group per kind of
+  layer leaf, however deep the model."""
+  found: dict = {}
+  for i, row in enumerate(rows):
+    sig = tuple(
+      None if a is None else (jnp.shape(a), jnp.result_type(a)) for a in row
+    )
+    static = None if statics is None else statics[i]
+    found.setdefault((sig, static), []).append(i)
+  return list(found.values())
+
+
+def stack(rows, group: list[int]) -> list:
+  """Each entry of the group's rows stacked on a new first axis (None
+  stays None)."""
+  first = rows[group[0]]
+  return [
+    None if first[k] is None else jnp.stack([rows[i][k] for i in group])
+    for k in range(len(first))
+  ]
+
+
+def grouped(fn, rows, statics=None) -> list:
+  """`[fn(statics[i], *rows[i]) for each i]`, with `fn` traced once per
+  group of `same_shapes` rows: the group's arrays are stacked and `fn`
+  runs under `jax.vmap`. The program then holds one copy of `fn` per
+  kind of leaf rather than one per leaf, so its compile time does not
+  grow with depth. `fn` must treat each row alone (elementwise work and
+  reductions within the row). Its elementwise results and integer counts
+  are then the per-row calls' bit for bit; a float reduction may round
+  otherwise, since XLA orders a batched reduction its own way. A group of
+  one is called as it is."""
+  statics = [None] * len(rows) if statics is None else list(statics)
+  out: list = [None] * len(rows)
+  for group in same_shapes(rows, statics):
+    static = statics[group[0]]
+    if len(group) == 1:
+      out[group[0]] = fn(static, *rows[group[0]])
+      continue
+    args = stack(rows, group)
+    axes = [None if a is None else 0 for a in args]
+    res = jax.vmap(lambda *a, s=static: fn(s, *a), in_axes=axes)(*args)
+    for j, i in enumerate(group):
+      out[i] = jax.tree.map(lambda x, j=j: x[j], res)
+  return out
 
 
 def _check_proposal(name: str, u) -> None:
@@ -184,6 +249,10 @@ class Plain(NamedTuple):
   nonfinite: str
   telemetry: bool
   scales: str
+
+  # The step reads nothing of the path: `step` runs same-shaped leaves
+  # stacked under one vmap.
+  path_free = True
 
   def __call__(self, path, w, u, fmt, bits):
     """Delta and, with telemetry, the counts of one tensor (then, for a

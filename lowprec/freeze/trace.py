@@ -19,7 +19,7 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
-from lowprec.engine import weights
+from lowprec.engine import leafwise, weights
 from lowprec.freeze import reports
 from lowprec.grids import choices, rounding, scaled
 from lowprec.grids.formats import (
@@ -425,10 +425,12 @@ def reference_trace(
     )
     ws = [jnp.asarray(w, jnp.float32) for w in ws]
     us = [jnp.asarray(u, jnp.float32) for u in us]
-    per_leaf = [
-      _leaf_counts(w, u, [f[i] for f in lay.formats], lay.roundings)
-      for i, (w, u) in enumerate(zip(ws, us, strict=True))
-    ]
+    # One traced count per kind of leaf (stacked), not per leaf.
+    per_leaf = leafwise.grouped(
+      lambda fmts, w, u: _leaf_counts(w, u, fmts, lay.roundings),
+      list(zip(ws, us, strict=True)),
+      [tuple(f[i] for f in lay.formats) for i in range(len(ws))],
+    )
     proposals, erased_a, move_a = _stacked(per_leaf, state)
     run_start = _online_crossing(state, proposals, erased_a, lay)
     sample_w, sample_u = _gather(ws, us, state.sample_index, lay)
@@ -648,14 +650,25 @@ def _online_crossing(state, proposals, erased, lay: TraceLayout):
 
 
 def _gather(ws, us, index, lay: TraceLayout):
+  """The sampled coordinates' weights and proposals: one gather per kind
+  of leaf, from its leaves stacked, whatever the depth."""
   if index is None:
     return None, None
   w_out = jnp.zeros(index.shape, jnp.float32)
   u_out = jnp.zeros(index.shape, jnp.float32)
-  for w, u, off, size in zip(ws, us, lay.offsets, lay.sizes, strict=True):
-    local = index - off
-    inside = (local >= 0) & (local < size)
-    at = jnp.clip(local, 0, size - 1)
+  rows = list(zip(ws, us, strict=True))
+  for group in leafwise.same_shapes(rows):
+    size = lay.sizes[group[0]]
+    offsets = jnp.asarray([lay.offsets[i] for i in group], jnp.int32)
+    inside = (index >= offsets[:, None]) & (index < offsets[:, None] + size)
+    member = jnp.argmax(inside, axis=0).astype(jnp.int32)
+    at = jnp.clip(index - offsets[member], 0, max(size - 1, 0))
+    if len(group) == 1:
+      w, u = rows[group[0]]
+    else:
+      w, u = leafwise.stack(rows, group)
+      at = member * size + at
+    inside = jnp.any(inside, axis=0)
     w_out = jnp.where(inside, _take(w, at), w_out)
     u_out = jnp.where(inside, _take(u, at), u_out)
   return w_out, u_out
