@@ -151,13 +151,11 @@ def step(
     bits = None if key is None else rng_lib.random_bits(key, jnp.shape(w32))
     return leaf(path, w32, u32, f, bits)
 
-  if getattr(leaf, "path_free", False):
-    # Same-shaped leaves (a GPT's layers) step stacked: the program holds
-    # one write-back per kind of leaf, however deep the model.
-    fmts = [f for _, f in statics]
-    out = grouped(lambda f, *row: one((None, f), *row), rows, fmts)
-  else:
-    out = [one(st, *row) for st, row in zip(statics, rows, strict=True)]
+  # Leaf by leaf, not stacked: stacking same-shaped leaves (`grouped`)
+  # builds a deep model's step a few seconds sooner but copies every
+  # weight and proposal in and every delta out, which made the 20M
+  # write-back step 3-4x slower (docs/scaling.md#compile-time-measured).
+  out = [one(st, *row) for st, row in zip(statics, rows, strict=True)]
   done = dict(zip(names, out, strict=True))
   deltas = [
     u if f is None else done[path_name(path)][0] for path, u, _, f in todo
@@ -249,10 +247,6 @@ class Plain(NamedTuple):
   nonfinite: str
   telemetry: bool
   scales: str
-
-  # The step reads nothing of the path: `step` runs same-shaped leaves
-  # stacked under one vmap.
-  path_free = True
 
   def __call__(self, path, w, u, fmt, bits):
     """Delta and, with telemetry, the counts of one tensor (then, for a

@@ -386,7 +386,6 @@ class _Leaf(NamedTuple):
   """The plain write-back of one tensor and its error `e = W~ - W^'`."""
 
   plain: leafwise.Plain
-  path_free = True
 
   def __call__(self, path, w, u, fmt, bits):
     """`(delta, (e, *counts))`: `e` where it is folded (0 where the weight
