@@ -369,9 +369,11 @@ def _record(params, state) -> dict:
   import jax
 
   import lowprec
+  from lowprec.optim.stored_state import unpacked
 
   arrays = {}
-  trees = {"params": params, "state": state}
+  # 4-bit codes as codes, one to an element, however they are packed.
+  trees = {"params": params, "state": unpacked(state)}
   for top, tree in trees.items():
     if tree is None:
       continue

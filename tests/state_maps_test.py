@@ -16,7 +16,7 @@ import pytest
 
 import lowprec
 from lowprec.engine.codec import decode
-from lowprec.optim.stored_state import parse_state_format
+from lowprec.optim.stored_state import parse_state_format, unpacked
 from tests.state_storage_test import KEY, _bits, _stored, holder, one_and_eight
 from tests.telemetry_test import assert_telemetry_equal
 
@@ -176,6 +176,11 @@ GRID_SPECS = [
 ]
 
 
+def _codes(state):
+  """The stored leaf's codes, one to an element (4-bit ones are packed)."""
+  return unpacked(state).inner.s["w"]
+
+
 def _unsigned(spec):
   return parse_state_format(spec).fmt.name in UNSIGNED
 
@@ -190,7 +195,7 @@ def test_stored_codes_scales_and_values_equal_the_numpy_oracle(spec):
   x = _inputs(1, _unsigned(spec), huge=huge)
   code, scales, value, over = oracle(spec, x)
   state = _stored(spec, x)
-  got = state.inner.s["w"]
+  got = _codes(state)
   assert got.dtype == code.dtype
   np.testing.assert_array_equal(_bits(got), _bits(code))
   got_s = state.scales["s/w"]
@@ -237,10 +242,10 @@ def test_every_code_and_every_boundary_of_the_map(name):
   spec = f"{name}:tensor"
   code, _, value, _ = oracle(spec, x)
   state = _stored(spec, x)
-  np.testing.assert_array_equal(_bits(state.inner.s["w"]), _bits(code))
+  np.testing.assert_array_equal(_bits(_codes(state)), _bits(code))
   assert float(state.scales["s/w"]) == 1.0
   codec = parse_state_format(spec).codec()
-  read = np.asarray(decode(codec, state.inner.s["w"], state.scales["s/w"]))
+  read = np.asarray(decode(codec, _codes(state), state.scales["s/w"]))
   np.testing.assert_array_equal(_bits(read), _bits(value))
   table = TABLES.get(name)
   if table is not None:  # the entries come back as themselves
@@ -248,7 +253,7 @@ def test_every_code_and_every_boundary_of_the_map(name):
     np.testing.assert_array_equal(read[0, :n], table)
     np.testing.assert_array_equal(code[0, :n], np.arange(n))
   else:
-    assert set(np.asarray(state.inner.s["w"]).ravel()) == set(range(-127, 128))
+    assert set(np.asarray(_codes(state)).ravel()) == set(range(-127, 128))
 
 
 @pytest.mark.parametrize("name", ["sqrt8", "uint4nz", "dynamic8u"])
@@ -259,9 +264,9 @@ def test_every_code_and_every_boundary_of_an_unsigned_map(name):
   spec = f"{name}:tensor"
   code, _, value, _ = oracle(spec, x)
   state = _stored(spec, x)
-  np.testing.assert_array_equal(_bits(state.inner.s["w"]), _bits(code))
+  np.testing.assert_array_equal(_bits(_codes(state)), _bits(code))
   codec = parse_state_format(spec).codec()
-  read = np.asarray(decode(codec, state.inner.s["w"], state.scales["s/w"]))
+  read = np.asarray(decode(codec, _codes(state), state.scales["s/w"]))
   np.testing.assert_array_equal(_bits(read), _bits(value))
   n = 16 if name == "uint4nz" else 256
   assert len(set(code.ravel())) == n
@@ -358,7 +363,7 @@ def test_telemetry_equals_a_numpy_recount(spec):
   assert {k: tel[f"state/{k}"] for k in want} == want
   assert 0 < want["erased"] < want["changed"]
   codec = parse_state_format(spec).codec()
-  read = np.asarray(decode(codec, state.inner.s["w"], state.scales["s/w"]))
+  read = np.asarray(decode(codec, _codes(state), state.scales["s/w"]))
   np.testing.assert_array_equal(_bits(read), _bits(v_new))
   if unsigned:
     assert read[3, 7] == 0.0
@@ -393,7 +398,7 @@ def test_stochastic_map_rounding_is_unbiased_in_the_value(spec):
     lo = np.concatenate([np.ones((rows, 1), F32), lo], axis=1)
     hi = np.concatenate([np.ones((rows, 1), F32), hi], axis=1)
     state = _stored(spec, x, key=jax.random.key(int(f * 10)))
-    got = np.asarray(decode(codec, state.inner.s["w"], state.scales["s/w"]))
+    got = np.asarray(decode(codec, _codes(state), state.scales["s/w"]))
     inner = (slice(None), slice(1, None))
     assert np.all((got == lo) | (got == hi)), name
     p = x[inner] - lo[inner]
@@ -416,16 +421,16 @@ BYTES = {  # per parameter of a (1024, 1024) matrix: code + scale / block
   "dynamic8u:block256": 1 + 4 / 256,
   "companded8:block32": 1 + 2 / 32,
   "sqrt8:block32": 1 + 2 / 32,
-  "dynamic4:block128": 1 + 4 / 128,  # 4-bit codes, one per byte
-  "uint4nz:block128": 1 + 4 / 128,
-  "int4:nearest:block128:amax": 1 + 4 / 128,
+  "dynamic4:block128": 0.5 + 4 / 128,  # 4-bit codes, two to a byte
+  "uint4nz:block128": 0.5 + 4 / 128,
+  "int4:nearest:block128:amax": 0.5 + 4 / 128,
 }
 
 
 @pytest.mark.parametrize("spec", BYTES)
 def test_bytes_per_param_count_codes_and_scales(spec):
   """`bytes_per_param` of Adam's `nu` stored so, `mu` float32: 4 bytes of
-  weights, 4 of `mu`, and the code (one byte, also for 4-bit codes) plus
+  weights, 4 of `mu`, and the code (a byte, half a byte for 4-bit codes) plus
   its block's scale (float16 scales 2 bytes) per parameter, exactly; the
   codec's `nbytes` is the stored arrays' size."""
   params = {"w": jnp.zeros((1024, 1024))}
@@ -440,6 +445,93 @@ def test_bytes_per_param_count_codes_and_scales(spec):
   assert codec.nbytes((1024, 1024)) == stored
 
 
+def _nibbles_numpy(codes: np.ndarray) -> np.ndarray:
+  """The oracle: each row's codes as bytes, element 2k in the low nibble,
+  2k + 1 in the high one, a zero nibble after an odd last element."""
+  c = np.atleast_1d(codes).astype(np.int64) & 0xF
+  rows = c.reshape(-1, c.shape[-1])
+  out = np.zeros((rows.shape[0], -(-c.shape[-1] // 2)), np.uint8)
+  for r, row in enumerate(rows):
+    for k, v in enumerate(row):
+      out[r, k // 2] |= np.uint8(v << (4 * (k % 2)))
+  return out.reshape(*c.shape[:-1], out.shape[-1])
+
+
+@pytest.mark.parametrize(
+  "spec",
+  ["dynamic4:block128", "uint4nz:block128", "int4:nearest:block128:amax"],
+)
+@pytest.mark.parametrize("shape", [(6,), (3, 5), (), (2, 1)])
+def test_four_bit_codes_are_packed_two_to_a_byte(spec, shape):
+  # Seed 0, every code of the map at random: the bytes are the numpy
+  # oracle's, and unpacking gives the codes back with their dtype.
+  from lowprec.engine.codec import pack, packed_shape, unpack
+
+  codec = parse_state_format(spec).codec()
+  assert codec.packed
+  lo, hi = (-8, 8) if codec.dtype() == np.int8 else (0, 16)
+  codes = np.random.default_rng(0).integers(lo, hi, shape).astype(codec.dtype())
+  stored = np.asarray(pack(codec, jnp.asarray(codes)))
+  assert stored.dtype == np.uint8 and stored.shape == packed_shape(shape)
+  np.testing.assert_array_equal(stored, _nibbles_numpy(codes))
+  back = np.asarray(unpack(codec, jnp.asarray(stored), shape))
+  assert back.dtype == codec.dtype()
+  np.testing.assert_array_equal(back, codes)
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_four_bit_moments_packed_step_as_one_code_a_byte(rounding, monkeypatch):
+  # Adam, four steps, both moments 4-bit on an odd and an even last axis:
+  # the state holds ceil(n / 2) bytes a row, and the updates, unpacked
+  # codes, scales and counts are bit for bit those of the same store
+  # keeping one code a byte (the layout packing replaced). Then the
+  # arrays restored into a template made by init continue the same.
+  from lowprec.engine.codec import Codec
+
+  params = {
+    "w": jax.random.normal(jax.random.key(0), (4, 257)),
+    "b": jax.random.normal(jax.random.key(1), (6,)),
+  }
+  rules = {
+    "mu": f"dynamic4:{rounding}:block128",
+    "nu": f"uint4nz:{rounding}:block128",
+  }
+
+  def run(steps=4):
+    tx = lowprec.store_state(optax.adam(1e-2), rules, key=KEY)
+    state, step, out = tx.init(params), jax.jit(tx.update), []
+    for i in range(steps):
+      grads = jax.tree.map(lambda p, i=i: jnp.cos(p * (i + 1)), params)
+      updates, state = step(grads, state, params)
+      out.append(updates)
+    return tx, state, out
+
+  tx, packed, updates = run()
+  mu = packed.inner[0].mu
+  assert mu["w"].dtype == jnp.uint8 and mu["w"].shape == (4, 129)
+  assert mu["b"].shape == (3,)
+  with monkeypatch.context() as m:
+    m.setattr(Codec, "packed", property(lambda self: False))
+    jax.clear_caches()  # programs traced with packing
+    _, plain, plain_updates = run()
+  jax.clear_caches()
+  assert plain.inner[0].mu["w"].shape == (4, 257)
+  got = [updates, unpacked(packed), lowprec.telemetry(packed)]
+  want = [plain_updates, plain, lowprec.telemetry(plain)]
+  for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  template = tx.init(params)
+  restored = jax.tree.unflatten(
+    jax.tree.structure(template),
+    [np.asarray(x) for x in jax.tree.leaves(packed)],
+  )
+  grads = jax.tree.map(jnp.sin, params)
+  a = jax.jit(tx.update)(grads, packed, params)
+  b = jax.jit(tx.update)(grads, restored, params)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
 # ---- devices ---------------------------------------------------------------
 
 DEVICE_SPECS = {
@@ -447,6 +539,7 @@ DEVICE_SPECS = {
   "amax256": "float8_e4m3fn:nearest:block256:amax",
   "companded32": "companded8:block32",
   "sqrt32_sr": "sqrt8:stochastic:block32",
+  "dynamic4_128_sr": "dynamic4:stochastic:block128",  # packed codes
 }
 
 

@@ -17,7 +17,7 @@ import optax
 import pytest
 
 import lowprec
-from lowprec.optim.stored_state import parse_state_format
+from lowprec.optim.stored_state import parse_state_format, unpacked
 from tests.state_storage_test import holder
 
 KEY = jax.random.key(3)
@@ -167,7 +167,7 @@ def _start(spec, shape=(4, 64)):
 
 
 def _codes(state):
-  return np.asarray(state.inner.s["w"]).astype(np.float32)
+  return np.asarray(unpacked(state).inner.s["w"]).astype(np.float32)
 
 
 def _held(spec, x):
@@ -176,7 +176,7 @@ def _held(spec, x):
   return np.asarray(
     lowprec.engine.codec.decode(
       parse_state_format(spec).codec(),
-      state.inner.s["w"],
+      unpacked(state).inner.s["w"],
       state.scales.get("s/w"),
     )
   )
@@ -249,7 +249,7 @@ def test_an_8_bit_state_whose_codes_do_not_change_stalls_every_update(spec):
   widened = np.asarray(
     lowprec.engine.codec.decode(
       parse_state_format(spec).codec(),
-      state.inner.s["w"],
+      unpacked(state).inner.s["w"],
       state.scales["s/w"],
     )
   )

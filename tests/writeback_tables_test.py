@@ -20,9 +20,9 @@ STATE_BYTES = {
   "dynamic8:block2048": 1 + 4 / 2048,
   "companded8:block32": 1 + 2 / 32,  # float16 scales, the map's own
   "sqrt8:block32": 1 + 2 / 32,
-  "dynamic4:block128": 1 + 4 / 128,  # a 4-bit code per byte
-  "uint4nz:block128": 1 + 4 / 128,
-  "int4:nearest:block128:amax": 1 + 4 / 128,
+  "dynamic4:block128": 0.5 + 4 / 128,  # two 4-bit codes to a byte
+  "uint4nz:block128": 0.5 + 4 / 128,
+  "int4:nearest:block128:amax": 0.5 + 4 / 128,
   "int8:stochastic:block128": 1 + 4 / 128,  # a grid held in float32
   "e3m2:stochastic": 6 / 8,
 }

@@ -39,10 +39,13 @@ class Recipe:
     kind: the transform, e.g. "store_state" or "split_writeback".
     entries: `(name, spec)` pairs in a fixed order: per stored state path
       its `StateFormat` string, or a transform's settings.
+    shapes: `(name, shape)` of each leaf stored with two codes to a byte
+      (`lowprec.engine.codec.pack`): the shape its codes unpack to.
   """
 
   kind: str
   entries: tuple[tuple[str, str], ...]
+  shapes: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
   def __str__(self) -> str:
     shown = ", ".join(f"{n}={s}" for n, s in self.entries)
@@ -50,12 +53,22 @@ class Recipe:
 
   def to_json(self) -> dict:
     """A JSON-able dict (`from_json` reads it back)."""
-    return {"kind": self.kind, "entries": [list(e) for e in self.entries]}
+    out = {"kind": self.kind, "entries": [list(e) for e in self.entries]}
+    if self.shapes:
+      out["shapes"] = [[n, list(shape)] for n, shape in self.shapes]
+    return out
 
   @classmethod
   def from_json(cls, d: dict) -> Recipe:
     """The record `to_json` gave `d` for."""
-    return cls(str(d["kind"]), tuple((str(n), str(s)) for n, s in d["entries"]))
+    return cls(
+      str(d["kind"]),
+      tuple((str(n), str(s)) for n, s in d["entries"]),
+      tuple(
+        (str(n), tuple(int(k) for k in shape))
+        for n, shape in d.get("shapes", ())
+      ),
+    )
 
 
 def mismatch(

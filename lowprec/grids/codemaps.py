@@ -46,7 +46,8 @@ tables of `companded8` and `sqrt8` are their float32 formulas, evaluated
 as written.
 
 Zero blocks have scale 0 (a map may have no zero entry: the scale makes
-the block read back as zeros). The 4-bit codes are kept one per byte.
+the block read back as zeros). `store_state` keeps the 4-bit codes two to
+a byte (`lowprec.engine.codec.pack`).
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ class CodeMap:
   Attributes:
     name: "dynamic8", "dynamic8u", "dynamic4", "companded8", "sqrt8" or
       "uint4nz".
-    bits: bits of information per code (the codes are kept in a byte).
+    bits: bits of information per code (an 8-bit code is kept in a byte,
+      two 4-bit codes share one).
     signed: whether the map holds negative values.
     code_dtype: "uint8" or "int8".
     scale_dtype: the default dtype of its scales, "float32" or "float16".
@@ -109,7 +111,11 @@ class CodeMap:
 
   def value(self, index, per):
     """float32 `post(T[index] * per)`: what a code reads back as."""
-    v = jnp.take(jnp.asarray(self.table()), index, mode="clip") * per
+    table = self.table()
+    if len(table) <= _SMALL:
+      v = _select(table, jnp.clip(index, 0, len(table) - 1)) * per
+    else:
+      v = jnp.take(jnp.asarray(table), index, mode="clip") * per
     return v * v if self.name == "sqrt8" else v
 
   def nearest_index(self, y):
@@ -119,6 +125,13 @@ class CodeMap:
       return _round_half_up(phi * np.float32(127)) + 127
     if self.name == "sqrt8":
       return _round_half_up(y * np.float32(255))
+    if len(self.table()) <= _SMALL:
+      # A 4-bit map: the number of thresholds at or below y, counted
+      # (15 vector comparisons beat two table lookups, which XLA:CPU
+      # runs as scalar loads).
+      up = _thresholds(self.name)[1:]
+      index = sum((y >= t).astype(jnp.int32) for t in up)
+      return jnp.where(jnp.isnan(y), 0, index)
     # The number of thresholds at or below y (threshold k the float32 at
     # or above the midpoint of entries k-1, k): a first guess read from
     # y's bucket (its sign, exponent and leading fraction bits), then at
@@ -153,6 +166,25 @@ class CodeMap:
   def code_of(self, index):
     """int32 code of a table index."""
     return index - self.offset
+
+
+# Maps of at most this many entries read their table by selects.
+_SMALL = 16
+
+
+def _select(table: np.ndarray, index):
+  """`table[index]` for an int32 `index` in range, as a tree of selects
+  on its bits (vectorizes, where a gather runs element by element)."""
+  values = [jnp.float32(v) for v in table]
+  bit = 0
+  while len(values) > 1:
+    on = (index >> bit) & 1 == 1
+    pairs = zip(values[0::2], values[1::2], strict=False)
+    nxt = [jnp.where(on, hi, lo) for lo, hi in pairs]
+    if len(values) % 2:
+      nxt.append(values[-1])
+    values, bit = nxt, bit + 1
+  return jnp.broadcast_to(values[0], jnp.shape(index))
 
 
 def _round_half_up(v):

@@ -117,6 +117,7 @@ def _state_leaves(params: dict, state):
     if is_array(x)
   }
   served = _served(state, leaves)
+  unpacked = _unpacked_shapes(state)
   corrections = _corrections(state, wanted)
   copies = {}  # prefix -> whether the leaves under it copy the params
 
@@ -133,6 +134,8 @@ def _state_leaves(params: dict, state):
   def per_param(name: str, x) -> bool:
     if name in corrections:
       return True
+    if name in unpacked:  # 4-bit codes two to a byte: the shape they code
+      return unpacked[name] in shapes
     if x.ndim:
       return tuple(x.shape) in shapes
     for p in scalars:
@@ -147,6 +150,22 @@ def _state_leaves(params: dict, state):
       yield _nbytes(x), kinds.get(served[name], False)
     else:
       yield _nbytes(x), kinds[name]
+
+
+def _unpacked_shapes(state) -> dict[str, tuple[int, ...]]:
+  """Leaf name -> the shape its codes unpack to, for every leaf that a
+  `store_state` state keeps two codes to a byte (from its record)."""
+  nodes = jax.tree_util.tree_flatten_with_path(
+    state, is_leaf=lambda x: isinstance(x, StoredState)
+  )[0]
+  out = {}
+  for path, node in nodes:
+    if isinstance(node, StoredState):
+      pre = path_name(path)
+      pre = pre + "/" if pre else ""
+      for name, shape in node.recipe.shapes:
+        out[pre + "inner/" + name] = tuple(shape)
+  return out
 
 
 def _served(state, leaves: dict) -> dict[str, str]:

@@ -14,7 +14,8 @@ float32 power of two, or `amax / max_E` (`"...:block256:amax"`). Where the
 format has a dtype (`bfloat16`, `float16`, `float8_*`) the stored arrays
 are of that dtype, in memory and in checkpoints. The 8- and 4-bit states
 of PyTorch's optimizers are code maps (`lowprec.codemaps`): a byte per
-element and one scale per block, e.g. `"dynamic8:block256"`.
+element (half a byte for 4-bit codes, two to a byte) and one scale per
+block, e.g. `"dynamic8:block256"`.
 
 A small update of a state leaf can be rounded away just as a small
 write-back of a weight is. For Adam's second moment `nu' - nu =
@@ -45,7 +46,9 @@ from lowprec.engine.codec import (
   Encoded,
   decode,
   encode,
+  pack,
   tally,
+  unpack,
 )
 from lowprec.engine.weights import path_name
 from lowprec.grids import choices, codemaps
@@ -539,20 +542,25 @@ def store_state(
     )
   inner = optax.with_extra_args_support(inner)
 
-  def codecs(state, check):
+  def codecs(state, check, shapes):
     plan = rules_lib.plan(parsed, state, check=check)
     if check:
       check_moments(plan)
       _check_by_inner(state, plan)
+    codecs = {n: sf.codec(storage, overflow) for n, sf in plan.items()}
     recipe = record.Recipe(
-      "store_state", tuple((n, str(sf)) for n, sf in plan.items())
+      "store_state",
+      tuple((n, str(sf)) for n, sf in plan.items()),
+      tuple((n, shapes[n]) for n, c in codecs.items() if c.packed),
     )
-    return {n: sf.codec(storage, overflow) for n, sf in plan.items()}, recipe
+    return codecs, recipe
 
   def init_fn(params):
     state = inner.init(float32_view(params))
-    plan, recipe = codecs(state, check=True)
-    picked = {n: x for n, x in _leaves(state).items() if n in plan}
+    picked = _leaves(state)
+    shapes = {n: tuple(jnp.shape(x)) for n, x in picked.items()}
+    plan, recipe = codecs(state, True, shapes)
+    picked = {n: x for n, x in picked.items() if n in plan}
     codes, scales = _store_all(tuple(plan.items()), picked)
     stored, _, _ = _map_stored(plan, state, lambda n, c, x: (codes[n], None))
     zeros = dict.fromkeys(plan, jnp.zeros([], jnp.int32)) if telemetry else None
@@ -563,14 +571,16 @@ def store_state(
     return StoredState(stored, scales, counts, recipe)
 
   def update_fn(updates, state, params=None, **extra):
-    plan, recipe = codecs(state.inner, check=False)
+    # The shapes packed codes unpack to are the state's record.
+    shapes = dict(getattr(state.recipe, "shapes", ()))
+    plan, recipe = codecs(state.inner, False, _Shapes(shapes))
     record.check(
       getattr(state, "recipe", None),
       recipe,
       "Continue the state with store_state built with the recorded specs, "
       "or start a new state with init",
     )
-    widened = _widen(state.inner, plan, state.scales)
+    widened = _widen(state.inner, plan, state.scales, shapes)
     updates, new_inner = inner.update(
       float32_view(updates), widened, float32_view(params), **extra
     )
@@ -581,6 +591,10 @@ def store_state(
         step_key, [n for n, c in plan.items() if c.random]
       )
     old, old_codes = _leaves(widened), _leaves(state.inner)
+    old_codes = {
+      n: unpack(plan[n], c, shapes.get(n)) if n in plan else c
+      for n, c in old_codes.items()
+    }
 
     def store(name, codec, x):
       bits = None
@@ -625,7 +639,7 @@ def _map_stored(plan, state, store):
     if not isinstance(enc, Encoded):  # a code stored already
       leaves.append(enc)
       continue
-    leaves.append(enc.code)
+    leaves.append(pack(plan[name], enc.code))
     if enc.scales is not None:
       scales[name] = enc.scales
   return jax.tree_util.tree_unflatten(treedef, leaves), scales, second
@@ -659,13 +673,48 @@ def _store_all(plan, xs):
   codes, scales = {}, {}
   for name, codec in plan:
     enc = encode(codec, jnp.asarray(xs[name], jnp.float32))
-    codes[name] = enc.code
+    codes[name] = pack(codec, enc.code)
     if enc.scales is not None:
       scales[name] = enc.scales
   return codes, scales
 
 
-def _widen(state, plan, scales):
+def unpacked(state):
+  """`state` with the codes of every `store_state` state in it one to an
+  element: the 4-bit codes kept two to a byte (`Codec.packed`) unpacked
+  to the shapes its record holds, every other leaf as it is. For reading
+  codes (the golden records compare these); not a state to update."""
+
+  def one(node):
+    if not isinstance(node, StoredState) or not node.recipe.shapes:
+      return node
+    shapes, specs = dict(node.recipe.shapes), dict(node.recipe.entries)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(node.inner)
+    leaves = []
+    for path, x in flat:
+      name = path_name(path)
+      if name in shapes:  # only native storage packs
+        codec = parse_state_format(specs[name]).codec("native", "saturate")
+        x = unpack(codec, x, shapes[name])
+      leaves.append(x)
+    return node._replace(inner=jax.tree_util.tree_unflatten(treedef, leaves))
+
+  return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, StoredState))
+
+
+class _Shapes(dict):
+  """The recorded shapes of packed leaves; a missing one names the fix."""
+
+  def __missing__(self, name):
+    raise ValueError(
+      f"store_state: state leaf {name!r} holds 4-bit codes two to a byte, "
+      "and the state's recipe record has no shape to unpack them to (a "
+      "state made before codes were packed, or restored without its "
+      "record): restore it into a template made by this transform's init"
+    )
+
+
+def _widen(state, plan, scales, shapes):
   """The state with every stored leaf as float32 `stored * scale`
   (`lowprec.engine.codec.decode`, which reads the product through a select: an
   FMA in the inner transform then contracts the same product of its own
@@ -675,6 +724,8 @@ def _widen(state, plan, scales):
     name = path_name(path)
     if name not in plan:
       return x
-    return decode(plan[name], x, scales.get(name))
+    codec = plan[name]
+    code = unpack(codec, x, shapes[name]) if codec.packed else x
+    return decode(codec, code, scales.get(name))
 
   return jax.tree_util.tree_map_with_path(one, state)
