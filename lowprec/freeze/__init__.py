@@ -17,6 +17,10 @@
   predicts what a compensated write-back (Kahan, two-component) would do:
   erased, carried and lost proposals, and the coordinates it moves late
   rather than never.
+* `progress_trace`, `forward_cost`: what a grid costs in nats: the
+  first-order loss decrease of the proposals its nearest rounding would
+  erase, summed each step of a float32 run, and the loss change of a
+  checkpoint whose group of weights is put on the grid.
 * `advise`: from one float32 run carrying every trace, the cheapest
   recipe per tensor group whose predicted risks stay under thresholds.
 * `state_erasure`, `state_trace`, `state_at_init`: from float32 optimizer
@@ -54,6 +58,12 @@ from lowprec.freeze.curves import (
   summarize,
 )
 from lowprec.freeze.decay import DecayErasureState, decay_erasure
+from lowprec.freeze.progress import (
+  Cost,
+  ProgressTraceState,
+  forward_cost,
+  progress_trace,
+)
 from lowprec.freeze.remedies import (
   KINDS,
   CompensatedTraceState,
@@ -81,7 +91,9 @@ from lowprec.freeze.trace import (
 __all__ = [
   "Advice",
   "CATEGORIES",
+  "Cost",
   "KINDS",
+  "ProgressTraceState",
   "ROUNDINGS",
   "CellComparison",
   "CompensatedTraceState",
@@ -105,10 +117,12 @@ __all__ = [
   "crossing",
   "decay_erasure",
   "directional_specificity",
+  "forward_cost",
   "frozen_from",
   "leaf_paths",
   "measured_events",
   "predicted_events",
+  "progress_trace",
   "reference_trace",
   "remedy_name",
   "rmse",
