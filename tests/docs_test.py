@@ -388,6 +388,60 @@ def test_study_statuses_equal_the_claims_page(page):
   assert not wrong, f"{page}: status (here, on claims.md) differs: {wrong}"
 
 
+# A number in prose: a sign only where it does not join a range
+# ("0.16-0.17" is 0.16 and 0.17), thousands separated by commas, no digit
+# inside a name (e4m3, bf16, b2).
+_PROSE_NUMBER = re.compile(
+  r"(?<![\w.])([-+])?(\d{1,3}(?:,\d{3})+|\d+)(\.\d+)?(?:[eE]([-+]?\d+))?"
+)
+
+
+def prose_numbers(text: str) -> set[float]:
+  """The numbers of a text as values: "+0.0730" and "0.073" are one;
+  "+-0.06" is 0.06."""
+  out = set()
+  for m in _PROSE_NUMBER.finditer(text.replace("+-", "±")):
+    digits = m.group(2).replace(",", "") + (m.group(3) or "")
+    value = float(f"{digits}e{m.group(4) or 0}")
+    out.add(-value if m.group(1) == "-" else value)
+  return out
+
+
+def test_prose_numbers_read_signs_ranges_and_names():
+  text = "e4m3 at 3.08 bytes (-0.0056 [-0.0135, +0.0023]), +0.16-0.17, bf16"
+  assert prose_numbers(text) == {3.08, -0.0056, -0.0135, 0.0023, 0.16, 0.17}
+  assert prose_numbers("120,576 params, 1.5e-3, +-0.06, 95%, 3/4") == {
+    120576, 0.0015, 0.06, 95, 3, 4,
+  }
+
+
+def _study_row(page: str, study: str, first: str) -> str:
+  """The text of the row of `page`'s table whose first column is `first`
+  (or whose `study` column names `study`, for claims.md's questions)."""
+  with open(os.path.join(ROOT, page), encoding="utf-8") as f:
+    text = f.read()
+  rows = []
+  for head, body in _tables(text):
+    col = head.index("study") if head[0] == "question" else 0
+    if head[0] != first:
+      continue
+    rows += [" | ".join(r) for r in body if _names(r[col]) == [study]]
+  assert len(rows) == 1, f"{page}: {len(rows)} rows for {study}"
+  return rows[0]
+
+
+def test_readme_frontier_row_states_only_the_claims_pages_numbers():
+  # The README may state fewer numbers than claims.md, never other ones:
+  # a number changed in one must be changed in the other.
+  readme = _study_row("README.md", "frontier", "study")
+  claims = _study_row("docs/claims.md", "frontier", "question")
+  missing = sorted(prose_numbers(readme) - prose_numbers(claims))
+  assert prose_numbers(readme), "the README's frontier row states no number"
+  assert not missing, (
+    f"README's frontier row states numbers claims.md's does not: {missing}"
+  )
+
+
 @pytest.mark.parametrize("page", PAGES)
 def test_every_figure_stands_alone_with_a_caption(page):
   # A figure shares no line with another (side by side, each is shown at
