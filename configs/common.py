@@ -160,6 +160,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # "weights:kind[:buffer]", e.g. ("bfloat16:kahan:float8_e5m2",)
   c.lowprec.trace_remedies = ()
   c.lowprec.decay_erasure = False  # count erased proposals of decay alone
+  # With trace_targets: also add up, per nearest target and coordinate,
+  # the proposals its rounding would erase (lowprec.freeze.progress_trace:
+  # an array like the params per target, in the checkpoints), for
+  # scripts.advise's measured lost cost
+  c.lowprec.trace_progress = False
   # Optimizer state stored in low precision (lowprec.store_state around the
   # optimizer): "regex=spec" rules over its state paths, in order, e.g.
   # ("mu=bfloat16:stochastic", "nu=float8_e5m2:stochastic:block128"); the

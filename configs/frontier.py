@@ -151,6 +151,7 @@ def arms() -> dict:
       trace_targets=TRACE_TARGETS,
       trace_remedies=TRACE_REMEDIES,
       state_targets=STATE_TARGETS,
+      trace_progress=True,
     ),
     "mixed": lp(weight_format="bfloat16"),
     "bf16_rn": lp(**BF16),

@@ -285,6 +285,30 @@ def trace_targets(lp):
   }
 
 
+def progress_targets(lp) -> dict:
+  """The grids of the nearest `lowprec.trace_targets`, as
+  `lowprec.freeze.progress_trace` takes them (`{name: format spec}`, named
+  like the reference trace's nearest targets).
+
+  Raises:
+    ValueError: `lowprec.trace_progress` without nearest trace targets.
+  """
+  out = {}
+  for spec in lp.trace_targets:
+    name, rounding = split_target(spec)
+    if (rounding or "nearest") != "nearest":
+      continue
+    keep = lp.keep_float32
+    out[name] = [(keep, None), (".*", name)] if keep else name
+  if not out:
+    raise ValueError(
+      "lowprec.trace_progress adds up the proposals that nearest "
+      "write-back onto each grid would erase: give the grids as nearest "
+      "lowprec.trace_targets, e.g. ('bfloat16', 'float8_e4m3fn')"
+    )
+  return out
+
+
 def state_rules(lp, entries=None, key="lowprec.state"):
   """`lowprec.state` ("regex=spec" strings) as `store_state` rules.
 

@@ -289,6 +289,11 @@ def _traces(lp, trace_key) -> list:
       lowprec_config.trace_remedies(lp)
     )
     out.append(("lowprec.trace_remedies", remedies))
+  if lp.get("trace_progress", False):
+    progress = lowprec.freeze.progress_trace(
+      lowprec_config.progress_targets(lp)
+    )
+    out.append(("lowprec.trace_progress", progress))
   return out
 
 
@@ -357,12 +362,13 @@ def has_telemetry(lp) -> bool:
     or lp.get("decay_erasure", False)
     or lp.get("state", ())
     or lp.get("state_targets", ())
+    or lp.get("trace_progress", False)
   )
 
 
 # Key prefixes of the float32 run's predictions and of a stored state,
 # whose counts are not the write-back's proposals.
-_NOT_WRITEBACK = ("pred", "pred_state", "state")
+_NOT_WRITEBACK = ("pred", "pred_state", "state", "progress")
 
 
 def nonfinite_step(record: dict) -> int:

@@ -59,6 +59,26 @@ def _args(argv) -> argparse.Namespace:
   ap.add_argument("--out", default=None, help="the config fragment to write")
   ap.add_argument("--code", default=None, help="the optax code to write")
   ap.add_argument(
+    "--margin",
+    type=float,
+    default=0.01,
+    help="nats the chosen weights may cost, prediction plus two standard "
+    "errors (a run with lowprec.trace_progress)",
+  )
+  ap.add_argument(
+    "--draws",
+    type=int,
+    default=4,
+    help="stochastic roundings per group and grid in the forward costs "
+    "(0: nearest only)",
+  )
+  ap.add_argument(
+    "--no_forward",
+    action="store_true",
+    help="skip the forward costs (the final checkpoint's loss with each "
+    "group on each grid)",
+  )
+  ap.add_argument(
     "--optimizer",
     default=None,
     help="the optimizer expression in the optax code (default: the config's)",
@@ -301,8 +321,18 @@ def _advise(c, args, records, sources):
   try:
     params = jax.eval_shape(tasks.build(c).init, jax.random.key(0))
     groups = tuple(c.lowprec.groups) or None
+    costs = lost = None
+    if c.lowprec.get("trace_progress", False) and not args.no_forward:
+      costs, lost = _measured_costs(c, args, records[-1]["step"], groups)
     advice = lowprec.freeze.advise(
-      records, params, groups=groups, budget=args.budget, sources=sources
+      records,
+      params,
+      groups=groups,
+      budget=args.budget,
+      sources=sources,
+      costs=costs,
+      lost=lost,
+      margin=args.margin,
     )
   except (ValueError, FileNotFoundError) as e:
     _fail(str(e))
@@ -312,6 +342,57 @@ def _advise(c, args, records, sources):
       f"the float32 run stopped at step {steps} of {c.train.steps}"
     )
   return advice
+
+
+def _measured_costs(c, args, step: int, groups):
+  """`lowprec.freeze.forward_cost` and `lost_cost` of the run's
+  checkpoint at `step` (its parameters and its progress trace), on the
+  run's own validation batches (their mean loss)."""
+  import jax
+  import numpy as np
+
+  import lowprec
+  from experiments import checkpoint, lowprec_config, train
+
+  run = train.build_run(c)
+  ckpts = os.path.join(
+    args.results,
+    c.study.name,
+    c.study.arm,
+    f"seed{c.train.seed}",
+    "checkpoints",
+  )
+  saved = checkpoint.Checkpointer(ckpts, c.ckpt.every_steps, c.ckpt.keep)
+  if saved.latest_step() != step:
+    _fail(
+      f"{ckpts} holds no checkpoint of the run's last step {step} (latest: "
+      f"{saved.latest_step()}): rerun the float32 arm to its end"
+    )
+  state = saved.restore(step, run.state)
+  batches = run.eval_batches()
+
+  def loss(p):
+    return float(
+      np.mean([float(run.eval_fn(p, b, run.eval_key)) for b in batches])
+    )
+
+  print(
+    f"measured costs: step {step}'s weights, {len(batches)} validation "
+    f"batches, {args.draws} stochastic draws per group and grid ...",
+    flush=True,
+  )
+  forward = lowprec.freeze.forward_cost(
+    loss,
+    state.params,
+    lowprec_config.progress_targets(c.lowprec),
+    groups=groups,
+    key=jax.random.key(c.train.seed),
+    draws=args.draws,
+  )
+  lost = lowprec.freeze.lost_cost(
+    loss, state.params, state.opt_state, groups=groups
+  )
+  return forward, lost
 
 
 if __name__ == "__main__":

@@ -856,3 +856,51 @@ def test_a_scaled_store_is_judged_on_its_stalled_codes(q8_stalled, safe):
   assert states["q8"].safe is safe
   if not safe:
     assert states["q8"].why == f"stalled {q8_stalled:.3f} > 0.9"
+
+
+def test_measured_costs_choose_the_fewest_bytes_under_the_margin():
+  # Hand-made measurements whose answer is known: bf16 nearest costs
+  # 0.002 nats on the embeddings and 0.2 on the mlp (lost_cost), bf16
+  # stochastic 0.004 +- 0.001 and 0.001 +- 0.0005 (forward_cost); fp8
+  # and the compensations are measured by neither, so never chosen.
+  Cost = lowprec.freeze.Cost
+  recs = [_record(t, q8_stalled=0.5) for t in STEPS]
+  lost = {
+    "embeddings": {"bfloat16": Cost(0.002, 0.0, 1)},
+    "mlp": {"bfloat16": Cost(0.2, 0.0, 1)},
+  }
+  costs = {
+    "embeddings": {"bfloat16_sr": Cost(0.004, 0.001, 4)},
+    "mlp": {"bfloat16_sr": Cost(0.001, 0.0005, 4)},
+  }
+  a = advise(recs, SIZES, groups=GROUPS, costs=costs, lost=lost)
+  rows = _rows(a, "mlp")
+  assert rows["bf16_rn"].nats == 0.2 and rows["bf16_sr"].nats_se == 0.0005
+  assert rows["float32"].nats == 0.0 and rows["bf16_kahan_e5m2"].nats is None
+  assert rows["fp8_sr"].nats is None
+  # Upper ends (nats + 2 se): embeddings rn 0.002 / sr 0.006, mlp sr
+  # 0.002; together 0.004 <= 0.01, at 2 bytes each.
+  weights = {g: c.partition("+")[0] for g, c in a.choice.items()}
+  assert weights == {"embeddings": "bf16_rn", "mlp": "bf16_sr"}
+  assert a.choice["mlp"].partition("+")[2] == "q8"  # stores: the shares
+  mean, se = a.predicted_nats
+  assert mean == pytest.approx(0.003) and se == pytest.approx(0.0005)
+  assert "nats (+- se)" in a.table() and "margin of 0.01 nats" in a.table()
+  # Under 0.003 one group stays float32: the mlp's 300 parameters on
+  # bf16 save more bytes than the embeddings' 100.
+  a = advise(recs, SIZES, groups=GROUPS, costs=costs, lost=lost, margin=0.003)
+  weights = {g: c.partition("+")[0] for g, c in a.choice.items()}
+  assert weights == {"embeddings": "float32", "mlp": "bf16_sr"}
+  # Nothing fits a margin of 0 but float32 (or the remainder, as many
+  # bytes: float32 goes first).
+  a = advise(recs, SIZES, groups=GROUPS, costs=costs, lost=lost, margin=0.0)
+  assert all(
+    c.partition("+")[0] in ("float32", "bf16_remainder")
+    for c in a.choice.values()
+  )
+  with pytest.raises(ValueError, match="margin must be"):
+    advise(recs, SIZES, groups=GROUPS, costs=costs, margin=-1)
+  # Without lost costs, nearest write-back has no nats and is not chosen.
+  a = advise(recs, SIZES, groups=GROUPS, costs=costs)
+  assert _rows(a, "embeddings")["bf16_rn"].nats is None
+  assert any("no lost costs" in n for n in a.notes)

@@ -31,41 +31,85 @@ def _on(x, name):
   return np.asarray(x, F32).astype(GRIDS[name]).astype(F32)
 
 
-def test_lost_progress_is_minus_g_u_over_the_erased_proposals():
-  # Seed 0, three AdamW steps on two leaves: each step's per-leaf sums
-  # of -g u, in total and over the proposals nearest rounding would
-  # erase (ml_dtypes' cast, at the grid value of w), in float64, equal
-  # the trace's to float32 summation (rtol 1e-5); the updates are
-  # AdamW's own, bit for bit.
+def _trained(steps=4):
+  """Four AdamW steps with a progress trace last in the chain: params,
+  state, and the numpy oracle's erased displacement per grid and leaf
+  (ml_dtypes' cast, at the grid value of each step's w), added in
+  float32 in step order as the trace adds them."""
   params = _params()
-  tx = lowprec.freeze.progress_trace(optax.adamw(3e-3), list(GRIDS))
-  plain = optax.adamw(3e-3)
-  st, ps = tx.init(params), plain.init(params)
-  for i in range(3):
+  tx = optax.chain(
+    optax.adamw(3e-3), lowprec.freeze.progress_trace(list(GRIDS))
+  )
+  st = tx.init(params)
+  want = {
+    name: {
+      p: np.zeros(params[p.split("/")[0]][p.split("/")[1]].shape, F32)
+      for p in PATHS
+    }
+    for name in GRIDS
+  }
+  for i in range(steps):
     g = jax.tree.map(lambda p, i=i: jnp.cos(p * 40.0 + i), params)
     u, st = jax.jit(tx.update)(g, st, params)
-    u_plain, ps = jax.jit(plain.update)(g, ps, params)
-    for a, b in zip(jax.tree.leaves(u), jax.tree.leaves(u_plain), strict=True):
-      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    rep = lowprec.telemetry(st)
-    for path in ("h/kernel", "ln/scale"):
+    for path in PATHS:
       top, leaf = path.split("/")
       w = np.asarray(params[top][leaf], F32)
-      gv = np.asarray(g[top][leaf], np.float64)
       uv = np.asarray(u[top][leaf], F32)
-      gain = -gv * uv.astype(np.float64)
-      np.testing.assert_allclose(
-        rep[f"progress/total/{path}"], gain.sum(), rtol=1e-5
-      )
       for name in GRIDS:
         q = _on(w, name)
         erased = (uv != 0) & (_on(q + uv, name) == q)
-        want = gain[erased].sum()
-        got = rep[f"progress/{name}/lost/{path}"]
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-12)
+        want[name][path] = want[name][path] + np.where(erased, uv, F32(0))
     params = optax.apply_updates(params, u)
-  # e4m3 erases more than bfloat16 here: the test sees both cases.
-  assert rep["progress/float8_e4m3fn/lost"] > rep["progress/bfloat16/lost"]
+  return params, st, want
+
+
+PATHS = ("h/kernel", "ln/scale")
+
+
+def test_progress_trace_adds_up_the_proposals_each_grid_erases():
+  # Seed 0, four AdamW steps on two leaves: the trace's displacement per
+  # grid and leaf is the oracle's sum of the erased proposals bit for
+  # bit, and the telemetry's norms are its norms (float64, rtol 1e-5).
+  params, st, want = _trained()
+  trace = st[1]
+  rep = lowprec.telemetry(st)
+  for name in GRIDS:
+    for path in PATHS:
+      got = np.asarray(trace.displaced[name][path])
+      np.testing.assert_array_equal(got, want[name][path])
+      np.testing.assert_allclose(
+        rep[f"progress/{name}/displaced/{path}"],
+        np.sqrt(np.sum(want[name][path].astype(np.float64) ** 2)),
+        rtol=1e-5,
+      )
+  # e4m3 erases more than bfloat16 here, and bfloat16 something: the
+  # test sees both cases.
+  e4m3 = sum(np.abs(want["float8_e4m3fn"][p]).sum() for p in PATHS)
+  bf16 = sum(np.abs(want["bfloat16"][p]).sum() for p in PATHS)
+  assert e4m3 > bf16 > 0
+
+
+def test_lost_cost_is_the_loss_without_the_erased_proposals_on_the_grid():
+  params, st, want = _trained()
+  loss = jax.jit(
+    lambda p: (
+      jnp.sum((p["h"]["kernel"] - 0.03) ** 2)
+      + jnp.sum((p["ln"]["scale"] - 1) ** 2)
+    )
+  )
+  got = lowprec.freeze.lost_cost(loss, params, st)
+  base = float(loss(params))
+  for name in GRIDS:
+    for group, (top, leaf) in (
+      ("other", ("h", "kernel")),
+      ("norms", ("ln", "scale")),
+    ):
+      moved = np.asarray(params[top][leaf], F32) - np.asarray(
+        st[1].displaced[name][f"{top}/{leaf}"], F32
+      )
+      other = dict(params, **{top: {leaf: jnp.asarray(_on(moved, name))}})
+      assert got[group][name].mean == float(loss(other)) - base
+      assert got[group][name].draws == 1
 
 
 def test_forward_cost_nearest_is_the_loss_of_the_rounded_group():
@@ -115,9 +159,13 @@ def test_forward_cost_of_stochastic_rounding_is_its_variance_on_a_quadratic():
 
 def test_bad_input_names_the_fix():
   with pytest.raises(ValueError, match="needs targets"):
-    lowprec.freeze.progress_trace(optax.sgd(0.1), [])
+    lowprec.freeze.progress_trace([])
   with pytest.raises(ValueError, match="needs a key"):
     lowprec.freeze.forward_cost(lambda p: 0.0, _params(), ["bfloat16"])
-  tx = lowprec.freeze.progress_trace(optax.sgd(0.1), ["bfloat16"])
+  tx = lowprec.freeze.progress_trace(["bfloat16"])
   with pytest.raises(ValueError, match="needs them"):
     tx.update(_params(), tx.init(_params()))
+  with pytest.raises(ValueError, match="holds 0"):
+    lowprec.freeze.lost_cost(
+      lambda p: 0.0, _params(), optax.sgd(0.1).init(_params())
+    )

@@ -17,10 +17,11 @@
   predicts what a compensated write-back (Kahan, two-component) would do:
   erased, carried and lost proposals, and the coordinates it moves late
   rather than never.
-* `progress_trace`, `forward_cost`: what a grid costs in nats: the
-  first-order loss decrease of the proposals its nearest rounding would
-  erase, summed each step of a float32 run, and the loss change of a
-  checkpoint whose group of weights is put on the grid.
+* `progress_trace`, `lost_cost`, `forward_cost`: what a grid costs in
+  nats, measured on a float32 run's final weights: without the proposals
+  its nearest rounding would have erased (summed by `progress_trace`),
+  and with a group of weights on the grid (nearest, and stochastic with
+  its standard error).
 * `advise`: from one float32 run carrying every trace, the cheapest
   recipe per tensor group whose predicted risks stay under thresholds.
 * `state_erasure`, `state_trace`, `state_at_init`: from float32 optimizer
@@ -60,8 +61,10 @@ from lowprec.freeze.curves import (
 from lowprec.freeze.decay import DecayErasureState, decay_erasure
 from lowprec.freeze.progress import (
   Cost,
+  ProgressCounts,
   ProgressTraceState,
   forward_cost,
+  lost_cost,
   progress_trace,
 )
 from lowprec.freeze.remedies import (
@@ -93,6 +96,7 @@ __all__ = [
   "CATEGORIES",
   "Cost",
   "KINDS",
+  "ProgressCounts",
   "ProgressTraceState",
   "ROUNDINGS",
   "CellComparison",
@@ -120,6 +124,7 @@ __all__ = [
   "forward_cost",
   "frozen_from",
   "leaf_paths",
+  "lost_cost",
   "measured_events",
   "predicted_events",
   "progress_trace",

@@ -105,6 +105,11 @@ class Row:
   lost: float | None
   safe: bool
   why: str
+  # Predicted loss cost in nats (None: not predicted), its standard
+  # error, and its parts ("lost 0.135 + forward 0.002").
+  nats: float | None = None
+  nats_se: float | None = None
+  parts: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +153,22 @@ class Advice:
   budget: float | None = None
   notes: list[str] = dataclasses.field(default_factory=list)
   window_steps: int = 0  # records in the window
+  # The nats margin the weights were chosen under (None: by the shares).
+  margin: float | None = None
+
+  @property
+  def predicted_nats(self) -> tuple[float, float] | None:
+    """The choice's predicted loss cost over all groups, in nats, and its
+    standard error; None where the choice was made by the shares."""
+    if self.margin is None:
+      return None
+    mean = var = 0.0
+    for g, c in self.choice.items():
+      w = c.partition("+")[0]
+      row = next(r for r in self.rows if r.group == g and r.recipe == w)
+      mean += row.nats or 0.0
+      var += (row.nats_se or 0.0) ** 2
+    return mean, math.sqrt(var)
 
   @property
   def bytes_per_param(self) -> float:
@@ -172,16 +193,17 @@ class Advice:
       f"{th.move}, erased <= {th.erased} under a deterministic compensation.",
       "",
       "| group | params | weights | bytes | erased (nearest) | move (SR) "
-      "| lost | safe |",
-      "|---|---:|---|---:|---:|---:|---:|---|",
+      "| lost | safe | nats (+- se) | from |",
+      "|---|---:|---|---:|---:|---:|---:|---|---:|---|",
     ]
     for r in self.rows:
       chosen = self.choice[r.group].partition("+")[0] == r.recipe
       name = f"**{r.recipe}**" if chosen else r.recipe
+      nats = "-" if r.nats is None else f"{r.nats:+.4f} +- {r.nats_se:.4f}"
       lines.append(
         f"| {r.group} | {self.sizes[r.group]} | {name} | {r.bytes:g} | "
         f"{_f(r.erased)} | {_f(r.move)} | {_f(r.lost)} | "
-        f"{'yes' if r.safe else 'no: ' + r.why} |"
+        f"{'yes' if r.safe else 'no: ' + r.why} | {nats} | {r.parts} |"
       )
     lines += [
       "",
@@ -196,6 +218,13 @@ class Advice:
         f"{'yes' if r.safe else 'no: ' + r.why} |"
       )
     lines += ["", f"Recommended ({self.bytes_per_param:.3f} bytes/param):"]
+    if self.margin is not None:
+      mean, se = self.predicted_nats
+      lines.append(
+        f"- predicted cost {mean:+.4f} +- {se:.4f} nats (weights; the "
+        f"cheapest choice whose prediction plus two standard errors stays "
+        f"under the margin of {self.margin:g} nats)"
+      )
     lines += [f"- {g}: {c}" for g, c in self.choice.items()]
     lines += [f"- note: {n}" for n in self.notes]
     return "\n".join(lines)
@@ -448,6 +477,9 @@ def advise(
   window: float = 0.5,
   sources: Sequence[str] | None = None,
   min_steps: int = MIN_WINDOW_STEPS,
+  costs: Mapping[str, Mapping[str, Any]] | None = None,
+  lost: Mapping[str, Mapping[str, Any]] | None = None,
+  margin: float = 0.01,
 ) -> Advice:
   """Per group, the cheapest recipe a float32 run predicts to be safe.
 
@@ -472,6 +504,16 @@ def advise(
       the errors.
     min_steps: the fewest records the window may hold
       (`MIN_WINDOW_STEPS`); a lower value is noted in the advice.
+    costs: `lowprec.freeze.forward_cost` of the float32 run's final
+      weights (`{group: {grid name: Cost}}`): stochastic write-back's
+      predicted nats.
+    lost: `lowprec.freeze.lost_cost` of the same weights and the run's
+      `progress_trace`: nearest write-back's predicted nats.
+    margin: with `costs` or `lost`, the weights are chosen by predicted
+      nats: the fewest bytes whose summed prediction plus two standard
+      errors, each group's at least 0, stays at or under `margin` (default
+      0.01 nats); recipes neither measures are not chosen. Without them,
+      by the shares and `thresholds`.
 
   Returns:
     An `Advice`.
@@ -518,7 +560,22 @@ def advise(
     w = next(r for r in wrows if r.safe)  # float32 is always safe
     s = next(r for r in srows if r.safe)
     choice[g] = f"{w.recipe}+{s.state}"
+  by_nats = bool(costs or lost)
+  if by_nats:
+    if margin < 0 or not math.isfinite(margin):
+      raise ValueError(f"margin must be a finite number >= 0, got {margin}")
+    rows = [_with_nats(r, costs, lost) for r in rows]
+    for g, w in _choose_by_nats(rows, group_sizes, margin).items():
+      choice[g] = f"{w}+{choice[g].partition('+')[2]}"
   notes = _notes(rows, recs, sizes)
+  if by_nats:
+    missing = [n for n, c in (("forward", costs), ("lost", lost)) if not c]
+    if missing:
+      notes.append(
+        f"no {' or '.join(missing)} costs: "
+        + ("stochastic" if "forward" in missing else "nearest")
+        + " write-back's nats are not predicted, so it is not chosen"
+      )
   advice = Advice(
     group_sizes,
     rows,
@@ -530,10 +587,79 @@ def advise(
     budget,
     notes,
     len(recs),
+    margin if by_nats else None,
   )
   if budget is not None and advice.bytes_per_param > budget:
     _fit(advice, budget)
   return advice
+
+
+def _with_nats(row: Row, costs, lost) -> Row:
+  """`row` with its predicted nats: for nearest write-back the measured
+  `lost_cost` of its grid (the erased proposals taken back, on the
+  grid), for stochastic write-back the measured `forward_cost` of its
+  stochastic rounding (mean and standard error), 0 for float32 and the
+  remainder (float32 exactly); unchanged (None) for what neither
+  measures (compensations, ECO, split)."""
+  w = recipes.WEIGHTS[row.recipe]
+  if w.fmt is None or w.compensation == "remainder":
+    return dataclasses.replace(row, nats=0.0, nats_se=0.0, parts="exact")
+  if w.compensation != "none":
+    return row
+  near, sr = _grid_names(w)
+  if w.rounding == "nearest":
+    c, what = (lost or {}).get(row.group, {}).get(near), "lost"
+  else:
+    c, what = (costs or {}).get(row.group, {}).get(sr), "forward SR"
+  if c is None:
+    return row
+  parts = f"{what} ({c.draws} draw{'s' if c.draws > 1 else ''})"
+  return dataclasses.replace(
+    row, nats=float(c.mean), nats_se=float(c.se), parts=parts
+  )
+
+
+def _choose_by_nats(rows, sizes, margin: float) -> dict[str, str]:
+  """Per group, the weight recipe of the choice with the fewest bytes
+  whose summed `max(nats + 2 se, 0)` is at most `margin` (float32, 0,
+  always fits); ties go to the smaller summed prediction, then to
+  float32."""
+  options = {}
+  for g in sizes:
+    opts = sorted(
+      (
+        r.bytes,
+        max(r.nats + 2 * (r.nats_se or 0.0), 0.0),
+        r.recipe != "float32",  # float32 first among equals
+        r.recipe,
+      )
+      for r in rows
+      if r.group == g and r.nats is not None and math.isfinite(r.nats_se or 0)
+    )
+    front, best = [], math.inf
+    for b, c, _, name in opts:  # the (bytes, cost) front
+      if c < best:
+        front.append((b, c, name))
+        best = c
+    options[g] = front
+  groups = list(options)
+  found = {"bytes": math.inf, "cost": math.inf, "pick": None}
+
+  def search(i, used, cost, pick):
+    if cost > margin:
+      return
+    if i == len(groups):
+      if (used, cost) < (found["bytes"], found["cost"]):
+        found.update(bytes=used, cost=cost, pick=dict(pick))
+      return
+    g = groups[i]
+    for b, c, name in options[g]:
+      pick[g] = name
+      search(i + 1, used + b * sizes[g], cost + c, pick)
+    pick.pop(g, None)
+
+  search(0, 0.0, 0.0, {})
+  return found["pick"]
 
 
 def _window(checked, window: float, min_steps: int) -> list[dict]:

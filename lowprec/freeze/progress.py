@@ -1,30 +1,40 @@
-"""The progress a grid would take from a float32 run, in nats.
+"""What a grid would cost a float32 run, measured in nats.
 
-A float32 step moves each weight by the optimizer's proposal `u`, and to
-first order lowers the minibatch loss by `-g . u` (`g` the gradient the
-step was given). Nearest write-back onto a grid keeps none of the
-proposals it erases, so the float32 run predicts, step by step, the
-first-order decrease of the loss that such a write-back would give up:
+Two measurements of a float32 run predict the loss a recipe costs:
 
-    lost_t = sum over erased proposals of -g_i u_i,
+* the proposals nearest write-back would erase. `progress_trace`, last in
+  the float32 chain, adds up, per target grid and coordinate, the
+  proposals that nearest rounding onto the grid would erase (`u != 0`
+  and `Q(Q(w) + u) == Q(w)` at the grid value of the float32 weight, as
+  `reference_trace` defines it): the displacement `D` the float32
+  weights took that such a write-back would not have taken.
+  `lost_cost` then evaluates the loss at the final float32 weights minus
+  that displacement, one group of tensors at a time, and on the grid:
+  `loss(Q(w - D)) - loss(w)`. Unlike a first-order sum of `-g . u` this
+  needs no gradient estimate (the step's own minibatch gradient
+  overstates the progress its update made, and the next step's misses
+  the curvature along it), and an oscillating coordinate whose erased
+  proposals cancel costs nothing.
+* the forward cost. `forward_cost` evaluates the loss with a group's
+  weights on the grid, by nearest rounding, and by stochastic rounding
+  over independent draws (mean and standard error): what a model
+  computing with those weights pays, noise included, at the end of the
+  run.
 
-erased as `reference_trace` defines it (`Q(Q(w) + u) == Q(w)`, `u != 0`,
-at the grid value of the float32 weight). Summed over a run, it is the
-loss (in nats, of the training minibatches) that the erased proposals
-would have taken off: a first-order estimate of what freezing costs, to
-be read beside the erased share. It is an estimate: it ignores the
-curvature along the proposals, the later steps that make up for some of
-what was erased, and that a write-back's trajectory leaves the float32
-one. Stochastic rounding gives up nothing in expectation (its cost is
-the noise of its rounding, which `forward_cost` measures).
+Both are predictions of a write-back run from the float32 trajectory:
+they hold while the low-precision run stays near it (where a grid erases
+nearly everything from the first steps, the run never gets near the
+float32 weights, and the prediction is a lower bound).
 
-    tx = lowprec.freeze.progress_trace(optax.adamw(1e-3), ["bfloat16"])
-    ...
-    lowprec.telemetry(state)["progress/bfloat16/lost"]
+    trace = lowprec.freeze.progress_trace(["bfloat16"])
+    tx = optax.chain(optax.adamw(1e-3), trace)
+    ... train ...
+    lowprec.freeze.lost_cost(val_loss, params, opt_state)
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -37,127 +47,180 @@ from lowprec.engine import weights
 from lowprec.engine.codec import Codec, encode
 
 
-class ProgressTraceState(NamedTuple):
-  """State of `progress_trace`: the inner state and its last step's sums
-  of `-g . u`, in total and over the proposals each target would erase,
-  per parameter path."""
+class ProgressCounts(NamedTuple):
+  """`progress_trace`'s telemetry: per target and parameter, the norm of
+  the erased displacement so far."""
 
-  inner: Any  # the inner transform's state, as it would be without a trace
   count: jax.Array  # int32 []: updates so far
-  total: dict[str, jax.Array]  # float32 []: sum of -g u per leaf
-  lost: dict[str, dict[str, jax.Array]]  # [target][leaf] over the erased
+  norm: dict[str, dict[str, jax.Array]]  # float32 []: |D| per leaf
 
   def arrays(self) -> dict[str, jax.Array]:
     """`report()`'s keys as arrays (under jit, scan and vmap)."""
     return self._collect(self, jnp)
 
   def report(self) -> dict[str, float]:
-    """`progress/total` (this step's first-order loss decrease, `-g . u`
-    summed over every parameter) and, per target, `progress/<target>/
-    lost` (its part over the proposals the target's nearest rounding
-    would erase), each also per parameter path (`.../<path>`), in nats.
-    Sums are float64 on the host."""
-    host = jax.device_get(self._replace(inner=None))
+    """`progress/<target>/displaced` (the L2 norm of the displacement the
+    target's nearest rounding would have erased, over every parameter)
+    and `progress/<target>/displaced/<path>` per parameter."""
+    host = jax.device_get(self)
     return {k: float(v) for k, v in self._collect(host, np).items()}
 
   @staticmethod
   def _collect(st, xp) -> dict[str, Any]:
-    wide = (lambda v: xp.asarray(v, xp.float64)) if xp is np else xp.asarray
-    out = {"progress/total": sum(wide(v) for v in st.total.values())}
-    for leaf, v in st.total.items():
-      out[f"progress/total/{leaf}"] = wide(v)
-    for t, per in st.lost.items():
-      out[f"progress/{t}/lost"] = sum(wide(v) for v in per.values())
+    out = {}
+    for t, per in st.norm.items():
+      sq = [
+        xp.asarray(v, xp.float64 if xp is np else xp.float32) ** 2
+        for v in per.values()
+      ]
+      out[f"progress/{t}/displaced"] = xp.sqrt(sum(sq)) if sq else 0.0
       for leaf, v in per.items():
-        out[f"progress/{t}/lost/{leaf}"] = wide(v)
+        out[f"progress/{t}/displaced/{leaf}"] = xp.asarray(v)
     return out
 
 
-def progress_trace(
-  inner: optax.GradientTransformation, targets
-) -> optax.GradientTransformationExtraArgs:
-  """Wraps `inner` and sums, each update, the progress a grid would lose.
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class ProgressLayout:
+  """Static: per target, `(parameter path, format)` of the parameters it
+  covers (no arrays)."""
 
-  `inner` runs unchanged (its updates pass through, its state is kept in
-  the field `inner`); it must be the whole optimizer, so that what this
-  transform is given is the gradient and what `inner` returns is the
-  proposal that `optax.apply_updates` adds. For each target grid and each
-  parameter it records this step's `sum(-g u)` over the proposals that
-  nearest write-back onto the grid would erase (module docstring).
+  formats: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]
+
+  def of(self, target: str) -> dict[str, Any]:
+    return dict(dict(self.formats)[target])
+
+
+class ProgressTraceState(NamedTuple):
+  """State of `progress_trace`: per target and parameter, the sum of the
+  proposals its nearest rounding would have erased (float32, shaped like
+  the parameter), the counts, and the formats (static)."""
+
+  displaced: dict[str, dict[str, jax.Array]]
+  counts: ProgressCounts
+  layout: ProgressLayout
+
+
+def progress_trace(targets) -> optax.GradientTransformation:
+  """Adds up, per target grid, the proposals nearest write-back would erase.
+
+  Place it last in a float32 chain (after the optimizer, beside
+  `reference_trace`); updates pass through unchanged. Its state holds, per
+  target and parameter, `D = sum of the erased proposals` (module
+  docstring): one float32 array like the parameter per target, read by
+  `lost_cost` from the final state (a checkpoint's).
 
   Args:
-    inner: the float32 optimizer (e.g. `optax.adamw(1e-3)`).
     targets: format names (`["bfloat16", "float8_e4m3fn"]`, each its own
       name), or `{name: format spec}` with a spec as `lowprec.to_grid`
       takes it (one format, or `(regex, format)` rules, None for
       parameters left out).
 
   Returns:
-    An `optax.GradientTransformationExtraArgs` whose state is a
+    An `optax.GradientTransformation` whose state is a
       `ProgressTraceState`.
 
   Raises:
     ValueError: no targets; at `init`, a spec that does not cover a
-      parameter.
+      parameter; at `update`, no params.
   """
   named = _named(targets)
-  inner = optax.with_extra_args_support(inner)
-
-  def layout(params):
-    out = {}
-    for t, spec in named.items():
-      lookup = weights.format_lookup(spec)
-      fmts = {}
-      for path, w in jax.tree_util.tree_flatten_with_path(params)[0]:
-        f = weights.leaf_format(lookup, path, w)
-        if f is not None:
-          fmts[weights.path_name(path)] = f
-      out[t] = fmts
-    return out
 
   def init_fn(params):
-    names = [weights.path_name(p) for p, _ in _leaves(params)]
+    fmts = _layout(named, params)
+    shapes = {weights.path_name(p): jnp.shape(x) for p, x in _leaves(params)}
     zero = jnp.zeros([], jnp.float32)
-    lost = {t: dict.fromkeys(f, zero) for t, f in layout(params).items()}
     return ProgressTraceState(
-      inner.init(params),
-      jnp.zeros([], jnp.int32),
-      dict.fromkeys(names, zero),
-      lost,
+      {
+        t: {n: jnp.zeros(shapes[n], jnp.float32) for n in f}
+        for t, f in fmts.items()
+      },
+      ProgressCounts(
+        jnp.zeros([], jnp.int32),
+        {t: dict.fromkeys(f, zero) for t, f in fmts.items()},
+      ),
+      ProgressLayout(tuple((t, tuple(f.items())) for t, f in fmts.items())),
     )
 
-  def update_fn(updates, state, params=None, **extra):
+  def update_fn(updates, state, params=None):
     if params is None:
       raise ValueError(
         "progress_trace rounds the params onto each target grid and needs "
-        "them: call opt.update(grads, state, params)"
+        "them: call opt.update(updates, state, params)"
       )
-    grads = updates
-    updates, new_inner = inner.update(grads, state.inner, params, **extra)
-    gs = {weights.path_name(p): g for p, g in _leaves(grads)}
     us = {weights.path_name(p): u for p, u in _leaves(updates)}
     ws = {weights.path_name(p): w for p, w in _leaves(params)}
-    gain = {
-      n: -jnp.asarray(gs[n], jnp.float32) * jnp.asarray(us[n], jnp.float32)
-      for n in ws
-    }
-    total = {
-      n: jnp.sum(jnp.where(jnp.isfinite(v), v, 0.0)) for n, v in gain.items()
-    }
-    lost = {}
-    for t, fmts in layout(params).items():
-      lost[t] = {}
+    displaced, norm = {}, {}
+    for t, _ in state.layout.formats:
+      fmts = state.layout.of(t)
+      displaced[t], norm[t] = {}, {}
       for n, f in fmts.items():
         w = jnp.asarray(ws[n], jnp.float32)
         u = jnp.asarray(us[n], jnp.float32)
         q = encode(Codec(f), w).value
-        erased = (u != 0) & (encode(Codec(f), q + u).value == q)
-        erased &= jnp.isfinite(gain[n])
-        lost[t][n] = jnp.sum(jnp.where(erased, gain[n], 0.0))
-    count = optax.safe_increment(state.count)
-    return updates, ProgressTraceState(new_inner, count, total, lost)
+        erased = (u != 0) & jnp.isfinite(u)
+        erased &= encode(Codec(f), q + u).value == q
+        d = state.displaced[t][n] + jnp.where(erased, u, 0.0)
+        displaced[t][n] = d
+        norm[t][n] = jnp.sqrt(jnp.sum(d * d))
+    counts = ProgressCounts(optax.safe_increment(state.counts.count), norm)
+    return updates, ProgressTraceState(displaced, counts, state.layout)
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def lost_cost(
+  loss_fn, params, state, *, groups=None
+) -> dict[str, dict[str, Cost]]:
+  """The loss each group's erased proposals cost, measured.
+
+  For each group of tensors (`lowprec.groups`) and each target of the
+  `progress_trace` in `state`, the group's float32 weights `w` are moved
+  back by the displacement the target's nearest rounding would have
+  erased, and put on the grid: `loss_fn(Q(w - D)) - loss_fn(w)`, the
+  group's nearest write-back cost as the float32 run predicts it (the
+  forward cost of the grid included).
+
+  Args:
+    loss_fn: `params -> scalar` (e.g. the validation loss; jit it).
+    params: the float32 parameters the trace ended at.
+    state: the optimizer state holding a `ProgressTraceState`, or that
+      state itself.
+    groups: `(name, regex)` pairs (`lowprec.groups.DEFAULT_GROUPS`).
+
+  Returns:
+    `{group: {target: Cost}}` (one evaluation each: `se` 0, `draws` 1).
+
+  Raises:
+    ValueError: no `ProgressTraceState` in `state`.
+  """
+  from lowprec.optim import groups as groups_lib
+
+  trace = _find(state)
+  flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+  names = [weights.path_name(p) for p, _ in flat]
+  members = groups_lib.members(
+    [n for n, (_, x) in zip(names, flat, strict=True) if weights.is_array(x)],
+    groups_lib.as_groups(groups),
+  )
+  base = float(loss_fn(params))
+  out: dict[str, dict[str, Cost]] = {}
+  for g, leaves in members.items():
+    out[g] = {}
+    for t, per in trace.displaced.items():
+      fmts = trace.layout.of(t)
+      if not any(n in per for n in leaves):
+        continue
+      new = []
+      for (_, x), n in zip(flat, names, strict=True):
+        if n not in leaves or n not in per:
+          new.append(x)
+          continue
+        moved = jnp.asarray(x, jnp.float32) - per[n]
+        new.append(encode(Codec(fmts[n]), moved).value)
+      loss = float(loss_fn(jax.tree_util.tree_unflatten(treedef, new)))
+      out[g][t] = Cost(loss - base, 0.0, 1)
+  return out
 
 
 class Cost(NamedTuple):
@@ -261,6 +324,38 @@ def forward_cost(
         d = np.array([float(loss_fn(rounded(k))) - base for k in ks])
         se = float(d.std(ddof=1) / np.sqrt(draws)) if draws > 1 else np.inf
         out[g][f"{t}_sr"] = Cost(float(d.mean()), se, draws)
+  return out
+
+
+def _find(state) -> ProgressTraceState:
+  """The `ProgressTraceState` in an optimizer state."""
+
+  def is_trace(x) -> bool:
+    return isinstance(x, ProgressTraceState)
+
+  found = [
+    x for x in jax.tree_util.tree_leaves(state, is_leaf=is_trace) if is_trace(x)
+  ]
+  if len(found) != 1:
+    raise ValueError(
+      f"lost_cost reads the erased displacement of one progress_trace; "
+      f"the state holds {len(found)}: pass the final optimizer state of a "
+      "float32 run whose chain ends with lowprec.freeze.progress_trace(...)"
+    )
+  return found[0]
+
+
+def _layout(named, params) -> dict[str, dict[str, Any]]:
+  """Per target, `{path: format}` of the parameters it covers."""
+  out = {}
+  for t, spec in named.items():
+    lookup = weights.format_lookup(spec)
+    fmts = {}
+    for path, w in _leaves(params):
+      f = weights.leaf_format(lookup, path, w)
+      if f is not None:
+        fmts[weights.path_name(path)] = f
+    out[t] = fmts
   return out
 
 

@@ -1,8 +1,9 @@
 """A float32 run's telemetry records, checked as the advisor reads them.
 
 `advise` adds up what the traces of a float32 run predicted at each step
-(`lowprec.telemetry` of its state: `pred/<trace>/<field>/<tensor>` and
-`pred_state/<store>/<field>/<path>` keys). A damaged or foreign record
+(`lowprec.telemetry` of its state: `pred/<trace>/<field>/<tensor>`,
+`pred_state/<store>/<field>/<path>` and `progress/<grid>/lost/<tensor>`
+keys). A damaged or foreign record
 would change the advice without a sign, so `check` refuses, naming the
 record (or the file and line it came from) and the fix:
 
@@ -33,7 +34,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-PREFIXES = ("pred/", "pred_state/")
+PREFIXES = ("pred/", "pred_state/", "progress/")
 # Non-finite floats as experiments.results writes them (str(float)).
 NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 COUNTS = ("proposals", "lost")  # pred/<trace>/<field>/<tensor>
