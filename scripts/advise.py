@@ -73,6 +73,13 @@ def _args(argv) -> argparse.Namespace:
     "(0: nearest only)",
   )
   ap.add_argument(
+    "--predict_arms",
+    default=None,
+    metavar="FILE",
+    help="also predict every plain write-back arm of the study, and the "
+    "advised choice, in nats, and write them to FILE as JSON",
+  )
+  ap.add_argument(
     "--no_forward",
     action="store_true",
     help="skip the forward costs (the final checkpoint's loss with each "
@@ -310,6 +317,23 @@ def main(argv=None) -> None:
     os.makedirs(os.path.dirname(code) or ".", exist_ok=True)
   _write_all(texts)
   print(f"\nwrote {out} (config fragment) and {code} (optax code)")
+  if args.predict_arms:
+    import json
+
+    preds = arm_predictions(config, c, args, records[-1]["step"])
+    if advice.margin is not None:
+      mean, se = advice.predicted_nats
+      preds["advised"] = {
+        "nats": mean,
+        "se": se,
+        "draws": args.draws,
+        "how": "advise: sum over groups, weights only",
+        "choice": advice.choice,
+      }
+    for arm, p in preds.items():
+      print(f"predicted {arm}: {p['nats']:+.4f} +- {p['se']:.4f} ({p['how']})")
+    _write_all({args.predict_arms: json.dumps(preds, indent=1) + "\n"})
+    print(f"wrote {args.predict_arms}")
 
 
 def _advise(c, args, records, sources):
@@ -344,15 +368,12 @@ def _advise(c, args, records, sources):
   return advice
 
 
-def _measured_costs(c, args, step: int, groups):
-  """`lowprec.freeze.forward_cost` and `lost_cost` of the run's
-  checkpoint at `step` (its parameters and its progress trace), on the
-  run's own validation batches (their mean loss)."""
-  import jax
+def _checkpoint(c, args, step: int):
+  """The run's state at its last step `step` and its validation loss
+  (`params -> mean loss over the run's own validation batches`)."""
   import numpy as np
 
-  import lowprec
-  from experiments import checkpoint, lowprec_config, train
+  from experiments import checkpoint, train
 
   run = train.build_run(c)
   ckpts = os.path.join(
@@ -376,9 +397,22 @@ def _measured_costs(c, args, step: int, groups):
       np.mean([float(run.eval_fn(p, b, run.eval_key)) for b in batches])
     )
 
+  return state, loss, len(batches)
+
+
+def _measured_costs(c, args, step: int, groups):
+  """`lowprec.freeze.forward_cost` and `lost_cost` of the run's
+  checkpoint at `step` (its parameters and its progress trace), on the
+  run's own validation batches (their mean loss)."""
+  import jax
+
+  import lowprec
+  from experiments import lowprec_config
+
+  state, loss, n = _checkpoint(c, args, step)
   print(
-    f"measured costs: step {step}'s weights, {len(batches)} validation "
-    f"batches, {args.draws} stochastic draws per group and grid ...",
+    f"measured costs: step {step}'s weights, {n} validation batches, "
+    f"{args.draws} stochastic draws per group and grid ...",
     flush=True,
   )
   forward = lowprec.freeze.forward_cost(
@@ -393,6 +427,55 @@ def _measured_costs(c, args, step: int, groups):
     loss, state.params, state.opt_state, groups=groups
   )
   return forward, lost
+
+
+def arm_predictions(config, c, args, step: int) -> dict:
+  """Per arm of the study whose weights take one plain write-back (a
+  grid, nearest or stochastic, `keep_float32` left out), its predicted
+  cost in nats against float32 from the float32 run `c` alone: the
+  `lost_cost` of the whole rounded model for nearest write-back, its
+  stochastic `forward_cost` (mean, standard error) otherwise; arms with
+  a moment store are predicted for their weights and say so. Other arms
+  (float32, mixed, compensated, ECO, per-group) are left out."""
+  import jax
+
+  import lowprec
+  from experiments import lowprec_config
+
+  state, loss, _ = _checkpoint(c, args, step)
+  out = {}
+  for arm, body in config.study.arms.items():
+    lp = dict(body.get("lowprec", {}))
+    fmt = lp.get("writeback")
+    if not fmt or lp.get("compensation", "none") != "none":
+      continue
+    keep = lp.get("keep_float32", "")
+    groups = ((("kept", keep),) if keep else ()) + (("rounded", ".*"),)
+    rounding = lp.get("rounding", "nearest")
+    if rounding == "nearest":
+      cost = lowprec.freeze.lost_cost(
+        loss, state.params, state.opt_state, groups=groups
+      )["rounded"][fmt]
+      how = "lost_cost"
+    else:
+      cost = lowprec.freeze.forward_cost(
+        loss,
+        state.params,
+        [fmt],
+        groups=groups,
+        key=jax.random.key(c.train.seed),
+        draws=max(args.draws, 2),
+      )["rounded"][f"{fmt}_sr"]
+      how = "forward_cost"
+    if fmt not in lowprec_config.progress_targets(c.lowprec):
+      how += " (grid not traced)"
+    out[arm] = {
+      "nats": cost.mean,
+      "se": cost.se,
+      "draws": cost.draws,
+      "how": how + (", moments not predicted" if lp.get("state") else ""),
+    }
+  return out
 
 
 if __name__ == "__main__":

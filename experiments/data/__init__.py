@@ -84,6 +84,25 @@ def builtin_text(
   )
 
 
+def builtin_code(
+  *,
+  seq_len: int,
+  batch_size: int,
+  seed: int = 0,
+  cache_dir: str | None = None,
+  vocab_size: int | None = None,
+) -> TokenData:
+  """The built-in code corpus (standard-library sources, byte-level; see
+  `corpus`), built and cached on first use, as `TokenData`."""
+  return TokenData(
+    builtin_text_dir(cache_dir, corpus="code"),
+    seq_len=seq_len,
+    batch_size=batch_size,
+    seed=seed,
+    vocab_size=vocab_size,
+  )
+
+
 def token_files(
   *,
   data_dir: str,
@@ -155,6 +174,7 @@ def regression(
 
 DATASETS: dict[str, Callable[..., TokenData | ArrayData]] = {
   "builtin_text": builtin_text,
+  "builtin_code": builtin_code,
   "tokens": token_files,
   "mnist": mnist,
   "digits": digits,
@@ -202,6 +222,7 @@ __all__ = [
   "TokenData",
   "Tokenizer",
   "build",
+  "builtin_code",
   "builtin_text",
   "builtin_text_bytes",
   "builtin_text_dir",

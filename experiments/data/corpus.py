@@ -9,7 +9,15 @@ is fixed per Python release, so the token files are the same bytes on every
 machine with the same Python version; `meta.json` records that version and
 the files' SHA-256.
 
-The files are built on first use into `<cache_dir>/builtin_text-v1-py<X.Y.Z>/`,
+A second built-in corpus, `builtin_code`, is source code rather than prose:
+the `.py` files of the standard library's `email`, `http` and `json`
+packages (about 640 KB), in sorted path order, each followed by a blank
+line, tokenized and split the same way. A study checks a prediction on it
+in a setting that shares neither text nor (with another architecture) the
+model of the setting the prediction was developed on.
+
+The files are built on first use into `<cache_dir>/builtin_text-v1-py<X.Y.Z>/`
+(`builtin_code-v1-...` for the code corpus),
 atomically (a directory renamed into place), so concurrent processes are safe.
 `cache_dir` defaults to `$LOWPREC_CACHE_DIR`, else `$XDG_CACHE_HOME/lowprec`,
 else `~/.cache/lowprec`.
@@ -62,12 +70,53 @@ def builtin_text_bytes() -> bytes:
   return "".join(topics[k] + "\n\n" for k in sorted(topics)).encode("utf-8")
 
 
-def builtin_text_dir(cache_dir: str | None = None) -> str:
+CODE_PACKAGES = ("email", "http", "json")
+
+
+def builtin_code_bytes() -> bytes:
+  """The code corpus: the `.py` files of `CODE_PACKAGES`, each package's
+  files in sorted relative path order, each followed by a blank line,
+  UTF-8."""
+  import importlib.util
+
+  out = []
+  for pkg in CODE_PACKAGES:
+    root = os.path.dirname(importlib.util.find_spec(pkg).origin)
+    files = sorted(
+      os.path.relpath(os.path.join(d, f), root)
+      for d, _, fs in os.walk(root)
+      for f in fs
+      if f.endswith(".py")
+    )
+    for rel in files:
+      with open(os.path.join(root, rel), encoding="utf-8") as fh:
+        out.append(fh.read() + "\n\n")
+  return "".join(out).encode("utf-8")
+
+
+_CORPORA = {
+  "text": (
+    builtin_text_bytes,
+    "pydoc_data/topics.py of the Python standard library: the `topics` "
+    "dict in sorted key order, each text followed by a blank line, UTF-8",
+  ),
+  "code": (
+    builtin_code_bytes,
+    "the .py files of the standard library's "
+    + ", ".join(CODE_PACKAGES)
+    + " packages, each package's files in sorted path order, each followed "
+    "by a blank line, UTF-8",
+  ),
+}
+
+
+def builtin_text_dir(cache_dir: str | None = None, corpus: str = "text") -> str:
   """Returns the built-in corpus directory, building it on first use.
 
   Args:
     cache_dir: parent directory of the cache; see the module docstring for
       the default.
+    corpus: "text" (the default) or "code".
 
   Returns:
     A directory holding `train.bin`, `val.bin` and `meta.json`.
@@ -81,7 +130,8 @@ def builtin_text_dir(cache_dir: str | None = None) -> str:
     >>> data = TokenData(builtin_text_dir(), seq_len=64, batch_size=4)
   """
   cache_dir = cache_dir or default_cache_dir()
-  name = f"builtin_text-v{VERSION}-py{platform.python_version()}"
+  read, source = _CORPORA[corpus]
+  name = f"builtin_{corpus}-v{VERSION}-py{platform.python_version()}"
   final = os.path.join(cache_dir, name)
   if os.path.exists(os.path.join(final, "meta.json")):
     return final
@@ -94,7 +144,7 @@ def builtin_text_dir(cache_dir: str | None = None) -> str:
       "$LOWPREC_CACHE_DIR to a writable directory"
     ) from e
   try:
-    data = builtin_text_bytes()
+    data = read()
     tok = tokenizer.byte_tokenizer()
     text.write_token_files(
       work,
@@ -102,13 +152,9 @@ def builtin_text_dir(cache_dir: str | None = None) -> str:
       tokenizer=tok,
       val_fraction=VAL_FRACTION,
       meta={
-        "corpus": f"builtin_text v{VERSION}",
+        "corpus": f"builtin_{corpus} v{VERSION}",
         "python_version": platform.python_version(),
-        "sources": [
-          "pydoc_data/topics.py of the Python standard library: the "
-          "`topics` dict in sorted key order, each text followed by a "
-          "blank line, UTF-8"
-        ],
+        "sources": [source],
       },
     )
     try:
