@@ -103,12 +103,13 @@ CHOICES = (
     ScaledDense(grad=SR16, grad_dw=SR16), REUSE, "gradients", "unbiased",
   ),
   Choice(
-    "random Hadamard (16) on the weight gradient's inputs, SR", "NVFP4",
+    "random Hadamard (16) on the weight gradient's inputs, SR, rounded-up "
+    "scales", "MXFP4 noclip, 16-blocks",
     ScaledDense(grad_dw=SR16, x_dw=SR16, hadamard=16), REQ_X, "gradients",
     "unbiased",
   ),
   Choice(
-    "the same without the Hadamard transform", "NVFP4 no-RHT ablation",
+    "the same without the Hadamard transform", "MXFP4 noclip, 16-blocks",
     ScaledDense(grad_dw=SR16, x_dw=SR16), REQ_X, "gradients", "unbiased",
   ),
 )  # fmt: skip

@@ -349,6 +349,37 @@ def test_builtin_text_dataset(tmp_path):
   np.testing.assert_array_equal(targets[:, :-1], inputs[:, 1:])
 
 
+def test_builtin_code_corpus_is_the_packages_sources(tmp_path):
+  # The code corpus: the .py files of email, http and json, each package
+  # in sorted path order, read here independently; its own cache entry,
+  # its tokens the bytes, and the data set that the configs name.
+  import importlib.util
+
+  from experiments.data import corpus
+
+  want = []
+  for pkg in ("email", "http", "json"):
+    root = os.path.dirname(importlib.util.find_spec(pkg).origin)
+    paths = []
+    for d, _, fs in os.walk(root):
+      paths += [os.path.join(d, f) for f in fs if f.endswith(".py")]
+    for path in sorted(paths, key=lambda q: os.path.relpath(q, root)):
+      with open(path, "rb") as f:
+        want.append(f.read().decode("utf-8") + "\n\n")
+  code = corpus.builtin_code_bytes()
+  assert code == "".join(want).encode("utf-8")
+  where = corpus.builtin_text_dir(str(tmp_path), corpus="code")
+  assert os.path.basename(where).startswith("builtin_code-v1-py")
+  train = np.fromfile(os.path.join(where, "train.bin"), dtype="<u2")
+  assert bytes(train.astype(np.uint8)) == code[: len(train)]
+  assert "email" in data.read_meta(where)["sources"][0]
+  d = data.build(
+    "builtin_code", seq_len=32, batch_size=4, cache_dir=str(tmp_path)
+  )
+  inputs, _ = d.batch(0)
+  assert inputs.shape == (4, 32)
+
+
 # ---- MNIST IDX ------------------------------------------------------------
 
 
