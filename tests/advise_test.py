@@ -904,3 +904,36 @@ def test_measured_costs_choose_the_fewest_bytes_under_the_margin():
   a = advise(recs, SIZES, groups=GROUPS, costs=costs)
   assert _rows(a, "embeddings")["bf16_rn"].nats is None
   assert any("no lost costs" in n for n in a.notes)
+
+
+def test_the_study_table_checks_predictions_made_before_the_runs(
+  tmp_path, monkeypatch
+):
+  # Predictions against measured paired intervals: inside or outside,
+  # the Spearman correlation of the means (3 arms, known ranks), and the
+  # advised arm's non-inferiority at 0.01 nats.
+  import json
+
+  from experiments.analysis import frontier
+
+  path = tmp_path / "study_predictions.json"
+  preds = {
+    "a": {"nats": 0.2, "se": 0.0, "how": "lost_cost"},
+    "b": {"nats": 0.001, "se": 0.0005, "how": "forward_cost"},
+    "advised": {"nats": 0.002, "se": 0.001, "how": "advise"},
+  }
+  path.write_text(json.dumps(preds))
+  monkeypatch.setattr(frontier, "predictions_file", lambda study: str(path))
+  rows = [
+    {"arm": "a", "loss_vs_fp32": 0.1, "half_width_95": 0.01},
+    {"arm": "b", "loss_vs_fp32": 0.0, "half_width_95": 0.005},
+    {"arm": "advised", "loss_vs_fp32": 0.004, "half_width_95": 0.008},
+  ]
+  lines = "\n".join(frontier._checked(rows, "study"))
+  assert "a: predicted +0.2000 +- 0.0000, measured +0.1000" in lines
+  assert "[+0.0900, +0.1100]: outside" in lines
+  assert "b: predicted +0.0010" in lines and "]: inside" in lines
+  assert "advised non-inferior at 0.01 nats: no (upper end +0.0120)" in lines
+  assert "over 3 arms: +1.00" in lines
+  monkeypatch.setattr(frontier, "predictions_file", lambda s: "/nonexistent")
+  assert frontier._checked(rows, "study") == []

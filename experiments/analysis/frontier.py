@@ -14,7 +14,9 @@ the last 20% of the steps) is checked per seed and reported.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import re
 
 import jax
@@ -303,7 +305,67 @@ def frontier_table(runs):
   for row in rows:
     row["on_front"] = "yes" if row["arm"] in front else ""
   rows.sort(key=lambda r: (r["bytes_per_param"], r["loss_vs_fp32"] or 0))
-  return rows, _convergence(ref) + _summary_lines(rows, front)
+  study = any_run.config["study"]["name"]
+  return rows, (
+    _convergence(ref) + _summary_lines(rows, front) + _checked(rows, study)
+  )
+
+
+# The advisor's nats, predicted from the float32 arm before the other arms
+# ran (scripts.advise --predict_arms), where a study has them.
+MARGIN = 0.01  # nats: the advisor's default margin, its non-inferiority bound
+
+
+def predictions_file(study: str) -> str:
+  import configs
+
+  here = os.path.dirname(os.path.abspath(configs.__file__))
+  return os.path.join(here, "advice", f"{study}_predictions.json")
+
+
+def _checked(rows, study: str) -> list[str]:
+  """Per predicted arm, the prediction against the measured interval;
+  the Spearman rank correlation of predicted and measured means; whether
+  the advised arm is non-inferior at `MARGIN` (its interval's upper end
+  at or below it)."""
+  path = predictions_file(study)
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    preds = json.load(f)
+  by_arm = {r["arm"]: r for r in rows}
+  lines = [f"- predictions ({os.path.basename(path)}), before the runs:"]
+  pairs = []
+  for arm, p in preds.items():
+    r = by_arm.get(arm)
+    if r is None or r["loss_vs_fp32"] is None or r["half_width_95"] is None:
+      lines.append(f"  - {arm}: predicted {p['nats']:+.4f}, not measured")
+      continue
+    lo = r["loss_vs_fp32"] - r["half_width_95"]
+    hi = r["loss_vs_fp32"] + r["half_width_95"]
+    inside = "inside" if lo <= p["nats"] <= hi else "outside"
+    lines.append(
+      f"  - {arm}: predicted {p['nats']:+.4f} +- {p['se']:.4f}, measured "
+      f"{r['loss_vs_fp32']:+.4f} [{lo:+.4f}, {hi:+.4f}]: {inside} the "
+      f"interval ({p['how']})"
+    )
+    pairs.append((p["nats"], r["loss_vs_fp32"]))
+    if arm == "advised":
+      ok = hi <= MARGIN
+      lines.append(
+        f"  - advised non-inferior at {MARGIN} nats: "
+        + ("yes" if ok else "no")
+        + f" (upper end {hi:+.4f})"
+      )
+  if len(pairs) >= 3:
+    rank = lambda v: np.argsort(np.argsort(v))  # noqa: E731
+    a, b = zip(*pairs, strict=True)
+    rho = float(np.corrcoef(rank(np.array(a)), rank(np.array(b)))[0, 1])
+    lines.append(
+      f"  - Spearman rank correlation of predicted and measured means over "
+      f"{len(pairs)} arms: {rho:+.2f}"
+    )
+  return lines
 
 
 def _mean(values):
