@@ -21,6 +21,12 @@ whose predicted risks stay under `Thresholds`:
 * stalled: for a moment store, the expected share of the moment's
   updates the stored value does not take at that step.
 
+Given the costs measured on the run's last weights (`forward_cost`, and
+`lost_cost` of a `progress_trace`), each recipe also gets a predicted
+cost in nats with its standard error, and the weights are chosen by it:
+the fewest bytes whose summed prediction, plus two standard errors, stays
+under a margin (0.01 nats); the shares above then only explain.
+
 Recipes no trace of the run predicts (ECO and the split write-back, whose
 errors live in the optimizer's moment or a correction code; a grid
 without a trace) are listed as unpredicted and never recommended.
@@ -80,7 +86,7 @@ class Thresholds:
       moves only when the compensation has piled up half a gap, and the
       model computes with a value that lags the float32 one by up to half
       a gap (0.99; added after the frontier study measured norm gains on
-      e4m3 with a Kahan buffer at +0.028 nats, erased 1.000 predicted).
+      e4m3 with a Kahan buffer at +0.027 nats, erased 1.000 predicted).
   """
 
   lost: float = 0.01
