@@ -569,6 +569,7 @@ def test_regression_is_a_pure_function():
 def test_registry_names_and_errors():
   assert set(data.DATASETS) == {
     "builtin_text",
+    "builtin_code",
     "tokens",
     "mnist",
     "digits",

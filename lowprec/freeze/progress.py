@@ -263,7 +263,7 @@ def forward_cost(
 
   Returns:
     `{group: {name: Cost}}`, `name` the target's for nearest rounding and
-    `<name>_sr` for stochastic (the names `lowprec.freeze.advise` reads).
+      `<name>_sr` for stochastic (the names `lowprec.freeze.advise` reads).
 
   Raises:
     ValueError: no targets, `draws > 0` without a key, a negative `draws`.
