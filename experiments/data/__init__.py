@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 
@@ -61,6 +62,7 @@ def builtin_text(
   seed: int = 0,
   cache_dir: str | None = None,
   vocab_size: int | None = None,
+  corpus: str = "text",
 ) -> TokenData:
   """The built-in corpus (built and cached on first use) as `TokenData`.
 
@@ -71,12 +73,13 @@ def builtin_text(
     cache_dir: cache parent directory; see `corpus.default_cache_dir`.
     vocab_size: the model's vocabulary if it is to be checked (>= 256);
       default 256 from `meta.json`.
+    corpus: "text" (Python's documentation) or "code" (its sources).
 
   Returns:
     A `TokenData` with byte-level ids.
   """
   return TokenData(
-    builtin_text_dir(cache_dir),
+    builtin_text_dir(cache_dir, corpus),
     seq_len=seq_len,
     batch_size=batch_size,
     seed=seed,
@@ -84,23 +87,9 @@ def builtin_text(
   )
 
 
-def builtin_code(
-  *,
-  seq_len: int,
-  batch_size: int,
-  seed: int = 0,
-  cache_dir: str | None = None,
-  vocab_size: int | None = None,
-) -> TokenData:
-  """The built-in code corpus (standard-library sources, byte-level; see
-  `corpus`), built and cached on first use, as `TokenData`."""
-  return TokenData(
-    builtin_text_dir(cache_dir, corpus="code"),
-    seq_len=seq_len,
-    batch_size=batch_size,
-    seed=seed,
-    vocab_size=vocab_size,
-  )
+# The built-in code corpus (standard-library sources, byte-level; see
+# `corpus`): `builtin_text`'s arguments.
+builtin_code = functools.partial(builtin_text, corpus="code")
 
 
 def token_files(

@@ -194,15 +194,8 @@ def lost_cost(
   Raises:
     ValueError: no `ProgressTraceState` in `state`.
   """
-  from lowprec.optim import groups as groups_lib
-
   trace = _find(state)
-  flat, treedef = jax.tree_util.tree_flatten_with_path(params)
-  names = [weights.path_name(p) for p, _ in flat]
-  members = groups_lib.members(
-    [n for n, (_, x) in zip(names, flat, strict=True) if weights.is_array(x)],
-    groups_lib.as_groups(groups),
-  )
+  flat, treedef, names, members = _grouped(params, groups)
   base = float(loss_fn(params))
   out: dict[str, dict[str, Cost]] = {}
   for g, leaves in members.items():
@@ -269,7 +262,6 @@ def forward_cost(
     ValueError: no targets, `draws > 0` without a key, a negative `draws`.
   """
   from lowprec.grids import rng as rng_lib
-  from lowprec.optim import groups as groups_lib
 
   named = _named(targets)
   if draws < 0:
@@ -279,24 +271,14 @@ def forward_cost(
       "forward_cost draws stochastic roundings and needs a key: "
       "forward_cost(..., key=jax.random.key(0)), or draws=0"
     )
-  flat, treedef = jax.tree_util.tree_flatten_with_path(params)
-  names = [weights.path_name(p) for p, _ in flat]
-  members = groups_lib.members(
-    [n for n, (_, x) in zip(names, flat, strict=True) if weights.is_array(x)],
-    groups_lib.as_groups(groups),
-  )
+  flat, treedef, names, members = _grouped(params, groups)
+  layout = _layout(named, params)
   base = float(loss_fn(params))
   out: dict[str, dict[str, Cost]] = {}
   for g, leaves in members.items():
     out[g] = {}
-    for ti, (t, spec) in enumerate(named.items()):
-      lookup = weights.format_lookup(spec)
-      fmts = {}
-      for (path, x), n in zip(flat, names, strict=True):
-        if n in leaves:
-          f = weights.leaf_format(lookup, path, x)
-          if f is not None:
-            fmts[n] = f
+    for ti, (t, all_fmts) in enumerate(layout.items()):
+      fmts = {n: f for n, f in all_fmts.items() if n in leaves}
       if not fmts:
         continue
 
@@ -325,6 +307,19 @@ def forward_cost(
         se = float(d.std(ddof=1) / np.sqrt(draws)) if draws > 1 else np.inf
         out[g][f"{t}_sr"] = Cost(float(d.mean()), se, draws)
   return out
+
+
+def _grouped(params, groups):
+  """`(flat, treedef, names, {group: [names]})` of `params`' leaves."""
+  from lowprec.optim import groups as groups_lib
+
+  flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+  names = [weights.path_name(p) for p, _ in flat]
+  members = groups_lib.members(
+    [n for n, (_, x) in zip(names, flat, strict=True) if weights.is_array(x)],
+    groups_lib.as_groups(groups),
+  )
+  return flat, treedef, names, members
 
 
 def _find(state) -> ProgressTraceState:
