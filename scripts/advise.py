@@ -346,7 +346,8 @@ def _advise(c, args, records, sources):
     params = jax.eval_shape(tasks.build(c).init, jax.random.key(0))
     groups = tuple(c.lowprec.groups) or None
     costs = lost = None
-    if c.lowprec.get("trace_progress", False) and not args.no_forward:
+    measure = c.lowprec.get("trace_progress", False) and not args.no_forward
+    if measure:
       costs, lost = _measured_costs(c, args, records[-1]["step"], groups)
     advice = lowprec.freeze.advise(
       records,
@@ -360,6 +361,11 @@ def _advise(c, args, records, sources):
     )
   except (ValueError, FileNotFoundError) as e:
     _fail(str(e))
+  if measure and costs is None:
+    advice.notes.append(
+      "no checkpoint of the float32 run's last step to measure the costs "
+      "in nats on: chosen by the shares (rerun the float32 arm to its end)"
+    )
   steps = records[-1].get("step")
   if steps < c.train.steps:
     advice.notes.append(
@@ -375,7 +381,6 @@ def _checkpoint(c, args, step: int):
 
   from experiments import checkpoint, train
 
-  run = train.build_run(c)
   ckpts = os.path.join(
     args.results,
     c.study.name,
@@ -383,12 +388,12 @@ def _checkpoint(c, args, step: int):
     f"seed{c.train.seed}",
     "checkpoints",
   )
-  saved = checkpoint.Checkpointer(ckpts, c.ckpt.every_steps, c.ckpt.keep)
-  if saved.latest_step() != step:
-    _fail(
-      f"{ckpts} holds no checkpoint of the run's last step {step} (latest: "
-      f"{saved.latest_step()}): rerun the float32 arm to its end"
-    )
+  saved = None
+  if os.path.isdir(ckpts):
+    saved = checkpoint.Checkpointer(ckpts, c.ckpt.every_steps, c.ckpt.keep)
+  if saved is None or saved.latest_step() != step:
+    return None, None, 0
+  run = train.build_run(c)
   state = saved.restore(step, run.state)
   batches = run.eval_batches()
 
@@ -410,6 +415,8 @@ def _measured_costs(c, args, step: int, groups):
   from experiments import lowprec_config
 
   state, loss, n = _checkpoint(c, args, step)
+  if state is None:
+    return None, None
   print(
     f"measured costs: step {step}'s weights, {n} validation batches, "
     f"{args.draws} stochastic draws per group and grid ...",
@@ -443,6 +450,12 @@ def arm_predictions(config, c, args, step: int) -> dict:
   from experiments import lowprec_config
 
   state, loss, _ = _checkpoint(c, args, step)
+  if state is None:
+    _fail(
+      f"--predict_arms measures the float32 run's last weights, and the run "
+      f"holds no checkpoint of its last step {step}: rerun the float32 arm "
+      "to its end"
+    )
   out = {}
   for arm, body in config.study.arms.items():
     lp = dict(body.get("lowprec", {}))
