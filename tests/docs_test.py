@@ -411,7 +411,12 @@ def test_prose_numbers_read_signs_ranges_and_names():
   text = "e4m3 at 3.08 bytes (-0.0056 [-0.0135, +0.0023]), +0.16-0.17, bf16"
   assert prose_numbers(text) == {3.08, -0.0056, -0.0135, 0.0023, 0.16, 0.17}
   assert prose_numbers("120,576 params, 1.5e-3, +-0.06, 95%, 3/4") == {
-    120576, 0.0015, 0.06, 95, 3, 4,
+    120576,
+    0.0015,
+    0.06,
+    95,
+    3,
+    4,
   }
 
 
