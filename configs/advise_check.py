@@ -32,7 +32,9 @@ below 0.01. Three seeds (one validation set of 40 x 16 x 64 tokens); the
 intervals' half-width is about 2.5 sd, so differences below about 0.01
 nats are not resolved. What is not predicted: the moment stores (the
 advisor chooses them by their stalled shares) and compensated
-write-backs.
+write-backs. Added after the results (post hoc, no prediction):
+`mx_sr_noclip`, MX stochastic write-back with noclip scales, to test
+whether MX SR's cost comes from the OCP floor scale rule.
 
   python -m experiments.run --config configs/advise_check.py:arm=fp32,seed=0
   python -m scripts.advise --config configs/advise_check.py \\
@@ -65,6 +67,11 @@ def get_config(arg=None):
     c.train.eval_every_steps = 120  # the last 20% starts at an evaluation
   arms = frontier.arms()
   chosen = {k: arms[k] for k in ARMS}
+  # Post hoc, added after the results: does MX stochastic write-back's
+  # cost come from the OCP floor scale rule? (No prediction was made.)
+  chosen["mx_sr_noclip"] = {
+    "lowprec": {**arms["mx_sr"]["lowprec"], "writeback_rule": "noclip"}
+  }
   if check_advice is not None:
     chosen["advised"] = {"lowprec": check_advice.LOWPREC}
   if c.study.scale == "smoke":

@@ -148,6 +148,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Block scales of an MX write-back: "recompute" (from w + u) | "keep"
   # (those of w; values past a block's top saturate)
   c.lowprec.writeback_scales = "recompute"
+  # An MX writeback's scale rule: "" (the format's, OCP floor), "ocp" or
+  # "noclip" (the smallest power of two that clips nothing)
+  c.lowprec.writeback_rule = ""
   c.lowprec.int_scale = 0.0  # intK grid step; 0: from the starting params
   # With int_scale 0: the smallest power-of-two step covering max |w| of
   # each tensor ("tensor") or of every tensor on the grid ("model")

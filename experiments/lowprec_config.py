@@ -60,7 +60,14 @@ def writeback_format(lp):
   if not lp.writeback:
     return None
   if lowprec.scaled.is_scaled(lp.writeback):
-    return lowprec.get_scaled_format(lp.writeback)
+    rule = lp.get("writeback_rule", "") or None
+    return lowprec.get_scaled_format(lp.writeback, rule=rule)
+  if lp.get("writeback_rule", ""):
+    raise ValueError(
+      f"lowprec.writeback_rule={lp.writeback_rule!r} picks an MX scale "
+      f"rule, and {lp.writeback!r} has no block scales: give an MX "
+      "writeback (e.g. 'mxfp8_e4m3') or leave the rule empty"
+    )
   scale = lp.int_scale if lp.writeback.startswith("int") else None
   return lowprec.get_format(lp.writeback, scale=scale)
 

@@ -545,3 +545,19 @@ def test_a_recipe_trains_through_the_entry_point_and_logs_its_telemetry(
   for key in keys:
     assert key in last, (key, sorted(last)[:20])
   assert last["proposals"] > 0 and last["erased"] + last["moved"] > 0
+
+
+def test_an_mx_writeback_takes_its_scale_rule_from_the_config():
+  # lowprec.writeback_rule picks the MX rule (noclip against the OCP
+  # floor default); on a grid without block scales it is refused with
+  # the fix.
+  from configs import common
+
+  c = common.get_config()
+  c.lowprec.writeback = "mxfp8_e4m3"
+  assert lowprec_config.writeback_format(c.lowprec).rule == "ocp"
+  c.lowprec.writeback_rule = "noclip"
+  assert lowprec_config.writeback_format(c.lowprec).rule == "noclip"
+  c.lowprec.writeback = "bfloat16"
+  with pytest.raises(ValueError, match="has no block scales"):
+    lowprec_config.writeback_format(c.lowprec)
