@@ -152,26 +152,9 @@ def _state_leaves(params: dict, state):
       yield _nbytes(x), kinds[name]
 
 
-def _unpacked_shapes(state) -> dict[str, tuple[int, ...]]:
-  """Leaf name -> the shape its codes unpack to, for every leaf that a
-  `store_state` state keeps two codes to a byte (from its record)."""
-  nodes = jax.tree_util.tree_flatten_with_path(
-    state, is_leaf=lambda x: isinstance(x, StoredState)
-  )[0]
-  out = {}
-  for path, node in nodes:
-    if isinstance(node, StoredState):
-      pre = path_name(path)
-      pre = pre + "/" if pre else ""
-      for name, shape in node.recipe.shapes:
-        out[pre + "inner/" + name] = tuple(shape)
-  return out
-
-
-def _served(state, leaves: dict) -> dict[str, str]:
-  """Scale leaf name -> name of the stored leaf it scales, for every
-  `store_state` state in `state` (typed, or a dict view of one)."""
-
+def _stored_nodes(state):
+  """`(prefix, node)` of every `store_state` state in `state` (typed, or a
+  dict view of one), the prefix its path and "/" ("" at the root)."""
   # A view has no `recipe`: a static record, not an array.
   fields = set(StoredState._fields) - {"recipe"}
 
@@ -180,13 +163,30 @@ def _served(state, leaves: dict) -> dict[str, str]:
       isinstance(x, Mapping) and {str(k) for k in x} == fields
     )
 
-  out = {}
   nodes = jax.tree_util.tree_flatten_with_path(state, is_leaf=stored)[0]
   for path, node in nodes:
-    if not stored(node):
-      continue
-    pre = path_name(path)
-    pre = pre + "/" if pre else ""
+    if stored(node):
+      pre = path_name(path)
+      yield (pre + "/" if pre else ""), node
+
+
+def _unpacked_shapes(state) -> dict[str, tuple[int, ...]]:
+  """Leaf name -> the shape its codes unpack to, for every leaf that a
+  `store_state` state keeps two codes to a byte (from its record; a view
+  has none)."""
+  out = {}
+  for pre, node in _stored_nodes(state):
+    recipe = getattr(node, "recipe", None)
+    for name, shape in recipe.shapes if recipe is not None else ():
+      out[pre + "inner/" + name] = tuple(shape)
+  return out
+
+
+def _served(state, leaves: dict) -> dict[str, str]:
+  """Scale leaf name -> name of the stored leaf it scales, for every
+  `store_state` state in `state` (typed, or a dict view of one)."""
+  out = {}
+  for pre, _ in _stored_nodes(state):
     for name in leaves:
       if name.startswith(pre + "scales/"):
         out[name] = pre + "inner/" + name[len(pre + "scales/") :]

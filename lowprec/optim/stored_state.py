@@ -547,13 +547,13 @@ def store_state(
     if check:
       check_moments(plan)
       _check_by_inner(state, plan)
-    codecs = {n: sf.codec(storage, overflow) for n, sf in plan.items()}
+    by_name = {n: sf.codec(storage, overflow) for n, sf in plan.items()}
     recipe = record.Recipe(
       "store_state",
       tuple((n, str(sf)) for n, sf in plan.items()),
-      tuple((n, shapes[n]) for n, c in codecs.items() if c.packed),
+      tuple((n, shapes[n]) for n, c in by_name.items() if c.packed),
     )
-    return codecs, recipe
+    return by_name, recipe
 
   def init_fn(params):
     state = inner.init(float32_view(params))
@@ -580,7 +580,14 @@ def store_state(
       "Continue the state with store_state built with the recorded specs, "
       "or start a new state with init",
     )
-    widened = _widen(state.inner, plan, state.scales, shapes)
+    # Each stored leaf's codes, one to an element (4-bit ones unpacked
+    # once): what is widened, and what the counts compare with.
+    old_codes = {
+      n: unpack(plan[n], c, shapes.get(n))
+      for n, c in _leaves(state.inner).items()
+      if n in plan
+    }
+    widened = _widen(state.inner, plan, state.scales, old_codes)
     updates, new_inner = inner.update(
       float32_view(updates), widened, float32_view(params), **extra
     )
@@ -590,11 +597,7 @@ def store_state(
       keys = rng_lib.leaf_keys(
         step_key, [n for n, c in plan.items() if c.random]
       )
-    old, old_codes = _leaves(widened), _leaves(state.inner)
-    old_codes = {
-      n: unpack(plan[n], c, shapes.get(n)) if n in plan else c
-      for n, c in old_codes.items()
-    }
+    old = _leaves(widened)
 
     def store(name, codec, x):
       bits = None
@@ -714,8 +717,9 @@ class _Shapes(dict):
     )
 
 
-def _widen(state, plan, scales, shapes):
-  """The state with every stored leaf as float32 `stored * scale`
+def _widen(state, plan, scales, codes):
+  """The state with every stored leaf as float32 `stored * scale`, read
+  from `codes` (`{name: codes one to an element}`)
   (`lowprec.engine.codec.decode`, which reads the product through a select: an
   FMA in the inner transform then contracts the same product of its own
   on one device and on eight)."""
@@ -724,8 +728,6 @@ def _widen(state, plan, scales, shapes):
     name = path_name(path)
     if name not in plan:
       return x
-    codec = plan[name]
-    code = unpack(codec, x, shapes[name]) if codec.packed else x
-    return decode(codec, code, scales.get(name))
+    return decode(plan[name], codes[name], scales.get(name))
 
   return jax.tree_util.tree_map_with_path(one, state)
