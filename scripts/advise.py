@@ -304,7 +304,12 @@ def main(argv=None) -> None:
   out, code = _outputs(args, c)
   run_dir = os.path.join(args.results, c.study.name, arm, f"seed{seed}")
   records, sources = _records(run_dir, c, args, arm, seed)
-  advice = _advise(c, args, records, sources)
+  measure = c.lowprec.get("trace_progress", False) and not args.no_forward
+  # The run's last weights, read once for every cost measured on them.
+  last = None
+  if measure or args.predict_arms:
+    last = _checkpoint(c, args, records[-1]["step"])
+  advice = _advise(c, args, records, sources, last if measure else None)
   o = c.opt
   optimizer = args.optimizer or (
     f"optax.adamw({o.lr}, b1={o.b1}, b2={o.b2}, eps={o.eps}, "
@@ -320,7 +325,7 @@ def main(argv=None) -> None:
   if args.predict_arms:
     import json
 
-    preds = arm_predictions(config, c, args, records[-1]["step"])
+    preds = arm_predictions(config, c, args, last)
     if advice.margin is not None:
       mean, se = advice.predicted_nats
       preds["advised"] = {
@@ -336,7 +341,9 @@ def main(argv=None) -> None:
     print(f"wrote {args.predict_arms}")
 
 
-def _advise(c, args, records, sources):
+def _advise(c, args, records, sources, last):
+  """The advice; with `last` (`_checkpoint`'s), by the nats measured on
+  the run's last weights where it holds them."""
   import jax
 
   import lowprec
@@ -346,9 +353,8 @@ def _advise(c, args, records, sources):
     params = jax.eval_shape(tasks.build(c).init, jax.random.key(0))
     groups = tuple(c.lowprec.groups) or None
     costs = lost = None
-    measure = c.lowprec.get("trace_progress", False) and not args.no_forward
-    if measure:
-      costs, lost = _measured_costs(c, args, records[-1]["step"], groups)
+    if last is not None:
+      costs, lost = _measured_costs(c, args, last, groups)
     advice = lowprec.freeze.advise(
       records,
       params,
@@ -361,7 +367,7 @@ def _advise(c, args, records, sources):
     )
   except (ValueError, FileNotFoundError) as e:
     _fail(str(e))
-  if measure and costs is None:
+  if last is not None and costs is None:
     advice.notes.append(
       "no checkpoint of the float32 run's last step to measure the costs "
       "in nats on: chosen by the shares (rerun the float32 arm to its end)"
@@ -405,20 +411,21 @@ def _checkpoint(c, args, step: int):
   return state, loss, len(batches)
 
 
-def _measured_costs(c, args, step: int, groups):
-  """`lowprec.freeze.forward_cost` and `lost_cost` of the run's
-  checkpoint at `step` (its parameters and its progress trace), on the
-  run's own validation batches (their mean loss)."""
+def _measured_costs(c, args, last, groups):
+  """`lowprec.freeze.forward_cost` and `lost_cost` of the run's last
+  checkpoint (`last`, `_checkpoint`'s: its parameters and its progress
+  trace), on the run's own validation batches (their mean loss); None,
+  None where the run holds no checkpoint of its last step."""
   import jax
 
   import lowprec
   from experiments import lowprec_config
 
-  state, loss, n = _checkpoint(c, args, step)
+  state, loss, n = last
   if state is None:
     return None, None
   print(
-    f"measured costs: step {step}'s weights, {n} validation batches, "
+    f"measured costs: the last step's weights, {n} validation batches, "
     f"{args.draws} stochastic draws per group and grid ...",
     flush=True,
   )
@@ -436,7 +443,7 @@ def _measured_costs(c, args, step: int, groups):
   return forward, lost
 
 
-def arm_predictions(config, c, args, step: int) -> dict:
+def arm_predictions(config, c, args, last) -> dict:
   """Per arm of the study whose weights take one plain write-back (a
   grid, nearest or stochastic, `keep_float32` left out), its predicted
   cost in nats against float32 from the float32 run `c` alone: the
@@ -447,14 +454,14 @@ def arm_predictions(config, c, args, step: int) -> dict:
   import jax
 
   import lowprec
-  from experiments import lowprec_config
+  from experiments import lowprec_config, study
 
-  state, loss, _ = _checkpoint(c, args, step)
+  state, loss, _ = last
   if state is None:
     _fail(
-      f"--predict_arms measures the float32 run's last weights, and the run "
-      f"holds no checkpoint of its last step {step}: rerun the float32 arm "
-      "to its end"
+      "--predict_arms measures the float32 run's last weights, and the run "
+      "holds no checkpoint of its last step: rerun the float32 arm to its "
+      "end"
     )
   out = {}
   for arm, body in config.study.arms.items():
@@ -466,15 +473,22 @@ def arm_predictions(config, c, args, step: int) -> dict:
     groups = ((("kept", keep),) if keep else ()) + (("rounded", ".*"),)
     rounding = lp.get("rounding", "nearest")
     if rounding == "nearest":
+      # The grid the float32 run traced (its default scale rule).
       cost = lowprec.freeze.lost_cost(
         loss, state.params, state.opt_state, groups=groups
       )["rounded"][fmt]
       how = "lost_cost"
+      if lp.get("writeback_rule"):
+        how += " (the traced grid's scale rule)"
     else:
+      # The arm's own grid, its scale rule included.
+      grid = lowprec_config.writeback_format(
+        study.resolve(config, arm, c.train.seed).lowprec
+      )
       cost = lowprec.freeze.forward_cost(
         loss,
         state.params,
-        [fmt],
+        {fmt: grid},
         groups=groups,
         key=jax.random.key(c.train.seed),
         draws=max(args.draws, 2),
