@@ -45,6 +45,7 @@ import optax
 
 from lowprec.engine import weights
 from lowprec.engine.codec import Codec, encode
+from lowprec.freeze import trace
 
 
 class ProgressCounts(NamedTuple):
@@ -157,9 +158,9 @@ def progress_trace(targets) -> optax.GradientTransformation:
       for n, f in fmts.items():
         w = jnp.asarray(ws[n], jnp.float32)
         u = jnp.asarray(us[n], jnp.float32)
-        q = encode(Codec(f), w).value
-        erased = (u != 0) & jnp.isfinite(u)
-        erased &= encode(Codec(f), q + u).value == q
+        # reference_trace's rule, on its rounding.
+        q = trace._nearest(w, f)
+        erased = (u != 0) & jnp.isfinite(u) & (trace._nearest(q + u, f) == q)
         d = state.displaced[t][n] + jnp.where(erased, u, 0.0)
         displaced[t][n] = d
         norm[t][n] = jnp.sqrt(jnp.sum(d * d))
