@@ -340,6 +340,7 @@ _RECIPE_KEYS = {
   "trace_remedies": (),
   "state_targets": (),
   "decay_erasure": False,
+  "trace_progress": False,
 }
 
 

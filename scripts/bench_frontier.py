@@ -39,7 +39,12 @@ def _configs(quick: bool) -> dict:
     if arm == FLOAT32:  # the float32 recipe, not its predictions
       r.unlock()
       r.lowprec.update(
-        dict(trace_targets=(), trace_remedies=(), state_targets=())
+        dict(
+          trace_targets=(),
+          trace_remedies=(),
+          state_targets=(),
+          trace_progress=False,
+        )
       )
       r.lock()
     out[arm] = r
