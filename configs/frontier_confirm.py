@@ -122,6 +122,8 @@ def get_config(arg=None):
   c.study.analysis = "frontier_confirm"
   c.study.figure = ""
   c.study.seeds = SEEDS
+  c.study.margin = MARGIN  # read by the analysis, recorded per run
+  c.study.new_arms = NEW
   chosen = arms()
   if confirm_advice is not None:
     chosen["advised"] = {"lowprec": confirm_advice.LOWPREC}

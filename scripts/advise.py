@@ -450,7 +450,8 @@ def arm_predictions(config, c, args, last) -> dict:
   `lost_cost` of the whole rounded model for nearest write-back, its
   stochastic `forward_cost` (mean, standard error) otherwise; arms with
   a moment store are predicted for their weights and say so. Other arms
-  (float32, mixed, compensated, ECO, per-group) are left out."""
+  (float32, mixed, compensated, ECO, per-group, and arms of another
+  horizon than the float32 run's) are left out."""
   import jax
 
   import lowprec
@@ -469,6 +470,8 @@ def arm_predictions(config, c, args, last) -> dict:
     fmt = lp.get("writeback")
     if not fmt or lp.get("compensation", "none") != "none":
       continue
+    if body.get("train", {}).get("steps", c.train.steps) != c.train.steps:
+      continue  # its weights are not the float32 run's at its end
     keep = lp.get("keep_float32", "")
     groups = ((("kept", keep),) if keep else ()) + (("rounded", ".*"),)
     rounding = lp.get("rounding", "nearest")

@@ -12,6 +12,7 @@ they were.
 import functools
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -483,3 +484,54 @@ def test_a_real_float32_run_advised_and_its_advice_run(tmp_path):
   scope = {}
   exec(compile(code.read_text(), str(code), "exec"), scope)  # noqa: S102
   assert isinstance(scope["tx"], optax.GradientTransformation)
+
+
+PREDICT = '''"""A float32 run; arms scripts.advise predicts or leaves out."""
+
+from configs import frontier
+
+
+def get_config(arg=None):
+  c = frontier.get_config("scale=smoke")
+  c.study.name = "pred"
+  c.train.steps = {steps}
+  c.train.eval_every_steps = {steps} // 2
+  c.ckpt.every_steps = {steps}
+  arms = frontier.arms()
+  c.study.arms = {{
+    "fp32": arms["fp32"],
+    "bf16_rn": arms["bf16_rn"],
+    "bf16_sr": arms["bf16_sr"],
+    "bf16_kahan": arms["bf16_kahan"],
+    "bf16_rn_2x": {{**arms["bf16_rn"], "train": {{"steps": 2 * {steps}}}}},
+  }}
+  return c
+'''
+
+
+@pytest.mark.slow
+def test_predict_arms_writes_nats_for_the_plain_arms_of_its_horizon(tmp_path):
+  # The float32 arm alone runs (24 steps, every trace); --predict_arms
+  # gives nearest write-back its lost cost and SR its forward cost (mean
+  # and standard error over draws), and leaves out a compensated arm and
+  # an arm of twice the horizon, whose weights are not the run's.
+  config = tmp_path / "pred.py"
+  config.write_text(PREDICT.format(steps=STEPS))
+  root = str(tmp_path / "results")
+  c = _load(str(config))
+  c.log.results_dir = root
+  c.study.arm = "fp32"
+  assert all(s["status"] == "finished" for s in study.run_study(c))
+  preds = tmp_path / "preds.json"
+  out = _advise(
+    "--config", str(config), "--results", root, "--out",
+    str(tmp_path / "advice.py"), "--code", str(tmp_path / "code.py"),
+    "--predict_arms", str(preds), "--draws", "2",
+  )  # fmt: skip
+  assert out.returncode == 0, out.stderr
+  got = json.loads(preds.read_text())
+  assert set(got) == {"bf16_rn", "bf16_sr", "advised"}
+  assert got["bf16_rn"]["how"] == "lost_cost" and got["bf16_rn"]["se"] == 0
+  assert got["bf16_sr"]["how"] == "forward_cost"
+  assert got["bf16_sr"]["draws"] == 2 and got["bf16_sr"]["se"] > 0
+  assert all(math.isfinite(p["nats"]) for p in got.values())

@@ -14,7 +14,7 @@ import csv
 import os
 import re
 
-from experiments.analysis import bwd_tables, frontier
+from experiments.analysis import bwd_tables, frontier, frontier_confirm
 from experiments.analysis.audit_tables import audit_table
 from experiments.analysis.freeze_tables import (
   fp8_table,
@@ -44,6 +44,7 @@ ANALYSES = {
   "user_reports": user_reports_table,
   "state": state_table,
   "frontier": frontier.frontier_table,
+  "frontier_confirm": frontier_confirm.confirm_table,
   **bwd_tables.ANALYSES,
 }
 
