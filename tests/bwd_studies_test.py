@@ -380,6 +380,38 @@ def test_probe_table_losses_margin_and_bias_test(tmp_path):
   assert "8 probes" in arm_line
 
 
+def test_fp4_bias_gets_seed_intervals_and_paired_differences(tmp_path):
+  # Three seeds of bf16, nvfp4 and nvfp4_1d, each probe's bias2 set so a
+  # run's bias (rms) is sqrt(mean bias2): nvfp4 0.04, 0.05, 0.06;
+  # nvfp4_1d 0.07, 0.07, 0.08. The interval is over seeds (t(2) = 4.303),
+  # and nvfp4_1d minus nvfp4 pairs each seed: 0.03, 0.02, 0.02.
+  root = str(tmp_path)
+  biases = {
+    "bf16": (0.001, 0.001, 0.001),
+    "nvfp4": (0.04, 0.05, 0.06),
+    "nvfp4_1d": (0.07, 0.07, 0.08),
+  }
+  for arm, per_seed in biases.items():
+    for seed, b in enumerate(per_seed):
+      _probe_run(root, arm, seed, 2.0, [b * b] * 3, [0.1] * 3)
+  runs = tables.load_runs(root, "p")
+  rows, _ = bwd_tables.probe_table(runs, "bf16")
+  text = "\n".join(bwd_tables._bias_intervals(runs, rows))
+  hw = 4.303 * 0.01 / math.sqrt(3)
+  assert (
+    f"- nvfp4: g bias (rms, relative) 0.0500 [{0.05 - hw:.4f}, "
+    f"{0.05 + hw:.4f}] over 3 seeds" in text
+  )
+  d = np.array([0.03, 0.02, 0.02])
+  dhw = 4.303 * d.std(ddof=1) / math.sqrt(3)
+  assert (
+    f"- g bias, nvfp4_1d minus nvfp4: {d.mean():+.4f} "
+    f"[{d.mean() - dhw:+.4f}, {d.mean() + dhw:+.4f}] over 3 seed pairs: "
+    "higher" in text
+  )
+  assert "mxfp8_floor minus" not in text  # an arm that did not run
+
+
 # ---------------------------------------------------- smoke, end to end
 
 

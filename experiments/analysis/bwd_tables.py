@@ -396,7 +396,56 @@ def fp4_recipe_table(runs):
     for r in rows:
       if r["arm"] == arm:
         r["gap_lo"], r["gap_hi"] = lo, hi
-  return rows, gaps + lines
+  return rows, gaps + _bias_intervals(runs, rows) + lines
+
+
+# The ablations' comparisons the config's predictions make, (arm, against).
+FP4_BIAS_PAIRS = (
+  ("nvfp4_1d", "nvfp4"),
+  ("nvfp4_nearest", "nvfp4"),
+  ("nvfp4_no_rht", "nvfp4"),
+  ("nvfp4_all", "nvfp4"),
+  ("mxfp8_floor", "mxfp8_up"),
+  ("mxfp8_up", "nvfp4"),
+)
+
+
+def _bias_intervals(runs, rows) -> list[str]:
+  """Per arm and probe group, the gradient bias (rms, relative) of each
+  seed, its mean and 95% t-interval over the seeds; then, for
+  `FP4_BIAS_PAIRS`, the per-seed difference of the two arms' biases with
+  its interval (the seed is the unit: probes of one run share its
+  trajectory, so their pooled z says nothing of another seed's)."""
+  from experiments.analysis.frontier import interval
+
+  groups = probe_groups(runs[0]) if runs else []
+  lines = []
+  for g in groups:
+    key = f"{g}_bias_rms"
+    by = {}
+    for r in rows:
+      if r.get(key) is not None:
+        by.setdefault(r["arm"], {})[r["seed"]] = r[key]
+    for arm, seeds in by.items():
+      mean, hw = interval(seeds.values())
+      side = "" if hw is None else f" [{mean - hw:.4f}, {mean + hw:.4f}]"
+      lines.append(
+        f"- {arm}: {g} bias (rms, relative) {mean:.4f}{side} over "
+        f"{len(seeds)} seeds (95% t-interval)"
+      )
+    for arm, other in FP4_BIAS_PAIRS:
+      a, b = by.get(arm, {}), by.get(other, {})
+      diffs = [a[s] - b[s] for s in a if s in b]
+      mean, hw = interval(diffs)
+      if hw is None:
+        continue
+      lo, hi = mean - hw, mean + hw
+      verdict = "higher" if lo > 0 else "lower" if hi < 0 else "not told apart"
+      lines.append(
+        f"- {g} bias, {arm} minus {other}: {mean:+.4f} [{lo:+.4f}, "
+        f"{hi:+.4f}] over {len(diffs)} seed pairs: {verdict}"
+      )
+  return lines
 
 
 ANALYSES = {
