@@ -66,9 +66,15 @@ from lowprec.optim.telemetry import (  # noqa: E402
   telemetry,
   telemetry_arrays,
 )
-from lowprec.optim.writeback import WritebackState, writeback  # noqa: E402
+from lowprec.optim.writeback import (  # noqa: E402
+  BranchesState,
+  WritebackState,
+  counted_in_branches,
+  writeback,
+)
 
 __all__ = [
+  "BranchesState",
   "BytesPerParam",
   "CompensatedState",
   "EcoState",
@@ -85,6 +91,7 @@ __all__ = [
   "bytes_per_param",
   "check_on_grid",
   "contract",
+  "counted_in_branches",
   "eco",
   "freeze",
   "get_format",

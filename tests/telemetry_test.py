@@ -105,10 +105,12 @@ def test_scan_equals_the_python_loop_bit_for_bit_with_stacked_telemetry():
 
 @pytest.mark.parametrize("fmt", [FMT, "mxfp8_e4m3"])
 def test_counting_every_third_update_reports_the_counted_ones(fmt):
-  """`telemetry=3`: the same weights bit for bit as `telemetry=True` over
-  8 stochastic steps; after update t (from 1) the counts are those that
-  `telemetry=True` gave after the last counted update (1, 4, 7), which
-  `counted_step` names; one compile serves both kinds of update."""
+  """`telemetry=3`, alone or with the chain in two branches
+  (`counted_in_branches`): the same weights bit for bit as
+  `telemetry=True` over 8 stochastic steps; after update t (from 1) the
+  counts are those that `telemetry=True` gave after the last counted
+  update (1, 4, 7), which `counted_step` names; one compile serves both
+  kinds of update."""
   params, x, y = _problem()
   if fmt != FMT:  # a 32 x 32 kernel on the MX grid, blocks of 32
     k1, k2, k3 = jax.random.split(jax.random.key(3), 3)
@@ -120,13 +122,18 @@ def test_counting_every_third_update_reports_the_counted_ones(fmt):
     fmt = [("w", fmt), ("b", FMT)]
   params = lowprec.to_grid(params, fmt)
   runs = {}
-  for telemetry in (True, 3):
+  for telemetry in (True, 3, "branches"):
     opt = optax.chain(
       optax.adamw(3e-3),
       lowprec.writeback(
-        fmt, "stochastic", key=jax.random.key(1), telemetry=telemetry
+        fmt,
+        "stochastic",
+        key=jax.random.key(1),
+        telemetry=3 if telemetry == "branches" else telemetry,
       ),
     )
+    if telemetry == "branches":  # the whole chain in two branches
+      opt = lowprec.counted_in_branches(opt)
     step = jax.jit(_step(opt))
     carry, seen = (params, opt.init(params)), []
     for t in range(8):
@@ -134,20 +141,72 @@ def test_counting_every_third_update_reports_the_counted_ones(fmt):
       seen.append(lowprec.telemetry(carry[1]))
     assert step._cache_size() == 1
     runs[telemetry] = carry[0], seen
-  (p_all, every), (p_some, some) = runs[True], runs[3]
-  for k in p_all:
-    np.testing.assert_array_equal(
-      np.asarray(p_some[k]).view(np.uint32),
-      np.asarray(p_all[k]).view(np.uint32),
-    )
-  for t, tel in enumerate(some, start=1):
-    counted = (t - 1) // 3 * 3 + 1
-    assert tel.pop("count_every") == 3 and tel.pop("counted_step") == counted
-    want = dict(every[counted - 1], steps=t)
-    assert_telemetry_equal(tel, want)
-  assert some[-1]["moved"] > 0
+  p_all, every = runs[True]
+  for p_some, some in (runs[3], runs["branches"]):
+    for k in p_all:
+      np.testing.assert_array_equal(
+        np.asarray(p_some[k]).view(np.uint32),
+        np.asarray(p_all[k]).view(np.uint32),
+      )
+    for t, tel in enumerate(some, start=1):
+      counted = (t - 1) // 3 * 3 + 1
+      assert tel.pop("count_every") == 3
+      assert tel.pop("counted_step") == counted
+      want = dict(every[counted - 1], steps=t)
+      assert_telemetry_equal(tel, want)
+    assert some[-1]["moved"] > 0
   with pytest.raises(ValueError, match="telemetry=10"):
     lowprec.writeback(FMT, telemetry=-1)
+
+
+@pytest.mark.parametrize("telemetries", [(True,), (False,), (3, 5)])
+def test_branches_need_one_every_k_writeback(telemetries):
+  # Counting every update, none, or two different k: refused at init,
+  # naming the fix.
+  opt = lowprec.counted_in_branches(
+    optax.chain(
+      optax.sgd(0.1),
+      *(
+        lowprec.writeback(FMT, "stochastic", key=jax.random.key(i), telemetry=t)
+        for i, t in enumerate(telemetries)
+      ),
+    )
+  )
+  with pytest.raises(ValueError, match=r"writeback\(\.\.\., telemetry=k\)"):
+    opt.init({"w": jnp.zeros(4)})
+
+
+def test_an_uncounted_update_in_branches_accesses_the_bytes_of_no_telemetry():
+  # XLA's cost analysis of the uncounted branch's program (traced alone,
+  # as the branch is): the bytes AdamW plus the write-back without
+  # telemetry access, where the write-back's own lax.cond reads the
+  # proposals back from memory. Skips where the backend has no analysis.
+  from lowprec.optim import writeback as wb
+
+  params = lowprec.to_grid({"w": jnp.ones((256, 256))}, FMT)
+
+  def accessed(telemetry, branch=None):
+    opt = optax.chain(
+      optax.adamw(1e-3),
+      lowprec.writeback(
+        FMT, "stochastic", key=jax.random.key(0), telemetry=telemetry
+      ),
+    )
+    token = wb._BRANCH.set(branch)
+    try:
+      step = jax.jit(lambda g, s, p: opt.update(g, s, p), donate_argnums=1)
+      compiled = step.lower(params, opt.init(params), params).compile()
+    finally:
+      wb._BRANCH.reset(token)
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    if not cost or "bytes accessed" not in cost:
+      pytest.skip("no cost analysis on this backend")
+    return cost["bytes accessed"]
+
+  plain = accessed(False)
+  assert accessed(10, branch=False) <= 1.01 * plain
+  assert accessed(10) > 1.1 * plain  # what the branches avoid
 
 
 def test_telemetry_arrays_inside_jit_count_and_are_nan_without_proposals():

@@ -37,6 +37,13 @@ def _transforms(fmt):
     lowprec.writeback(fmt, "stochastic", key=KEY, telemetry=3),
     False,
   )
+  # The same, the chain in two branches around it (counted_in_branches).
+  wb["writeback-every3-branches"] = (
+    lowprec.counted_in_branches(
+      lowprec.writeback(fmt, "stochastic", key=KEY, telemetry=3)
+    ),
+    False,
+  )
   return wb | {
     "reference_trace": (
       lowprec.freeze.reference_trace(

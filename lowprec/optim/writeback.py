@@ -17,6 +17,7 @@ per-tensor counts of proposals, erasures and saturations, read with
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 from typing import NamedTuple
 
@@ -38,6 +39,13 @@ _COUNTS = ("proposals", "moved", "saturated", "unreachable", "nonfinite")
 _COUNTS += ("offgrid",)  # checked by `report()`, not reported
 _REPORTED = ("proposals", "erased", "moved", "saturated", "unreachable")
 _REPORTED += ("nonfinite",)
+
+# While `counted_in_branches` traces one of its two branches: True in the
+# branch that counts, False in the other; None elsewhere (a write-back
+# under `telemetry=k` then decides itself, with a `lax.cond` of its own).
+_BRANCH: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
+  "lowprec_writeback_branch", default=None
+)
 
 
 class WritebackState(NamedTuple):
@@ -315,18 +323,22 @@ def writeback(
 
   def update_fn(updates, state, params=None):
     ks = (state.key, key_state[1]) if random else None
-    if sometimes is None:
+    branch = _BRANCH.get() if sometimes is not None else None
+    if sometimes is None or branch:
       deltas, new_key, counts = counted(updates, params, ks)
     else:
       deltas, new_key, _ = leafwise.step(
         "writeback", lookup, updates, params, ks, silent
       )
       last = {f: getattr(state, f) for f in (*_COUNTS, "blocks", "rescaled")}
-      counts = jax.lax.cond(
-        state.count % every == 0,
-        lambda: counted(updates, params, ks)[2],
-        lambda: last,
-      )
+      if branch is None:
+        counts = jax.lax.cond(
+          state.count % every == 0,
+          lambda: counted(updates, params, ks)[2],
+          lambda: last,
+        )
+      else:  # the uncounted branch of `counted_in_branches`
+        counts = last
     new_state = WritebackState(
       count=optax.safe_increment(state.count),
       key=new_key,
@@ -338,6 +350,98 @@ def writeback(
     return deltas, new_state
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+class BranchesState(NamedTuple):
+  """State of `counted_in_branches`: its update count and the chain's."""
+
+  count: jax.Array  # int32 []: updates so far.
+  inner: optax.OptState
+
+
+def counted_in_branches(
+  inner: optax.GradientTransformation,
+) -> optax.GradientTransformation:
+  """`inner`, a chain whose write-back counts every k-th update
+  (`writeback(..., telemetry=k)`), run as two programs: the whole chain
+  with the counts on counted updates, without them on the others.
+
+  A write-back under `telemetry=k` alone decides with a `lax.cond` around
+  its counts, and a branch reads its operands from memory: the chain's
+  float32 proposals, which XLA otherwise fuses into the write-back
+  without writing them out, are written and read back at every update.
+  Here the branch is around the whole chain, whose operands (gradients,
+  state, params) are in memory anyway, so an uncounted update costs what
+  the write-back without telemetry costs. Updates, states and counts are
+  those of `inner` run alone, bit for bit; `lowprec.telemetry` reads the
+  state as it reads `inner`'s.
+
+  Args:
+    inner: the chain, holding one or more `lowprec.writeback`s with the
+      same `telemetry=k`, k > 1.
+
+  Returns:
+    An optax transformation with state `BranchesState(count, inner)`.
+
+  Raises:
+    ValueError: at `init`, `inner` holds no write-back with `telemetry=k`
+      for k > 1, or write-backs with different k.
+
+  Example:
+    ```python
+    opt = lowprec.counted_in_branches(optax.chain(
+        optax.adamw(1e-3),
+        lowprec.writeback("bfloat16", "stochastic", key=key, telemetry=10),
+    ))
+    ```
+  """
+
+  def init_fn(params):
+    state = inner.init(params)
+    _every_of(state)
+    return BranchesState(jnp.zeros([], jnp.int32), state)
+
+  def update_fn(updates, state, params=None):
+    k = _every_of(state.inner)
+
+    def branch(counts: bool):
+      def run():
+        token = _BRANCH.set(counts)
+        try:
+          return inner.update(updates, state.inner, params)
+        finally:
+          _BRANCH.reset(token)
+
+      return run
+
+    new_updates, new_inner = jax.lax.cond(
+      state.count % k == 0, branch(True), branch(False)
+    )
+    return new_updates, BranchesState(
+      optax.safe_increment(state.count), new_inner
+    )
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _every_of(state) -> int:
+  """The one k of the `telemetry=k` write-backs in `state` (k > 1)."""
+  found = {
+    s.every.k
+    for s in jax.tree.leaves(
+      state, is_leaf=lambda x: isinstance(x, WritebackState)
+    )
+    if isinstance(s, WritebackState) and s.every is not None
+  }
+  if len(found) != 1:
+    what = "none" if not found else f"k = {sorted(found)}"
+    raise ValueError(
+      "lowprec.counted_in_branches runs a chain whose write-backs count "
+      f"every k-th update, all with one k > 1; this chain's have {what}: "
+      "build them with lowprec.writeback(..., telemetry=k), e.g. "
+      "telemetry=10"
+    )
+  return found.pop()
 
 
 def _count_every(telemetry) -> int:
