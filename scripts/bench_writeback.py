@@ -7,7 +7,8 @@ row is a program to compile, longer with every leaf, and the full set on
 ten matrices did not finish in 55 s on an H200. Write-back params are
 float32 holding bfloat16 grid values. Rows: nearest, stochastic and
 dead-zone write-back, each with telemetry on and off, and stochastic
-with telemetry every 10th update (`telemetry=10`); the compensated
+with telemetry every 10th update (`telemetry=10`), alone and with the
+chain run by `lowprec.counted_in_branches`; the compensated
 write-backs (Kahan with a bfloat16 buffer, two-component, remainder, split
 weights with an int8 correction) and ECO
 (`lowprec.eco` around adamw, nearest) without telemetry; and AdamW with
@@ -51,6 +52,9 @@ MOMENTS = {
 # state's count is 1), so the mean over ten updates is this row plus a
 # tenth of the counting one.
 EVERY = "+ stochastic + telemetry every 10, uncounted update"
+# The same chain run by lowprec.counted_in_branches (the whole chain in a
+# counted and an uncounted program), timed on an uncounted update too.
+BRANCHES = "+ stochastic + telemetry every 10 in branches, uncounted update"
 
 # The rows of --quick: both baselines, a rounding with and without
 # telemetry, a compensated write-back of each kind of state, ECO, and a
@@ -109,6 +113,7 @@ def run(quick: bool) -> Result:
       "bfloat16", "stochastic", key=jax.random.key(1), telemetry=10
     ),
   )
+  cases[BRANCHES] = lowprec.counted_in_branches(cases[EVERY])
   key = jax.random.key(2)
   cases["+ kahan (bf16 buffer)"] = optax.chain(
     adamw, lowprec.kahan_writeback("bfloat16", telemetry=False)
@@ -139,6 +144,9 @@ def run(quick: bool) -> Result:
   if EVERY in calls:
     step, (p, (inner, wb), g) = calls[EVERY]
     calls[EVERY] = step, (p, (inner, wb._replace(count=wb.count + 1)), g)
+  if BRANCHES in calls:
+    step, (p, state, g) = calls[BRANCHES]
+    calls[BRANCHES] = step, (p, state._replace(count=state.count + 1), g)
   times = interleave(calls, rounds=rounds, repeats=3)
   title = (
     f"write-back step, {count / 1e6:.1f}M params, "
