@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from configs import common
+from experiments.analysis import figures, tables
 from experiments.analysis import frontier_confirm as fc
-from experiments.analysis import tables
 
 
 def test_holm_steps_down_and_stops_at_the_first_kept_hypothesis():
@@ -164,3 +164,5 @@ def test_confirm_table_pairs_each_horizon_and_applies_holm(tmp_path):
   assert "- bf16_rn: +0.1000" in text and "+0.0200" in text
   assert "change -0.0800" in text and ": shrank" in text
   assert "mx_sr_noclip (noclip): 30 weights saturated per run" in text
+  png = figures.plot("fc", root, figure="frontier_confirm")
+  assert os.path.getsize(png) > 1000

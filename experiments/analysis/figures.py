@@ -10,7 +10,12 @@ studies' in `bwd_figures`. Command line: `python -m scripts.plot <study>`.
 
 from __future__ import annotations
 
-from experiments.analysis import bwd_figures, freeze_figures, frontier
+from experiments.analysis import (
+  bwd_figures,
+  freeze_figures,
+  frontier,
+  frontier_confirm,
+)
 from experiments.analysis.runs import declared, load_runs
 from lowprec.grids import choices as names
 
@@ -18,6 +23,7 @@ FIGURES = {
   **freeze_figures.FIGURES,
   **bwd_figures.FIGURES,
   "frontier_figure": frontier.frontier_figure,
+  "frontier_confirm": frontier_confirm.confirm_figure,
 }
 
 

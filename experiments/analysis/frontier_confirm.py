@@ -276,3 +276,55 @@ def _saturation(rows) -> list[str]:
     if r.get("saturated_per_run") is not None and re.match(r"mx", r["weights"])
   ]
   return ["- MX write-back, saturated weights:"] + out if out else []
+
+
+def confirm_figure(study, results="results", out=None) -> str:
+  """Bytes per parameter against the loss difference to float32, per arm
+  at the first horizon: the mean (marker) and its Holm-corrected one-sided
+  upper bound (a bar up from the mean), the margin dashed; non-inferior
+  arms filled."""
+  from experiments.analysis import plotting
+  from experiments.analysis.freeze_figures import _save
+  from experiments.analysis.runs import load_runs
+
+  runs = load_runs(results, study)
+  margin = runs[0].config["study"].get("margin", DEFAULT_MARGIN)
+  rows, _ = confirm_table(runs)
+  rows = [
+    r
+    for r in rows
+    if r.get("holm_upper") is not None and not r["arm"].endswith(LONG)
+  ]
+  fig, ax = plotting.plt.subplots(figsize=(8, 5.5))
+  same: dict[float, list[str]] = {}
+  for r in rows:
+    same.setdefault(round(r["bytes_per_param"], 1), []).append(r["arm"])
+  for i, r in enumerate(rows):
+    group = same[round(r["bytes_per_param"], 1)]
+    x = r["bytes_per_param"] + 0.15 * (
+      group.index(r["arm"]) - (len(group) - 1) / 2
+    )
+    color = plotting.plt.cm.tab20(i % 20)
+    mean = r["loss_vs_fp32"]
+    ax.errorbar(
+      x,
+      mean,
+      yerr=[[0], [r["holm_upper"] - mean]],
+      fmt=plotting.arm_style(i, 1)["marker"],
+      color=color,
+      mfc=color if r["non_inferior"] == "yes" else "none",
+      ms=7,
+      capsize=0,
+      label=r["arm"],
+    )
+  ax.axhline(0, color="grey", lw=0.5)
+  ax.axhline(margin, color="k", lw=0.8, ls="--", label=f"margin {margin}")
+  ax.set_xlabel("bytes per parameter (weights, write-back state, moments)")
+  ax.set_ylabel("final val loss - float32's (nats)")
+  ax.set_yscale("symlog", linthresh=0.01)
+  ax.set_title(
+    f"{study}: mean and Holm one-sided upper bound; filled: non-inferior",
+    fontsize=10,
+  )
+  plotting.legend_outside(ax)
+  return _save(fig, study, results, out)
