@@ -904,6 +904,21 @@ def test_measured_costs_choose_the_fewest_bytes_under_the_margin():
   a = advise(recs, SIZES, groups=GROUPS, costs=costs)
   assert _rows(a, "embeddings")["bf16_rn"].nats is None
   assert any("no lost costs" in n for n in a.notes)
+  # A budget the margin's choice (float32 embeddings, 4.53 B/param)
+  # does not fit: 4.1 B/param takes 2-byte weights in both groups, those
+  # of least predicted cost: nearest on the embeddings (0.002), SR on
+  # the mlp (0.002), 0.004 together, over the margin of 0.003 (noted).
+  a = advise(
+    recs, SIZES, groups=GROUPS, costs=costs, lost=lost, margin=0.003,
+    budget=4.1,
+  )  # fmt: skip
+  weights = {g: c.partition("+")[0] for g, c in a.choice.items()}
+  assert weights == {"embeddings": "bf16_rn", "mlp": "bf16_sr"}
+  assert a.bytes_per_param <= 4.1
+  assert "least predicted cost that fit, 0.0040 nats" in a.notes[-1]
+  # No measured weights fit 1 B/param: the shares' fit refuses it.
+  with pytest.raises(ValueError, match="no predicted recipe fits 1.0"):
+    advise(recs, SIZES, groups=GROUPS, costs=costs, lost=lost, budget=1.0)
 
 
 def test_the_study_table_checks_predictions_made_before_the_runs(

@@ -502,9 +502,11 @@ def advise(
     thresholds: the risks a recipe must stay under (`Thresholds()`).
     budget: bytes per parameter (weights, write-back state and AdamW's
       moments) the recommendation must fit; None for no limit. Under a
-      budget the safe choice does not fit, groups are moved to cheaper
-      predicted recipes, largest saving per unit of predicted risk first,
-      and a note says which risk it takes.
+      budget the safe choice does not fit: by nats (`costs`, `lost`), the
+      weights with the least summed prediction that fit beside the
+      chosen moment stores; by the shares (or where no such weights
+      fit), groups are moved to cheaper predicted recipes, largest saving
+      per unit of predicted risk first. A note says what it costs.
     window: the share of the run, at its end, the predictions add up.
     sources: where each record came from ("metrics.jsonl:12"), named by
       the errors.
@@ -596,8 +598,62 @@ def advise(
     margin if by_nats else None,
   )
   if budget is not None and advice.bytes_per_param > budget:
-    _fit(advice, budget)
+    if not (by_nats and _fit_by_nats(advice, budget)):
+      _fit(advice, budget)
   return advice
+
+
+def _fit_by_nats(advice: Advice, budget: float) -> bool:
+  """Under a budget the margin's choice does not fit: the weights (moment
+  stores as chosen) with the least summed prediction, `max(nats + 2 se,
+  0)` per group, whose bytes fit; a note gives its cost against the
+  margin. False (the choice unchanged) where no such weights fit, so the
+  stores must move too (`_fit`, by the shares)."""
+  total = sum(advice.sizes.values())
+  stores = {g: c.partition("+")[2] for g, c in advice.choice.items()}
+  room = budget * total - sum(
+    recipes.STATES[stores[g]].bytes * n for g, n in advice.sizes.items()
+  )
+  options = {}
+  for g in advice.sizes:
+    opts = sorted(
+      (r.bytes, max(r.nats + 2 * (r.nats_se or 0.0), 0.0), r.recipe)
+      for r in advice.rows
+      if r.group == g and r.nats is not None and math.isfinite(r.nats_se or 0)
+    )
+    front, best = [], math.inf  # fewer bytes, or less cost
+    for b, c, name in opts:
+      if c < best:
+        front.append((b, c, name))
+        best = c
+    options[g] = front
+  groups = list(options)
+  found = {"cost": math.inf, "bytes": math.inf, "pick": None}
+
+  def search(i, used, cost, pick):
+    if used > room + 1e-9 * total or cost > found["cost"]:
+      return
+    if i == len(groups):
+      if (cost, used) < (found["cost"], found["bytes"]):
+        found.update(cost=cost, bytes=used, pick=dict(pick))
+      return
+    g = groups[i]
+    for b, c, name in options[g]:
+      pick[g] = name
+      search(i + 1, used + b * advice.sizes[g], cost + c, pick)
+    pick.pop(g, None)
+
+  search(0, 0.0, 0.0, {})
+  if found["pick"] is None:
+    return False
+  for g, w in found["pick"].items():
+    advice.choice[g] = f"{w}+{stores[g]}"
+  advice.notes.append(
+    f"the budget of {budget} bytes/param: the weights with the least "
+    f"predicted cost that fit, {found['cost']:.4f} nats with two standard "
+    f"errors, against the margin of {advice.margin:g}"
+  )
+  return True
 
 
 def _with_nats(row: Row, costs, lost) -> Row:
