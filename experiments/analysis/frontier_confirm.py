@@ -89,8 +89,9 @@ def labels(config: dict) -> dict:
     if lp.get("weight_format", "float32") != "float32"
     else "float32"
   )
-  if lp.get("group_recipes"):
-    fmt = "per group (advised)"
+  chosen = [e.split("=", 1)[1] for e in lp.get("group_recipes") or ()]
+  if chosen:
+    fmt = "per group: " + ", ".join(sorted({c.split("+")[0] for c in chosen}))
   comp = lp.get("compensation", "none")
   rounding = lp.get("rounding", "nearest") if lp.get("writeback") else "-"
   how = rounding if comp == "none" else f"{comp} ({rounding})"
@@ -102,6 +103,10 @@ def labels(config: dict) -> dict:
       lp.get("writeback_rule", "")
     ]
   state = "; ".join(lp.get("state") or ()) or "float32"
+  if chosen:
+    state = "per group: " + ", ".join(
+      sorted({c.partition("+")[2] or "float32" for c in chosen})
+    )
   return {
     "weights": fmt,
     "write_back": how,

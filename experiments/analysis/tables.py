@@ -131,6 +131,16 @@ HEADINGS = {
   "pred_nu_stalled": "nu stalled, predicted",
   "nu_stalled": "nu stalled, measured",
   "on_front": "on the front",
+  "write_back": "write-back",
+  "scale_rule": "scale rule",
+  "train_loss_vs_fp32": "train loss - fp32's",
+  "train_half_width_95": "95% half-width (train)",
+  "holm_upper": "Holm upper bound",
+  "non_inferior": "non-inferior at the margin",
+  "holm_lower": "Holm lower bound",
+  "costs_loss": "costs loss (Holm)",
+  "saturated_per_run": "weights saturated per run",
+  "design": "against the first design",
 }
 # attention_reuse_search: per arm, and per contrast `a_minus_b`.
 _SEARCH = (
