@@ -67,9 +67,17 @@ arm and the predicted nats of every arm it can predict, both committed
 before (3) every other run. This setting is the one the advisor was
 developed on: its predictions here are a back-test, not a check.
 
-Cut to fit the CPU budget (about 2 hours on 2 cores, two runs at a time):
-`advised_first` (a superseded advice, measured at +0.023 on 4 seeds) and
-the float32 arms' per-step telemetry of the first design.
+Cut to fit the CPU budget before the runs: `advised_first` (a superseded
+advice, measured at +0.023 on 4 seeds). Cut during the runs, on cost
+alone: the design as written took 31 minutes of the two workers per
+seed, 2 hours in all, more than this study's share of the issue's CPU
+time. So the arms on a bf16 grid, with mixed precision (every bf16 arm,
+compensated or not, and `bf16_rn_2x`, `bf16_sr_2x`) run seeds 0-3; the
+float32, e4m3, MX and advised arms keep all 8 (the issue asks 8 for the
+e4m3 arms' bounds). When this was decided seed 0 of most bf16 arms had
+finished and its table had been printed once, to check it renders; no
+arm was cut or kept by its result. Arms with 4 seeds get wider bounds
+at the same Holm levels (t(3) in place of t(7)).
 
   python -m experiments.run --config configs/frontier_confirm.py
   python -m scripts.make_tables frontier_confirm
@@ -91,6 +99,7 @@ except ImportError:  # not yet advised: the study runs without that arm
 
 MARGIN = 0.01  # nats: the non-inferiority margin, fixed before the runs
 SEEDS = tuple(range(8))
+FOUR = SEEDS[:4]  # the seeds of the arms cut to four (docstring)
 LONG_ARMS = ("fp32", "bf16_rn", "bf16_sr", "fp8_sr", "fp8_sr_mom_q8")
 # Arms added to the first design's (see the docstring).
 NEW = ("bf16_eco_sr", "fp8_eco_sr", "mx_sr_noclip", "bf16_sr_mom_bf16rn")
@@ -111,6 +120,11 @@ def arms(steps: int = 800) -> dict:
   out["fp8_eco_sr"] = lp("fp8_eco", rounding="stochastic")
   out["mx_sr_noclip"] = lp("mx_sr", writeback_rule="noclip")
   out["bf16_sr_mom_bf16rn"] = lp("bf16_sr", state=BF16_NEAREST_MOMENTS)
+  # Cut to fit the CPU budget (see the docstring): the bf16 and mixed
+  # arms run seeds 0-3; the float32, e4m3, MX and advised arms all 8.
+  for arm in out:
+    if arm.startswith(("bf16", "mixed")):
+      out[arm] = {**out[arm], "study": {"seeds": FOUR}}
   for arm in LONG_ARMS:
     over = {k: v for k, v in out[arm].items()}
     if arm == "fp32":  # the long float32 arm pairs; it predicts nothing
