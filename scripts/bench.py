@@ -26,6 +26,7 @@ import argparse
 import importlib
 import json
 import os
+import re
 import sys
 
 from scripts import benchlib
@@ -60,6 +61,12 @@ def main(argv=None) -> None:
     "and range of the runs' ratios",
   )
   parser.add_argument(
+    "--cases",
+    metavar="REGEX",
+    help="writeback only: time the cases whose names match REGEX (a "
+    "Python regular expression, searched), beside both baselines",
+  )
+  parser.add_argument(
     "--json",
     metavar="FILE",
     help="also write the results as JSON to FILE ('-': standard output)",
@@ -77,11 +84,19 @@ def main(argv=None) -> None:
   results = {}
   if args.runs < 1:
     parser.error(f"--runs must be at least 1, got {args.runs}")
+  if args.cases is not None:
+    if names != ["writeback"]:
+      parser.error("--cases selects rows of the writeback section alone")
+    try:
+      re.compile(args.cases)
+    except re.error as e:
+      parser.error(f"--cases {args.cases!r} is not a regular expression: {e}")
   for name in names:
     module = importlib.import_module(f"scripts.bench_{name}")
+    kwargs = {} if args.cases is None else {"cases": args.cases}
     runs = []
     for _ in range(args.runs):
-      runs.append(module.run(quick=args.quick))
+      runs.append(module.run(quick=args.quick, **kwargs))
       print(runs[-1].markdown(), file=out, flush=True)
       print(file=out)
     results[name] = runs[0].as_dict()

@@ -30,6 +30,8 @@ biases all rows alike.
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -93,53 +95,61 @@ def _step(opt):
   return step
 
 
-def run(quick: bool) -> Result:
+def run(quick: bool, cases: str | None = None) -> Result:
+  """Times the rows (those matching the regular expression `cases`, and
+  both baselines, where given)."""
   n_params, layers, rounds = (2_000_000, 2, 3) if quick else (20_000_000, 10, 9)
   params = lowprec.to_grid(_params(n_params, layers), "bfloat16")
   grads = jax.tree.map(lambda p: 1e-3 * jnp.sign(p) + 1e-4, params)
   count = sum(p.size for p in jax.tree.leaves(params))
   adamw = optax.adamw(1e-3)
-  cases = {"adamw": adamw}
+  chosen = {"adamw": adamw}
   for rounding in ("nearest", "stochastic", "deadzone"):
     for on in (True, False):
       wb = lowprec.writeback(
         "bfloat16", rounding, key=jax.random.key(1), telemetry=on
       )
       name = f"+ {rounding}" + (" + telemetry" if on else "")
-      cases[name] = optax.chain(adamw, wb)
-  cases[EVERY] = optax.chain(
+      chosen[name] = optax.chain(adamw, wb)
+  chosen[EVERY] = optax.chain(
     adamw,
     lowprec.writeback(
       "bfloat16", "stochastic", key=jax.random.key(1), telemetry=10
     ),
   )
-  cases[BRANCHES] = lowprec.counted_in_branches(cases[EVERY])
+  chosen[BRANCHES] = lowprec.counted_in_branches(chosen[EVERY])
   key = jax.random.key(2)
-  cases["+ kahan (bf16 buffer)"] = optax.chain(
+  chosen["+ kahan (bf16 buffer)"] = optax.chain(
     adamw, lowprec.kahan_writeback("bfloat16", telemetry=False)
   )
-  cases["+ two-component"] = optax.chain(
+  chosen["+ two-component"] = optax.chain(
     adamw, lowprec.two_component_writeback("bfloat16", telemetry=False)
   )
-  cases["+ remainder"] = optax.chain(
+  chosen["+ remainder"] = optax.chain(
     adamw, lowprec.remainder_writeback("bfloat16", telemetry=False)
   )
-  cases["+ split (8-bit correction)"] = optax.chain(
+  chosen["+ split (8-bit correction)"] = optax.chain(
     adamw, lowprec.split_writeback("bfloat16", 8, telemetry=False)
   )
   # In place of the chain: adamw inside, as `+ nearest` has it before.
-  cases["+ eco (nearest)"] = lowprec.eco(
+  chosen["+ eco (nearest)"] = lowprec.eco(
     adamw, "bfloat16", "nearest", telemetry=False
   )
   for name, (mu, nu) in MOMENTS.items():
-    cases[f"adamw, {name} moments"] = lowprec.store_state(
+    chosen[f"adamw, {name} moments"] = lowprec.store_state(
       adamw, {"mu": mu, "nu": nu}, key=key, telemetry=False
     )
   if quick:
-    cases = {name: cases[name] for name in QUICK}
+    chosen = {name: chosen[name] for name in QUICK}
+  if cases is not None:
+    chosen = {
+      name: opt
+      for name, opt in chosen.items()
+      if name in ("adamw", "+ nearest") or re.search(cases, name)
+    }
   calls = {
     name: (_step(opt), (params, opt.init(params), grads))
-    for name, opt in cases.items()
+    for name, opt in chosen.items()
   }
   if EVERY in calls:
     step, (p, (inner, wb), g) = calls[EVERY]

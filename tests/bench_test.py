@@ -83,3 +83,32 @@ def test_frontier_section_times_whole_steps_of_each_arm(tmp_path):
   for case in data["cases"]:
     ratio = data["cases"][case]["ratio_to"]["bf16_rn"]
     assert 0 < ratio["min"] <= ratio["median"] <= ratio["max"]
+
+
+def test_cases_selects_writeback_rows_beside_the_baselines(monkeypatch):
+  # The rows are built, then only the selected ones (and both baselines)
+  # are timed: `interleave` is replaced to record which.
+  from scripts import bench_writeback
+
+  timed = []
+
+  def fake(calls, rounds, repeats):
+    timed.extend(calls)
+    return {name: [1.0] * rounds for name in calls}
+
+  monkeypatch.setattr(bench_writeback, "interleave", fake)
+  bench.main(["writeback", "--quick", "--cases", "telemetry"])
+  assert timed == ["adamw", "+ nearest", "+ stochastic + telemetry"]
+
+
+@pytest.mark.parametrize(
+  "argv, words",
+  [
+    (["rounding", "--cases", "x"], "writeback section alone"),
+    (["writeback", "--cases", "("], "not a regular expression"),
+  ],
+)
+def test_cases_mistakes_are_refused_naming_the_fix(argv, words, capsys):
+  with pytest.raises(SystemExit) as e:
+    bench.main(argv)
+  assert e.value.code == 2 and words in capsys.readouterr().err
