@@ -614,43 +614,19 @@ def _fit_by_nats(advice: Advice, budget: float) -> bool:
   room = budget * total - sum(
     recipes.STATES[stores[g]].bytes * n for g, n in advice.sizes.items()
   )
-  options = {}
-  for g in advice.sizes:
-    opts = sorted(
-      (r.bytes, max(r.nats + 2 * (r.nats_se or 0.0), 0.0), r.recipe)
-      for r in advice.rows
-      if r.group == g and r.nats is not None and math.isfinite(r.nats_se or 0)
-    )
-    front, best = [], math.inf  # fewer bytes, or less cost
-    for b, c, name in opts:
-      if c < best:
-        front.append((b, c, name))
-        best = c
-    options[g] = front
-  groups = list(options)
-  found = {"cost": math.inf, "bytes": math.inf, "pick": None}
-
-  def search(i, used, cost, pick):
-    if used > room + 1e-9 * total or cost > found["cost"]:
-      return
-    if i == len(groups):
-      if (cost, used) < (found["cost"], found["bytes"]):
-        found.update(cost=cost, bytes=used, pick=dict(pick))
-      return
-    g = groups[i]
-    for b, c, name in options[g]:
-      pick[g] = name
-      search(i + 1, used + b * advice.sizes[g], cost + c, pick)
-    pick.pop(g, None)
-
-  search(0, 0.0, 0.0, {})
-  if found["pick"] is None:
+  pick, cost = _search(
+    _nats_fronts(advice.rows, advice.sizes),
+    advice.sizes,
+    fits=lambda used, cost: used <= room + 1e-9 * total,
+    key=lambda used, cost: (cost, used),
+  )
+  if pick is None:
     return False
-  for g, w in found["pick"].items():
+  for g, w in pick.items():
     advice.choice[g] = f"{w}+{stores[g]}"
   advice.notes.append(
     f"the budget of {budget} bytes/param: the weights with the least "
-    f"predicted cost that fit, {found['cost']:.4f} nats with two standard "
+    f"predicted cost that fit, {cost:.4f} nats with two standard "
     f"errors, against the margin of {advice.margin:g}"
   )
   return True
@@ -686,7 +662,20 @@ def _choose_by_nats(rows, sizes, margin: float) -> dict[str, str]:
   whose summed `max(nats + 2 se, 0)` is at most `margin` (float32, 0,
   always fits); ties go to the smaller summed prediction, then to
   float32."""
-  options = {}
+  pick, _ = _search(
+    _nats_fronts(rows, sizes),
+    sizes,
+    fits=lambda used, cost: cost <= margin,
+    key=lambda used, cost: (used, cost),
+  )
+  return pick
+
+
+def _nats_fronts(rows, sizes) -> dict[str, list[tuple[float, float, str]]]:
+  """Per group, its predicted weight recipes that no other beats on both
+  bytes and `max(nats + 2 se, 0)`: `(bytes, cost, recipe)` by bytes,
+  float32 first among equals."""
+  out = {}
   for g in sizes:
     opts = sorted(
       (
@@ -699,29 +688,39 @@ def _choose_by_nats(rows, sizes, margin: float) -> dict[str, str]:
       if r.group == g and r.nats is not None and math.isfinite(r.nats_se or 0)
     )
     front, best = [], math.inf
-    for b, c, _, name in opts:  # the (bytes, cost) front
+    for b, c, _, name in opts:
       if c < best:
         front.append((b, c, name))
         best = c
-    options[g] = front
-  groups = list(options)
-  found = {"bytes": math.inf, "cost": math.inf, "pick": None}
+    out[g] = front
+  return out
 
-  def search(i, used, cost, pick):
-    if cost > margin:
+
+def _search(fronts, sizes, fits, key):
+  """Every assignment of one front entry per group (`_nats_fronts`):
+  the one of least `key(bytes, cost)` whose partial sums `fits` (both
+  only grow, so a partial sum that does not fit is pruned). Returns
+  `(pick, cost)`, `(None, inf)` where none fits; bytes are summed over
+  elements, cost over groups."""
+  groups = list(fronts)
+  found = {"key": None, "pick": None, "cost": math.inf}
+
+  def go(i, used, cost, pick):
+    if not fits(used, cost):
       return
     if i == len(groups):
-      if (used, cost) < (found["bytes"], found["cost"]):
-        found.update(bytes=used, cost=cost, pick=dict(pick))
+      k = key(used, cost)
+      if found["key"] is None or k < found["key"]:
+        found.update(key=k, pick=dict(pick), cost=cost)
       return
     g = groups[i]
-    for b, c, name in options[g]:
+    for b, c, name in fronts[g]:
       pick[g] = name
-      search(i + 1, used + b * sizes[g], cost + c, pick)
+      go(i + 1, used + b * sizes[g], cost + c, pick)
     pick.pop(g, None)
 
-  search(0, 0.0, 0.0, {})
-  return found["pick"]
+  go(0, 0.0, 0.0, {})
+  return found["pick"], found["cost"]
 
 
 def _window(checked, window: float, min_steps: int) -> list[dict]:
