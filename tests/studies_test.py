@@ -985,7 +985,14 @@ def test_grid_smoke_makes_its_table(smoke):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-  "name", ["freeze_gpt2_fp8", "freeze_mx", "freeze_transfer", "deadzone_vs_sr"]
+  "name",
+  [
+    "freeze_gpt2_fp8",
+    "freeze_mx",
+    "freeze_transfer",
+    "deadzone_vs_sr",
+    "frontier_confirm",
+  ],
 )
 def test_slow_smoke_study_makes_its_table(name, smoke):
   _, md, root = smoke(name)
@@ -994,6 +1001,7 @@ def test_slow_smoke_study_makes_its_table(name, smoke):
     "freeze_mx": "rn_mxfp8_e4m3 (mxfp8_e4m3): predicted crossing",
     "freeze_transfer": "- all tasks:",
     "deadzone_vs_sr": "mean recovery, full SR / dead-zone SR",
+    "frontier_confirm": "| bf16_eco_sr | bfloat16 | eco (stochastic) | - |",
   }[name]
   assert expect in md
   if name == "deadzone_vs_sr":

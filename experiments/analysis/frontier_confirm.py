@@ -298,7 +298,7 @@ def confirm_figure(study, results="results", out=None) -> str:
   rows = [
     r
     for r in rows
-    if r.get("holm_upper") is not None and not r["arm"].endswith(LONG)
+    if r["loss_vs_fp32"] is not None and not r["arm"].endswith(LONG)
   ]
   fig, ax = plotting.plt.subplots(figsize=(8, 5.5))
   same: dict[float, list[str]] = {}
@@ -311,13 +311,14 @@ def confirm_figure(study, results="results", out=None) -> str:
     )
     color = plotting.plt.cm.tab20(i % 20)
     mean = r["loss_vs_fp32"]
+    up = r.get("holm_upper")  # none below 2 seeds
     ax.errorbar(
       x,
       mean,
-      yerr=[[0], [r["holm_upper"] - mean]],
+      yerr=None if up is None else [[0], [up - mean]],
       fmt=plotting.arm_style(i, 1)["marker"],
       color=color,
-      mfc=color if r["non_inferior"] == "yes" else "none",
+      mfc=color if r.get("non_inferior") == "yes" else "none",
       ms=7,
       capsize=0,
       label=r["arm"],
