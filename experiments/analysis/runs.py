@@ -80,7 +80,8 @@ def load_runs(results: str, study: str) -> list[Run]:
 def declared(runs: list[Run], key: str, override: str | None = None) -> str:
   """What the runs' configs name for `study.<key>` (`analysis`, `figure`):
   the study declares it in its config, and every run carries it in its
-  config.json. `override` wins (runs made before the key existed)."""
+  config.json. `override` wins (runs made before the key existed); an
+  empty value, which declares nothing, yields to the others' one."""
   if override:
     return override
   names = {r.config["study"].get(key) for r in runs}
@@ -90,6 +91,8 @@ def declared(runs: list[Run], key: str, override: str | None = None) -> str:
       f"their config.json (made before studies declared it): pass "
       f"--{key} NAME, or rerun the study"
     )
+  if len(names) > 1:
+    names.discard("")  # declared nothing: runs made before it was named
   if len(names) > 1:
     raise ValueError(
       f"the runs of {runs[0].config['study']['name']!r} name different "
