@@ -371,10 +371,11 @@ def counted_in_branches(
   float32 proposals, which XLA otherwise fuses into the write-back
   without writing them out, are written and read back at every update.
   Here the branch is around the whole chain, whose operands (gradients,
-  state, params) are in memory anyway, so an uncounted update costs what
-  the write-back without telemetry costs. Updates, states and counts are
-  those of `inner` run alone, bit for bit; `lowprec.telemetry` reads the
-  state as it reads `inner`'s.
+  state, params) are in memory anyway, so an uncounted update runs the
+  program of the write-back without telemetry (XLA:CPU still copies some
+  of the state at the conditional: docs/benchmarks.md). Updates, states
+  and counts are those of `inner` run alone, bit for bit;
+  `lowprec.telemetry` reads the state as it reads `inner`'s.
 
   Args:
     inner: the chain, holding one or more `lowprec.writeback`s with the
