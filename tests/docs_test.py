@@ -435,15 +435,18 @@ def _study_row(page: str, study: str, first: str) -> str:
   return rows[0]
 
 
-def test_readme_frontier_row_states_only_the_claims_pages_numbers():
+@pytest.mark.parametrize(
+  "study", ["frontier", "frontier_confirm", "advise_check"]
+)
+def test_readme_frontier_row_states_only_the_claims_pages_numbers(study):
   # The README may state fewer numbers than claims.md, never other ones:
   # a number changed in one must be changed in the other.
-  readme = _study_row("README.md", "frontier", "study")
-  claims = _study_row("docs/claims.md", "frontier", "question")
+  readme = _study_row("README.md", study, "study")
+  claims = _study_row("docs/claims.md", study, "question")
   missing = sorted(prose_numbers(readme) - prose_numbers(claims))
-  assert prose_numbers(readme), "the README's frontier row states no number"
+  assert prose_numbers(readme), f"the README's {study} row states no number"
   assert not missing, (
-    f"README's frontier row states numbers claims.md's does not: {missing}"
+    f"README's {study} row states numbers claims.md's does not: {missing}"
   )
 
 
