@@ -372,8 +372,8 @@ def counted_in_branches(
   without writing them out, are written and read back at every update.
   Here the branch is around the whole chain, whose operands (gradients,
   state, params) are in memory anyway, so an uncounted update runs the
-  program of the write-back without telemetry (XLA:CPU still copies some
-  of the state at the conditional: docs/benchmarks.md). Updates, states
+  program of the write-back without telemetry (its deltas still leave
+  the branch through memory: docs/benchmarks.md). Updates, states
   and counts are those of `inner` run alone, bit for bit;
   `lowprec.telemetry` reads the state as it reads `inner`'s.
 
