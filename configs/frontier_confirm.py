@@ -126,9 +126,8 @@ def arms(steps: int = 800) -> dict:
     if arm.startswith(("bf16", "mixed")):
       out[arm] = {**out[arm], "study": {"seeds": FOUR}}
   for arm in LONG_ARMS:
-    over = {k: v for k, v in out[arm].items()}
-    if arm == "fp32":  # the long float32 arm pairs; it predicts nothing
-      over = {}
+    # The long float32 arm pairs; it predicts nothing.
+    over = {} if arm == "fp32" else out[arm]
     out[f"{arm}_2x"] = {
       **over,
       "train": {"steps": 2 * steps, "eval_every_steps": 2 * steps // 5},

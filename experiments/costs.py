@@ -336,11 +336,7 @@ def peak_device_bytes() -> int | None:
 _RECIPE_KEYS = {
   **lowprec_config.RECIPE_DEFAULTS,
   "state": (),
-  "trace_targets": (),
-  "trace_remedies": (),
-  "state_targets": (),
-  "decay_erasure": False,
-  "trace_progress": False,
+  **lowprec_config.NO_PREDICTIONS,
 }
 
 

@@ -38,6 +38,17 @@ RECIPE_DEFAULTS = {
   "correction_bits": DEFAULT_CORRECTION_BITS,
 }
 
+# lowprec keys that make a run predict other recipes (traces of other
+# grids, compensations, moment stores and of the progress nearest rounding
+# erases), at their off values: a run's own recipe without its predictions.
+NO_PREDICTIONS = {
+  "trace_targets": (),
+  "trace_remedies": (),
+  "state_targets": (),
+  "decay_erasure": False,
+  "trace_progress": False,
+}
+
 # lowprec keys a per-group recipe sets for its group; a config with
 # lowprec.group_recipes leaves them at their defaults.
 GROUP_EXCLUSIVE = {

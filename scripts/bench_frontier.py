@@ -12,7 +12,7 @@ import statistics
 
 import jax
 
-from experiments import study, train
+from experiments import lowprec_config, study, train
 from scripts.bench_train import _steps
 from scripts.benchlib import Result, interleave
 
@@ -38,14 +38,7 @@ def _configs(quick: bool) -> dict:
     r = study.resolve(c, arm, 0)
     if arm == FLOAT32:  # the float32 recipe, not its predictions
       r.unlock()
-      r.lowprec.update(
-        dict(
-          trace_targets=(),
-          trace_remedies=(),
-          state_targets=(),
-          trace_progress=False,
-        )
-      )
+      r.lowprec.update(lowprec_config.NO_PREDICTIONS)
       r.lock()
     out[arm] = r
   return out

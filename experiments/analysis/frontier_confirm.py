@@ -27,13 +27,12 @@ import re
 import numpy as np
 from scipy import stats
 
-from experiments.analysis import frontier
+from experiments.analysis import bwd_tables, frontier
 
 REFERENCE = "fp32"
 LONG = "_2x"  # suffix of the arms at twice the horizon
 ALPHA = 0.05  # familywise, one-sided
 TRAIN_TAIL = 0.1  # training loss: mean over the last 10% of the steps
-DEFAULT_MARGIN = 0.01  # nats, where a run's config names none
 
 
 def holm(pvalues: dict[str, float], alpha: float = ALPHA) -> dict:
@@ -73,12 +72,7 @@ def bound(diffs, level: float, upper: bool = True) -> float:
 
 def train_loss(run) -> float | None:
   """Mean training loss over the last `TRAIN_TAIL` of the run's steps."""
-  steps, loss = run.curve("loss")
-  if not steps.size:
-    return None
-  first = run.config["train"]["steps"] * (1 - TRAIN_TAIL)
-  tail = loss[steps > first]
-  return float(tail.mean()) if tail.size else None
+  return bwd_tables.tail_mean(run, "loss", TRAIN_TAIL)
 
 
 def labels(config: dict) -> dict:
@@ -143,7 +137,7 @@ def confirm_table(runs):
       by_arm.setdefault(r.arm, {})[r.seed] = r
   any_run = next(iter(runs))
   cfg = any_run.config
-  margin = cfg["study"].get("margin", DEFAULT_MARGIN)
+  margin = cfg["study"].get("margin", frontier.MARGIN)
   sizes = frontier._sizes(cfg)
   new = set(cfg["study"].get("new_arms", ()))
   rows, families = [], {"": {}, LONG: {}}
@@ -293,7 +287,7 @@ def confirm_figure(study, results="results", out=None) -> str:
   from experiments.analysis.runs import load_runs
 
   runs = load_runs(results, study)
-  margin = runs[0].config["study"].get("margin", DEFAULT_MARGIN)
+  margin = runs[0].config["study"].get("margin", frontier.MARGIN)
   rows, _ = confirm_table(runs)
   rows = [
     r
