@@ -68,7 +68,9 @@ from lowprec.optim.telemetry import (  # noqa: E402
 )
 from lowprec.optim.writeback import (  # noqa: E402
   BranchesState,
+  CountedAndUncounted,
   WritebackState,
+  counted_and_uncounted,
   counted_in_branches,
   writeback,
 )
@@ -77,6 +79,7 @@ __all__ = [
   "BranchesState",
   "BytesPerParam",
   "CompensatedState",
+  "CountedAndUncounted",
   "EcoState",
   "Format",
   "Policy",
@@ -91,6 +94,7 @@ __all__ = [
   "bytes_per_param",
   "check_on_grid",
   "contract",
+  "counted_and_uncounted",
   "counted_in_branches",
   "eco",
   "freeze",

@@ -7,8 +7,10 @@ row is a program to compile, longer with every leaf, and the full set on
 ten matrices did not finish in 55 s on an H200. Write-back params are
 float32 holding bfloat16 grid values. Rows: nearest, stochastic and
 dead-zone write-back, each with telemetry on and off, and stochastic
-with telemetry every 10th update (`telemetry=10`), alone and with the
-chain run by `lowprec.counted_in_branches`; the compensated
+with telemetry every 10th update (`telemetry=10`), alone, with the
+chain run by `lowprec.counted_in_branches`, and as
+`lowprec.counted_and_uncounted`'s two programs (the mean of ten
+updates); the compensated
 write-backs (Kahan with a bfloat16 buffer, two-component, remainder, split
 weights with an int8 correction) and ECO
 (`lowprec.eco` around adamw, nearest) without telemetry; and AdamW with
@@ -57,6 +59,10 @@ EVERY = "+ stochastic + telemetry every 10, uncounted update"
 # The same chain run by lowprec.counted_in_branches (the whole chain in a
 # counted and an uncounted program), timed on an uncounted update too.
 BRANCHES = "+ stochastic + telemetry every 10 in branches, uncounted update"
+# The same chain as lowprec.counted_and_uncounted's two programs, picked
+# per update outside the compiled step: ten updates a call (the counted
+# program once, the uncounted one nine times), the time divided by ten.
+PROGRAMS = "+ stochastic + telemetry every 10, two programs, mean of 10 updates"
 
 # The rows of --quick: both baselines, a rounding with and without
 # telemetry, a compensated write-back of each kind of state, ECO, and a
@@ -95,6 +101,25 @@ def _step(opt):
   return step
 
 
+def _ten_updates(chain, params, grads):
+  """`(fn, args)` timing ten updates of `chain` (telemetry=10) as
+  `lowprec.counted_and_uncounted` runs them: the counted program on a
+  due update (count 0), the uncounted one on nine that are not (count
+  1), each from the same inputs."""
+  pair = lowprec.counted_and_uncounted(chain)
+  counted, uncounted = _step(pair.counted), _step(pair.uncounted)
+  inner, wb = pair.counted.init(params)
+  later = (inner, wb._replace(count=wb.count + 1))
+
+  def ten(params, due, later, grads):
+    out = counted(params, due, grads)
+    for _ in range(9):
+      out = uncounted(params, later, grads)
+    return out
+
+  return ten, (params, (inner, wb), later, grads)
+
+
 def run(quick: bool, cases: str | None = None) -> Result:
   """Times the rows (those matching the regular expression `cases`, and
   both baselines, where given)."""
@@ -118,6 +143,7 @@ def run(quick: bool, cases: str | None = None) -> Result:
     ),
   )
   chosen[BRANCHES] = lowprec.counted_in_branches(chosen[EVERY])
+  chosen[PROGRAMS] = chosen[EVERY]  # timed by _ten_updates
   key = jax.random.key(2)
   chosen["+ kahan (bf16 buffer)"] = optax.chain(
     adamw, lowprec.kahan_writeback("bfloat16", telemetry=False)
@@ -157,7 +183,11 @@ def run(quick: bool, cases: str | None = None) -> Result:
   if BRANCHES in calls:
     step, (p, state, g) = calls[BRANCHES]
     calls[BRANCHES] = step, (p, state._replace(count=state.count + 1), g)
+  if PROGRAMS in chosen:
+    calls[PROGRAMS] = _ten_updates(chosen[EVERY], params, grads)
   times = interleave(calls, rounds=rounds, repeats=3)
+  if PROGRAMS in times:
+    times[PROGRAMS] = [t / 10 for t in times[PROGRAMS]]
   title = (
     f"write-back step, {count / 1e6:.1f}M params, "
     f"{jax.devices()[0].platform} x{jax.device_count()}"

@@ -105,12 +105,13 @@ def test_scan_equals_the_python_loop_bit_for_bit_with_stacked_telemetry():
 
 @pytest.mark.parametrize("fmt", [FMT, "mxfp8_e4m3"])
 def test_counting_every_third_update_reports_the_counted_ones(fmt):
-  """`telemetry=3`, alone or with the chain in two branches
-  (`counted_in_branches`): the same weights bit for bit as
+  """`telemetry=3`, alone, with the chain in two branches
+  (`counted_in_branches`) or as two programs picked per update
+  (`counted_and_uncounted`): the same weights bit for bit as
   `telemetry=True` over 8 stochastic steps; after update t (from 1) the
   counts are those that `telemetry=True` gave after the last counted
   update (1, 4, 7), which `counted_step` names; one compile serves both
-  kinds of update."""
+  kinds of update (each program once, for the pair)."""
   params, x, y = _problem()
   if fmt != FMT:  # a 32 x 32 kernel on the MX grid, blocks of 32
     k1, k2, k3 = jax.random.split(jax.random.key(3), 3)
@@ -122,27 +123,31 @@ def test_counting_every_third_update_reports_the_counted_ones(fmt):
     fmt = [("w", fmt), ("b", FMT)]
   params = lowprec.to_grid(params, fmt)
   runs = {}
-  for telemetry in (True, 3, "branches"):
+  for telemetry in (True, 3, "branches", "programs"):
     opt = optax.chain(
       optax.adamw(3e-3),
       lowprec.writeback(
         fmt,
         "stochastic",
         key=jax.random.key(1),
-        telemetry=3 if telemetry == "branches" else telemetry,
+        telemetry=telemetry if telemetry in (True, 3) else 3,
       ),
     )
     if telemetry == "branches":  # the whole chain in two branches
       opt = lowprec.counted_in_branches(opt)
-    step = jax.jit(_step(opt))
+    if telemetry == "programs":  # two compiled steps, picked per update
+      pair = lowprec.counted_and_uncounted(opt)
+      steps = [jax.jit(_step(pair.uncounted)), jax.jit(_step(pair.counted))]
+    else:
+      steps = [jax.jit(_step(opt))] * 2
     carry, seen = (params, opt.init(params)), []
     for t in range(8):
-      carry, _ = step(carry, (x[t], y[t]))
+      carry, _ = steps[t % 3 == 0](carry, (x[t], y[t]))
       seen.append(lowprec.telemetry(carry[1]))
-    assert step._cache_size() == 1
+    assert all(step._cache_size() == 1 for step in steps)
     runs[telemetry] = carry[0], seen
   p_all, every = runs[True]
-  for p_some, some in (runs[3], runs["branches"]):
+  for p_some, some in (runs[3], runs["branches"], runs["programs"]):
     for k in p_all:
       np.testing.assert_array_equal(
         np.asarray(p_some[k]).view(np.uint32),
@@ -159,21 +164,64 @@ def test_counting_every_third_update_reports_the_counted_ones(fmt):
     lowprec.writeback(FMT, telemetry=-1)
 
 
+@pytest.mark.parametrize("wrap", ["branches", "programs"])
 @pytest.mark.parametrize("telemetries", [(True,), (False,), (3, 5)])
-def test_branches_need_one_every_k_writeback(telemetries):
+def test_branches_need_one_every_k_writeback(telemetries, wrap):
   # Counting every update, none, or two different k: refused at init,
   # naming the fix.
-  opt = lowprec.counted_in_branches(
-    optax.chain(
-      optax.sgd(0.1),
-      *(
-        lowprec.writeback(FMT, "stochastic", key=jax.random.key(i), telemetry=t)
-        for i, t in enumerate(telemetries)
-      ),
-    )
+  chain = optax.chain(
+    optax.sgd(0.1),
+    *(
+      lowprec.writeback(FMT, "stochastic", key=jax.random.key(i), telemetry=t)
+      for i, t in enumerate(telemetries)
+    ),
   )
+  if wrap == "branches":
+    opt = lowprec.counted_in_branches(chain)
+  else:
+    opt = lowprec.counted_and_uncounted(chain).uncounted
   with pytest.raises(ValueError, match=r"writeback\(\.\.\., telemetry=k\)"):
     opt.init({"w": jnp.zeros(4)})
+
+
+def test_programs_off_their_schedule_never_report_stale_counts():
+  """`counted_and_uncounted` run off the every-3rd schedule: the counted
+  program on an update not due keeps the last counts (those of update 1,
+  as `telemetry=True` gave them); the uncounted program on a due update
+  makes `lowprec.telemetry` raise, naming the schedule, where its counts
+  would otherwise be update 1's under update 4's name. Eagerly, and
+  jitted."""
+  params, x, y = _problem()
+  params = lowprec.to_grid(params, FMT)
+
+  def chain(telemetry):
+    return optax.chain(
+      optax.adamw(3e-3),
+      lowprec.writeback(
+        FMT, "stochastic", key=jax.random.key(1), telemetry=telemetry
+      ),
+    )
+
+  pair = lowprec.counted_and_uncounted(chain(3))
+  ref = chain(True)
+  carry_ref = (params, ref.init(params))
+  carry = (params, pair.counted.init(params))
+  first = None
+  for t in range(2):
+    carry_ref, _ = _step(ref)(carry_ref, (x[t], y[t]))
+    carry, _ = jax.jit(_step(pair.counted))(carry, (x[t], y[t]))
+    if t == 0:
+      first = lowprec.telemetry(carry_ref[1])
+  tel = lowprec.telemetry(carry[1])
+  assert tel.pop("counted_step") == 1 and tel.pop("count_every") == 3
+  assert_telemetry_equal(tel, dict(first, steps=2))
+  assert tel["proposals"] > 0
+  for run in (_step(pair.uncounted), jax.jit(_step(pair.uncounted))):
+    later = carry
+    for t in (2, 3):  # update 4 (t = 3) is due
+      later, _ = run(later, (x[t], y[t]))
+    with pytest.raises(ValueError, match=r"update 4 was due .*step % 3 == 0"):
+      lowprec.telemetry(later[1])
 
 
 def test_an_uncounted_update_in_branches_accesses_the_bytes_of_no_telemetry():

@@ -44,6 +44,16 @@ def _transforms(fmt):
     ),
     False,
   )
+  # The counting one of its two programs (counted_and_uncounted), run on
+  # every update: off its schedule it keeps the last counts. (The other
+  # runs only off the schedule, which one compiled step cannot follow:
+  # tests/telemetry_test.py runs the two.)
+  wb["writeback-every3-counted"] = (
+    lowprec.counted_and_uncounted(
+      lowprec.writeback(fmt, "stochastic", key=KEY, telemetry=3)
+    ).counted,
+    False,
+  )
   return wb | {
     "reference_trace": (
       lowprec.freeze.reference_trace(

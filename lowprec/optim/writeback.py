@@ -40,9 +40,10 @@ _COUNTS += ("offgrid",)  # checked by `report()`, not reported
 _REPORTED = ("proposals", "erased", "moved", "saturated", "unreachable")
 _REPORTED += ("nonfinite",)
 
-# While `counted_in_branches` traces one of its two branches: True in the
-# branch that counts, False in the other; None elsewhere (a write-back
-# under `telemetry=k` then decides itself, with a `lax.cond` of its own).
+# While `counted_in_branches` traces one of its two branches, or one of
+# the two programs of `counted_and_uncounted` is traced: True in the one
+# that counts, False in the other; None elsewhere (a write-back under
+# `telemetry=k` then decides itself, with a `lax.cond` of its own).
 _BRANCH: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
   "lowprec_writeback_branch", default=None
 )
@@ -105,10 +106,13 @@ class WritebackState(NamedTuple):
     Raises:
       ValueError: the last update found weights off their grid (the
         `offgrid` counts): something changed the params after the
-        write-back's deltas, e.g. a transform chained after it.
+        write-back's deltas, e.g. a transform chained after it; or, of
+        `counted_and_uncounted`'s programs, the uncounted one ran an
+        update that was due to be counted.
     """
     st = jax.device_get(self._replace(key=None))
     check_offgrid(st.offgrid)
+    _check_counted(st)
     return _telemetry(st, host=True)
 
 
@@ -132,7 +136,12 @@ def check_offgrid(offgrid) -> None:
   count}`, concrete, any leading ensemble axes) are not all zero."""
   if not offgrid:
     return
-  bad = {n: int(np.sum(c)) for n, c in offgrid.items() if np.any(c)}
+  # -1: not counted (`counted_and_uncounted`), which the report refuses.
+  bad = {
+    n: int(np.sum(np.maximum(c, 0)))
+    for n, c in offgrid.items()
+    if np.any(np.asarray(c) > 0)
+  }
   if not bad:
     return
   (name, n), more = next(iter(bad.items())), len(bad) - 1
@@ -324,21 +333,29 @@ def writeback(
   def update_fn(updates, state, params=None):
     ks = (state.key, key_state[1]) if random else None
     branch = _BRANCH.get() if sometimes is not None else None
-    if sometimes is None or branch:
+    last = {f: getattr(state, f) for f in (*_COUNTS, "blocks", "rescaled")}
+    if sometimes is None:
       deltas, new_key, counts = counted(updates, params, ks)
+    elif branch:  # a program that counts, chosen outside
+      deltas, new_key, counts = counted(updates, params, ks)
+      # Off its schedule it keeps the last counts, which the report names.
+      due = state.count % every == 0
+      counts = jax.tree.map(lambda c, o: jnp.where(due, c, o), counts, last)
     else:
       deltas, new_key, _ = leafwise.step(
         "writeback", lookup, updates, params, ks, silent
       )
-      last = {f: getattr(state, f) for f in (*_COUNTS, "blocks", "rescaled")}
       if branch is None:
         counts = jax.lax.cond(
           state.count % every == 0,
           lambda: counted(updates, params, ks)[2],
           lambda: last,
         )
-      else:  # the uncounted branch of `counted_in_branches`
-        counts = last
+      else:  # a program that does not count, chosen outside
+        # On its schedule its counts are missing: -1, which the report
+        # refuses rather than name stale counts as this update's.
+        due = state.count % every == 0
+        counts = jax.tree.map(lambda o: jnp.where(due, -1, o), last)
     new_state = WritebackState(
       count=optax.safe_increment(state.count),
       key=new_key,
@@ -425,7 +442,99 @@ def counted_in_branches(
   return optax.GradientTransformation(init_fn, update_fn)
 
 
-def _every_of(state) -> int:
+class CountedAndUncounted(NamedTuple):
+  """The two programs of `counted_and_uncounted`: optax transformations
+  with one init and one state, `inner`'s."""
+
+  counted: optax.GradientTransformation
+  uncounted: optax.GradientTransformation
+
+
+def counted_and_uncounted(
+  inner: optax.GradientTransformation,
+) -> CountedAndUncounted:
+  """`inner`, a chain whose write-backs count every k-th update
+  (`writeback(..., telemetry=k)`), as two transformations to compile
+  apart: `counted` counts, `uncounted` is the chain's program without
+  counts. The caller picks one per update, outside the compiled step.
+
+  Nothing in the compiled steps branches, so an uncounted update runs
+  exactly the program of the write-back without telemetry, and the
+  counting program runs once in k updates: logging telemetry costs a
+  k-th of the counts (docs/benchmarks.md). The state is
+  `inner`'s (checkpoints and `lowprec.telemetry` as for `inner` alone),
+  and updates, states and counts are `inner`'s bit for bit when
+  `counted` runs the updates whose number minus one is a multiple of k
+  (`step % k == 0`, counting steps from 0) and `uncounted` the others.
+  Off that schedule, `counted` keeps the last counts; `uncounted` on an
+  update due to be counted marks its counts missing, and
+  `lowprec.telemetry` then raises rather than report stale counts.
+
+  Args:
+    inner: the chain, holding one or more `lowprec.writeback`s with the
+      same `telemetry=k`, k > 1.
+
+  Returns:
+    `CountedAndUncounted(counted, uncounted)`.
+
+  Raises:
+    ValueError: at `init` or `update`, `inner` holds no write-back with
+      `telemetry=k` for k > 1, or write-backs with different k.
+
+  Example:
+    ```python
+    opt = lowprec.counted_and_uncounted(optax.chain(
+        optax.adamw(1e-3),
+        lowprec.writeback("bfloat16", "stochastic", key=key, telemetry=10),
+    ))
+    steps = {
+        True: jax.jit(make_step(opt.counted)),
+        False: jax.jit(make_step(opt.uncounted)),
+    }
+    for step in range(n):
+      params, state = steps[step % 10 == 0](params, state, batch)
+    ```
+  """
+  name = "lowprec.counted_and_uncounted"
+
+  def init_fn(params):
+    state = inner.init(params)
+    _every_of(state, name)
+    return state
+
+  def program(counts: bool) -> optax.GradientTransformation:
+    def update_fn(updates, state, params=None):
+      _every_of(state, name)
+      token = _BRANCH.set(counts)
+      try:
+        return inner.update(updates, state, params)
+      finally:
+        _BRANCH.reset(token)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+  return CountedAndUncounted(program(True), program(False))
+
+
+def _check_counted(st: WritebackState) -> None:
+  """Raises where a state's counts are marked missing (-1): the
+  uncounted program of `counted_and_uncounted` ran a due update."""
+  if st.every is None or st.proposals is None:
+    return
+  if not any(np.any(np.asarray(c) < 0) for c in st.proposals.values()):
+    return
+  k = st.every.k
+  due = int(np.max(st.every.counted_step(np.asarray(st.count))))
+  raise ValueError(
+    f"update {due} was due to be counted (telemetry={k}: "
+    f"updates 1, {k + 1}, {2 * k + 1}, ...) but ran the uncounted program "
+    "of lowprec.counted_and_uncounted, so its counts are missing: run the "
+    f"counted program when step % {k} == 0 (steps counted from 0) and the "
+    "uncounted one otherwise"
+  )
+
+
+def _every_of(state, name: str = "lowprec.counted_in_branches") -> int:
   """The one k of the `telemetry=k` write-backs in `state` (k > 1)."""
   found = {
     s.every.k
@@ -437,7 +546,7 @@ def _every_of(state) -> int:
   if len(found) != 1:
     what = "none" if not found else f"k = {sorted(found)}"
     raise ValueError(
-      "lowprec.counted_in_branches runs a chain whose write-backs count "
+      f"{name} runs a chain whose write-backs count "
       f"every k-th update, all with one k > 1; this chain's have {what}: "
       "build them with lowprec.writeback(..., telemetry=k), e.g. "
       "telemetry=10"
