@@ -97,8 +97,12 @@ def test_cases_selects_writeback_rows_beside_the_baselines(monkeypatch):
     return {name: [1.0] * rounds for name in calls}
 
   monkeypatch.setattr(bench_writeback, "interleave", fake)
-  bench.main(["writeback", "--quick", "--cases", "telemetry"])
-  assert timed == ["adamw", "+ nearest", "+ stochastic + telemetry"]
+  result = bench_writeback.run(quick=True, cases="telemetry")
+  programs = bench_writeback.PROGRAMS
+  assert timed == ["adamw", "+ nearest", "+ stochastic + telemetry", programs]
+  # The two programs' row times ten updates a call: a tenth per update.
+  assert result.times[programs] == [0.1] * 3
+  assert result.times["+ stochastic + telemetry"] == [1.0] * 3
 
 
 @pytest.mark.parametrize(
