@@ -9,8 +9,9 @@ float32 holding bfloat16 grid values. Rows: nearest, stochastic and
 dead-zone write-back, each with telemetry on and off, and stochastic
 with telemetry every 10th update (`telemetry=10`), alone, with the
 chain run by `lowprec.counted_in_branches`, and as
-`lowprec.counted_and_uncounted`'s two programs (the mean of ten
-updates); the compensated
+`lowprec.counted_and_uncounted`'s two programs (the mean of k updates,
+every 10th and every 20th counted; these rows are also compared with
+stochastic write-back without telemetry); the compensated
 write-backs (Kahan with a bfloat16 buffer, two-component, remainder, split
 weights with an int8 correction) and ECO
 (`lowprec.eco` around adamw, nearest) without telemetry; and AdamW with
@@ -60,9 +61,17 @@ EVERY = "+ stochastic + telemetry every 10, uncounted update"
 # counted and an uncounted program), timed on an uncounted update too.
 BRANCHES = "+ stochastic + telemetry every 10 in branches, uncounted update"
 # The same chain as lowprec.counted_and_uncounted's two programs, picked
-# per update outside the compiled step: ten updates a call (the counted
-# program once, the uncounted one nine times), the time divided by ten.
+# per update outside the compiled step: k updates a call (the counted
+# program once, the uncounted one k - 1 times), the time divided by k.
 PROGRAMS = "+ stochastic + telemetry every 10, two programs, mean of 10 updates"
+PROGRAMS_20 = (
+  "+ stochastic + telemetry every 20, two programs, mean of 20 updates"
+)
+# row -> k
+EVERY_K = {PROGRAMS: 10, PROGRAMS_20: 20}
+# Rows of telemetry every k updates, also compared with the write-back
+# without telemetry (the target: at most 1.1x it).
+WITHOUT = "+ stochastic"
 
 # The rows of --quick: both baselines, a rounding with and without
 # telemetry and with it every 10th update as two programs, a compensated
@@ -103,23 +112,33 @@ def _step(opt):
   return step
 
 
-def _ten_updates(chain, params, grads):
-  """`(fn, args)` timing ten updates of `chain` (telemetry=10) as
+def _every_k(k: int):
+  """adamw + stochastic write-back counting every k-th update."""
+  return optax.chain(
+    optax.adamw(1e-3),
+    lowprec.writeback(
+      "bfloat16", "stochastic", key=jax.random.key(1), telemetry=k
+    ),
+  )
+
+
+def _k_updates(k: int, params, grads):
+  """`(fn, args)` timing k updates of `_every_k(k)` as
   `lowprec.counted_and_uncounted` runs them: the counted program on a
-  due update (count 0), the uncounted one on nine that are not (count
+  due update (count 0), the uncounted one on k - 1 that are not (count
   1), each from the same inputs."""
-  pair = lowprec.counted_and_uncounted(chain)
+  pair = lowprec.counted_and_uncounted(_every_k(k))
   counted, uncounted = _step(pair.counted), _step(pair.uncounted)
   inner, wb = pair.counted.init(params)
   later = (inner, wb._replace(count=wb.count + 1))
 
-  def ten(params, due, later, grads):
+  def updates(params, due, later, grads):
     out = counted(params, due, grads)
-    for _ in range(9):
+    for _ in range(k - 1):
       out = uncounted(params, later, grads)
     return out
 
-  return ten, (params, (inner, wb), later, grads)
+  return updates, (params, (inner, wb), later, grads)
 
 
 def run(quick: bool, cases: str | None = None) -> Result:
@@ -138,15 +157,10 @@ def run(quick: bool, cases: str | None = None) -> Result:
       )
       name = f"+ {rounding}" + (" + telemetry" if on else "")
       chosen[name] = optax.chain(adamw, wb)
-  chosen[EVERY] = optax.chain(
-    adamw,
-    lowprec.writeback(
-      "bfloat16", "stochastic", key=jax.random.key(1), telemetry=10
-    ),
-  )
+  chosen[EVERY] = _every_k(10)
   chosen[BRANCHES] = lowprec.counted_in_branches(chosen[EVERY])
-  every = chosen[EVERY]
-  chosen[PROGRAMS] = every  # timed by _ten_updates
+  for name, k in EVERY_K.items():
+    chosen[name] = _every_k(k)  # timed by _k_updates
   key = jax.random.key(2)
   chosen["+ kahan (bf16 buffer)"] = optax.chain(
     adamw, lowprec.kahan_writeback("bfloat16", telemetry=False)
@@ -171,14 +185,18 @@ def run(quick: bool, cases: str | None = None) -> Result:
   if quick:
     chosen = {name: chosen[name] for name in QUICK}
   if cases is not None:
+    kept = ("adamw", "+ nearest")
+    if any(re.search(cases, name) and "every" in name for name in chosen):
+      kept += (WITHOUT,)
     chosen = {
       name: opt
       for name, opt in chosen.items()
-      if name in ("adamw", "+ nearest") or re.search(cases, name)
+      if name in kept or re.search(cases, name)
     }
   calls = {
     name: (_step(opt), (params, opt.init(params), grads))
     for name, opt in chosen.items()
+    if name not in EVERY_K
   }
   if EVERY in calls:
     step, (p, (inner, wb), g) = calls[EVERY]
@@ -186,13 +204,19 @@ def run(quick: bool, cases: str | None = None) -> Result:
   if BRANCHES in calls:
     step, (p, state, g) = calls[BRANCHES]
     calls[BRANCHES] = step, (p, state._replace(count=state.count + 1), g)
-  if PROGRAMS in chosen:
-    calls[PROGRAMS] = _ten_updates(every, params, grads)
+  for name, k in EVERY_K.items():
+    if name in chosen:
+      calls[name] = _k_updates(k, params, grads)
+  calls = {name: calls[name] for name in chosen}  # the rows' order
   times = interleave(calls, rounds=rounds, repeats=3)
-  if PROGRAMS in times:
-    times[PROGRAMS] = [t / 10 for t in times[PROGRAMS]]
+  for name, k in EVERY_K.items():
+    if name in times:
+      times[name] = [t / k for t in times[name]]
   title = (
     f"write-back step, {count / 1e6:.1f}M params, "
     f"{jax.devices()[0].platform} x{jax.device_count()}"
   )
-  return Result(title, times, ("adamw", "+ nearest"))
+  baselines = ("adamw", "+ nearest")
+  if WITHOUT in times and any("every" in name for name in times):
+    baselines += (WITHOUT,)
+  return Result(title, times, baselines)

@@ -99,10 +99,22 @@ def test_cases_selects_writeback_rows_beside_the_baselines(monkeypatch):
   monkeypatch.setattr(bench_writeback, "interleave", fake)
   result = bench_writeback.run(quick=True, cases="telemetry")
   programs = bench_writeback.PROGRAMS
-  assert timed == ["adamw", "+ nearest", "+ stochastic + telemetry", programs]
+  # A row counting every k-th update brings the write-back without
+  # telemetry, its third baseline.
+  assert timed == [
+    "adamw",
+    "+ nearest",
+    "+ stochastic",
+    "+ stochastic + telemetry",
+    programs,
+  ]
+  assert result.baselines == ("adamw", "+ nearest", "+ stochastic")
   # The two programs' row times ten updates a call: a tenth per update.
   assert result.times[programs] == [0.1] * 3
   assert result.times["+ stochastic + telemetry"] == [1.0] * 3
+  timed.clear()
+  bench_writeback.run(quick=True, cases="^. stochastic . telemetry$")
+  assert timed == ["adamw", "+ nearest", "+ stochastic + telemetry"]
 
 
 @pytest.mark.parametrize(
