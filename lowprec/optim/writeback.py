@@ -467,7 +467,8 @@ def counted_and_uncounted(
   `counted` runs the updates whose number minus one is a multiple of k
   (`step % k == 0`, counting steps from 0) and `uncounted` the others.
   Off that schedule, `counted` keeps the last counts; `uncounted` on an
-  update due to be counted marks its counts missing, and
+  update due to be counted marks its counts missing (-1, as
+  `lowprec.telemetry_arrays` shows them inside a compiled step), and
   `lowprec.telemetry` then raises rather than report stale counts.
 
   Args:
