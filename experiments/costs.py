@@ -441,3 +441,251 @@ def step(name: str, data_dir: str, steps: int = 1, **overrides) -> dict:
     "peak_device_bytes": peak_device_bytes(),
     "device": str(jax.devices()[0].device_kind),
   }
+
+
+# Dense TF32 and FP8 peaks (no sparsity), from the same datasheets: half
+# and twice the bf16 peak on H100 SXM and H200. HBM bandwidth per chip:
+# H100 SXM 3.35 TB/s, H200 4.8 TB/s (NVIDIA datasheets).
+TF32_PEAK_FLOPS = {"H100": 494.7e12, "H200": 494.7e12}
+HBM_BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}
+# The share of a matmul peak cuBLAS/cuDNN GEMMs of these shapes are
+# taken to reach in the roofline below (an assumption, stated with it).
+MATMUL_EFFICIENCY = 0.7
+
+
+@dataclasses.dataclass(frozen=True)
+class Traffic:
+  """Bytes a train step accesses, from XLA's cost analysis, split by
+  what they grow with. Per layer, and for the rest of the model (the
+  embeddings, the last norm, the output layer and the loss):
+
+  * `optimizer`: the optimizer's update and its apply, once per step;
+  * `weights`: what a gradient pass reads and writes once per pass,
+    however many rows it takes (weights, gradients): once per microbatch;
+  * `per_token`, `per_square`: per row, `per_token * s + per_square *
+    s^2` for `s`-token rows (activations; the square is attention's
+    score and probability matrices where they are materialised).
+  """
+
+  layer: tuple[float, float, float, float]
+  rest: tuple[float, float, float, float]
+
+  def activations_scaled(self, factor: float) -> Traffic:
+    """The same with the per-row (activation) bytes times `factor`."""
+
+    def one(part):
+      opt, weights, tok, sq = part
+      return (opt, weights, tok * factor, sq * factor)
+
+    return Traffic(one(self.layer), one(self.rest))
+
+  def step_bytes(self, n_layer, rows, microbatches, seq, square=True):
+    """Bytes of one step of `rows` rows of `seq` tokens in
+    `microbatches` gradient passes; `square=False` leaves attention's
+    square out (a fused attention kernel keeps it on chip)."""
+    total = 0.0
+    for (opt, weights, tok, sq), n in ((self.layer, n_layer), (self.rest, 1)):
+      row = tok * seq + (sq * seq * seq if square else 0.0)
+      total += n * (opt + microbatches * weights + rows * row)
+    return total
+
+
+def _fit_traffic(optimizer, grad) -> tuple[float, float, float, float]:
+  """(optimizer, weights, per_token, per_square) from the optimizer's
+  bytes and a gradient pass's bytes `grad[(seq, rows)]` at (s, 1), (s, 2)
+  and (2 s, 1)."""
+  (s, _), _, _ = sorted(grad)
+  row_s = grad[(s, 2)] - grad[(s, 1)]  # one row of s tokens
+  weights = grad[(s, 1)] - row_s
+  row_2s = grad[(2 * s, 1)] - weights
+  # row(s) = a s + b s^2 at s and 2s.
+  b = (row_2s - 2 * row_s) / (2 * s * s)
+  a = (row_s - b * s * s) / s
+  return (optimizer, weights, a, b)
+
+
+def traffic(c, seq: int = 128) -> Traffic:
+  """Measures `Traffic` of config `c` on this machine's backend: the
+  step's gradient pass and its optimizer compiled at 2 and 4 unrolled
+  layers (their difference is two layers), rows of `seq` and `2 seq`
+  tokens, one and two rows; nothing is run."""
+  from experiments import optim, train
+
+  if jax.device_count() != 1:
+    raise ValueError(
+      f"the roofline measures one chip's program, and this process has "
+      f"{jax.device_count()} devices: run it with one (on a CPU, "
+      "XLA_FLAGS=--xla_force_host_platform_device_count=1; on a GPU host, "
+      "CUDA_VISIBLE_DEVICES=0)"
+    )
+  grads: dict[int, dict] = {}
+  opts: dict[int, float] = {}
+  for n_layer in (2, 4):
+    grads[n_layer] = {}
+    for s, rows in ((seq, 1), (seq, 2), (2 * seq, 1)):
+      cc = c.copy_and_resolve_references()
+      cc.unlock()
+      cc.train.virtual_shards = 0
+      cc.train.fsdp = 1
+      cc.train.probe_every_steps = 0
+      cc.data.batch_size = rows
+      cc.model.update(dict(n_layer=n_layer, seq_len=s, scan_layers=False))
+      cc.lock()
+      run = train.build_run(cc)
+      batch = run.train_batch(0)
+      loss_and_grad = train.make_loss_and_grad(run.task, run.mesh, 0)
+      key = jax.random.key(0)
+      grad_fn = jax.jit(lambda p, b: loss_and_grad(p, b, key))
+      grads[n_layer][(s, rows)] = _accessed(grad_fn, run.state.params, batch)
+    tx = optim.build(cc, jax.random.key(0), run.state.params)
+    state = run.state
+
+    def update(params, opt_state, g):
+      updates, opt_state = tx.update(g, opt_state, params)
+      return lowprec.apply_updates(params, updates), opt_state
+
+    opts[n_layer] = _accessed(
+      jax.jit(update), state.params, state.opt_state, state.params
+    )
+  two = {k: (grads[4][k] - grads[2][k]) / 2 for k in grads[2]}
+  rest = {k: grads[2][k] - 2 * two[k] for k in grads[2]}
+  layer_opt = (opts[4] - opts[2]) / 2
+  return Traffic(
+    _fit_traffic(layer_opt, two), _fit_traffic(opts[2] - 2 * layer_opt, rest)
+  )
+
+
+def _accessed(fn, *args) -> float:
+  analysis = fn.lower(*args).compile().cost_analysis()
+  if isinstance(analysis, list):  # older jax: one dict per program
+    analysis = analysis[0]
+  return float(analysis["bytes accessed"])
+
+
+def matmul_peak(c, device: str) -> tuple[float, str]:
+  """The dense matmul peak `c`'s products run at on `device`, and its
+  name: bf16 for `model.compute_dtype=bfloat16`, TF32 for float32 under
+  XLA's default or tf32 precision (what XLA:GPU picks on NVIDIA GPUs
+  from Ampere on); None where the table has no such peak."""
+  dtype = c.model.get("compute_dtype", "float32")
+  precision = c.model.get("matmul_precision", "default")
+  if dtype == "bfloat16":
+    return PEAK_FLOPS[device], "bf16"
+  if precision in ("default", "tf32") and device in TF32_PEAK_FLOPS:
+    return TF32_PEAK_FLOPS[device], "tf32"
+  return None, precision
+
+
+def roofline(c, devices=("H100", "H200"), seq: int = 128) -> list[dict]:
+  """The step time of config `c` on one chip of each of `devices` that
+  its FLOPs and bytes bound: the model's FLOPs at `MATMUL_EFFICIENCY` of
+  the matmul peak (`matmul_peak`), plus the bytes XLA's cost analysis
+  counts on this machine (`traffic`) at the chip's HBM bandwidth, the two
+  not overlapped (and, as `mfu_overlapped`, overlapped). This backend's
+  fusions stand in for the chip's (an
+  accelerator's compiler fuses at least as much: fewer bytes); where the
+  arm runs `jax.nn.dot_product_attention`, attention's square is left
+  out (cuDNN's fused kernel keeps it on chip). With
+  `model.compute_dtype=bfloat16` the bytes are the float32 model's with
+  half its activation bytes: XLA:CPU computes bfloat16 arithmetic in
+  float32 and counts the conversions, which a GPU does not. Returns, per
+  device, the parts, the predicted seconds a step and the MFU (of the
+  bf16 peak) it gives."""
+  if c.model.get("compute_dtype", "float32") == "bfloat16":
+    wide = c.copy_and_resolve_references()
+    wide.unlock()
+    wide.model.compute_dtype = "float32"
+    wide.lock()
+    t = traffic(wide, seq).activations_scaled(0.5)
+  else:
+    t = traffic(c, seq)
+  m = c.model
+  rows, seq_len = c.data.batch_size, m.seq_len
+  parts = c.train.virtual_shards or 1
+  fused = _attention_fused(c) if m.kind == "gpt" else False
+  moved = t.step_bytes(m.n_layer, rows, parts, seq_len, square=not fused)
+  flops = model_flops(_matmul_params(c), m.n_layer, m.d_model, seq_len)
+  flops *= rows * seq_len
+  out = []
+  for device in devices:
+    peak, kind = matmul_peak(c, device)
+    mem_s = moved / HBM_BANDWIDTH[device]
+    mm_s = flops / (MATMUL_EFFICIENCY * peak) if peak else float("nan")
+    step_s = mem_s + mm_s
+    out.append(
+      {
+        "device": device,
+        "matmul": kind,
+        "tokens_per_step": rows * seq_len,
+        "model_tflop": flops / 1e12,
+        "bytes_tb": moved / 1e12,
+        "matmul_s": mm_s,
+        "memory_s": mem_s,
+        "step_s": step_s,
+        "mfu": flops / step_s / PEAK_FLOPS[device],
+        # The bound with the bytes moved while the matmuls run.
+        "mfu_overlapped": flops / max(mem_s, mm_s) / PEAK_FLOPS[device],
+        "of_tf32_peak": flops / step_s / TF32_PEAK_FLOPS[device],
+        "tokens_per_s": rows * seq_len / step_s,
+        "attention_square": not fused,
+        "traffic": dataclasses.asdict(t),
+      }
+    )
+  return out
+
+
+def _attention_fused(c) -> bool:
+  """Whether `c`'s GPT runs attention as `jax.nn.dot_product_attention`."""
+  from experiments import tasks
+
+  return tasks.attention_kind(c) == "fused"
+
+
+def _matmul_params(c) -> int:
+  """The model's parameters less its position table (`model_flops`'s
+  `N`), counted on its abstract parameters."""
+  from experiments import tasks
+
+  task = tasks.build(c)
+  shapes = jax.eval_shape(task.init, jax.random.key(0))
+  n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
+  if "wpe" in shapes:
+    n -= int(np.prod(shapes["wpe"].shape))
+  return n
+
+
+def roofline_of(
+  name: str, data_dir: str, recipe=None, model=None, devices=("H100", "H200")
+) -> list[dict]:
+  """`roofline` of the full-scale config `name` (its planned arm, or
+  `recipe` in its place; `model`, a dict of `model.*` overrides such as
+  `compute_dtype`), with its config named in each result."""
+  c = full_config(name, data_dir)
+  if model:
+    c.unlock()
+    c.model.update(model)
+    c.lock()
+  if recipe:
+    c = with_recipe(c, recipe)
+  synthetic_tokens(data_dir, c.model.vocab_size)
+  m = c.model
+  named = {
+    "config": name,
+    "recipe": recipe or c.study.arm,
+    "compute": m.get("compute_dtype", "float32"),
+    "matmul_precision": m.get("matmul_precision", "default"),
+  }
+  return [{**named, **r} for r in roofline(c, devices)]
+
+
+def describe_roofline(r: dict) -> str:
+  """One line of `roofline_of`'s result."""
+  return (
+    f"{r['config']} ({r['recipe']}, compute {r['compute']}) on {r['device']}:"
+    f" {r['model_tflop']:.0f} TFLOP at {MATMUL_EFFICIENCY:.0%} of the "
+    f"{r['matmul']} peak {r['matmul_s']:.2f} s + {r['bytes_tb']:.2f} TB at "
+    f"HBM bandwidth {r['memory_s']:.2f} s = {r['step_s']:.2f} s a step of "
+    f"{r['tokens_per_step']:,} tokens: MFU {r['mfu']:.0%} "
+    f"(overlapped {r['mfu_overlapped']:.0%}) "
+    f"({r['of_tf32_peak']:.0%} of TF32), {r['tokens_per_s']:,.0f} tokens/s"
+  )

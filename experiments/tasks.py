@@ -130,7 +130,7 @@ def compute_header(config) -> str:
   c = Compute.of(config.model)
   line = f"compute {c.dtype}, matmul precision {c.matmul_precision}"
   if config.model.kind == "gpt":
-    kind = lpnn.attention_kind(_numerics(config))
+    kind = attention_kind(config)
     line += ", attention " + (
       "fused (jax.nn.dot_product_attention)"
       if kind == "fused"
@@ -139,6 +139,12 @@ def compute_header(config) -> str:
   if config.lowprec.get("native_fp8", False):
     line += ", float8 products as float8 dots"
   return line
+
+
+def attention_kind(config) -> str:
+  """Which attention a GPT config runs: "fused"
+  (`jax.nn.dot_product_attention`) or the per-use operator's kind."""
+  return lpnn.attention_kind(_numerics(config))
 
 
 def _numerics(config):
