@@ -532,27 +532,35 @@ def traffic(c, seq: int = 128) -> Traffic:
       cc.model.update(dict(n_layer=n_layer, seq_len=s, scan_layers=False))
       cc.lock()
       run = train.build_run(cc)
-      batch = run.train_batch(0)
-      loss_and_grad = train.make_loss_and_grad(run.task, run.mesh, 0)
-      key = jax.random.key(0)
-      grad_fn = jax.jit(lambda p, b: loss_and_grad(p, b, key))
-      grads[n_layer][(s, rows)] = _accessed(grad_fn, run.state.params, batch)
+      grads[n_layer][(s, rows)] = _grad_bytes(run)
     tx = optim.build(cc, jax.random.key(0), run.state.params)
-    state = run.state
-
-    def update(params, opt_state, g):
-      updates, opt_state = tx.update(g, opt_state, params)
-      return lowprec.apply_updates(params, updates), opt_state
-
-    opts[n_layer] = _accessed(
-      jax.jit(update), state.params, state.opt_state, state.params
-    )
+    opts[n_layer] = _update_bytes(tx, run.state)
   two = {k: (grads[4][k] - grads[2][k]) / 2 for k in grads[2]}
   rest = {k: grads[2][k] - 2 * two[k] for k in grads[2]}
   layer_opt = (opts[4] - opts[2]) / 2
   return Traffic(
     _fit_traffic(layer_opt, two), _fit_traffic(opts[2] - 2 * layer_opt, rest)
   )
+
+
+def _grad_bytes(run) -> float:
+  """Bytes of `run`'s gradient pass over its batch."""
+  from experiments import train
+
+  loss_and_grad = train.make_loss_and_grad(run.task, run.mesh, 0)
+  key = jax.random.key(0)
+  fn = jax.jit(lambda p, b: loss_and_grad(p, b, key))
+  return _accessed(fn, run.state.params, run.train_batch(0))
+
+
+def _update_bytes(tx, state) -> float:
+  """Bytes of `tx`'s update and its apply, the gradient as the params."""
+
+  def update(params, opt_state, g):
+    updates, opt_state = tx.update(g, opt_state, params)
+    return lowprec.apply_updates(params, updates), opt_state
+
+  return _accessed(jax.jit(update), state.params, state.opt_state, state.params)
 
 
 def _accessed(fn, *args) -> float:
