@@ -333,18 +333,19 @@ def writeback(
   def update_fn(updates, state, params=None):
     ks = (state.key, key_state[1]) if random else None
     branch = _BRANCH.get() if sometimes is not None else None
-    last = {f: getattr(state, f) for f in (*_COUNTS, "blocks", "rescaled")}
     if sometimes is None:
       deltas, new_key, counts = counted(updates, params, ks)
     elif branch:  # a program that counts, chosen outside
       deltas, new_key, counts = counted(updates, params, ks)
       # Off its schedule it keeps the last counts, which the report names.
       due = state.count % every == 0
+      last = _last_counts(state)
       counts = jax.tree.map(lambda c, o: jnp.where(due, c, o), counts, last)
     else:
       deltas, new_key, _ = leafwise.step(
         "writeback", lookup, updates, params, ks, silent
       )
+      last = _last_counts(state)
       if branch is None:
         counts = jax.lax.cond(
           state.count % every == 0,
@@ -367,6 +368,11 @@ def writeback(
     return deltas, new_state
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _last_counts(state: WritebackState) -> dict:
+  """The count fields of a state, as the update that made it left them."""
+  return {f: getattr(state, f) for f in (*_COUNTS, "blocks", "rescaled")}
 
 
 class BranchesState(NamedTuple):
