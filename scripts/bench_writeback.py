@@ -18,7 +18,8 @@ weights with an int8 correction) and ECO
 its moments stored (`lowprec.store_state`, no telemetry) in bfloat16 by
 stochastic rounding, and as PyTorch's 8- and 4-bit optimizers store them
 (docs/state.md): bitsandbytes' dynamic maps and torchao's amax e4m3 with
-a scale per 256, FlashOptim's companded and square-root maps per 32, and
+a scale per 256 (and the same blocks with power-of-two scales,
+lowprec's default), FlashOptim's companded and square-root maps per 32, and
 torchao's 4-bit maps per 128. Ratios are to plain adamw and to nearest
 write-back without telemetry (`+ nearest`), the row ECO and the
 compensated write-backs replace. Targets: stochastic with telemetry at
@@ -43,11 +44,13 @@ import lowprec
 from scripts.benchlib import Result, interleave
 
 E4M3_AMAX = "float8_e4m3fn:nearest:block256:amax"
+E4M3_POW2 = "float8_e4m3fn:nearest:block256"
 # row name -> (mu, nu) as lowprec.store_state stores them
 MOMENTS = {
   "bf16 stochastic": ("bfloat16:stochastic", "bfloat16:stochastic"),
   "dynamic8/dynamic8u block256": ("dynamic8:block256", "dynamic8u:block256"),
   "amax e4m3 block256": (E4M3_AMAX, E4M3_AMAX),
+  "e4m3 block256, power-of-two scales": (E4M3_POW2, E4M3_POW2),
   "companded8/sqrt8 block32": ("companded8:block32", "sqrt8:block32"),
   "4-bit": ("dynamic4:block128", "uint4nz:block128"),
 }

@@ -15,6 +15,7 @@ import optax
 import pytest
 
 import lowprec
+from lowprec.engine import codec as codec_lib
 from lowprec.engine.codec import decode
 from lowprec.optim.stored_state import parse_state_format, unpacked
 from tests.state_storage_test import KEY, _bits, _stored, holder, one_and_eight
@@ -208,6 +209,62 @@ def test_stored_codes_scales_and_values_equal_the_numpy_oracle(spec):
   assert tel["state/saturated"] == int(over.sum())
   assert (over.sum() > 10) == huge
   assert tel["state/changed"] == int((x != 0).sum())
+
+
+@pytest.mark.parametrize("overflow", ["saturate", "ieee"])
+@pytest.mark.parametrize(
+  "spec",
+  [
+    "float8_e4m3fn:nearest:block32:amax",
+    "dynamic8:block32",
+    "sqrt8:block32",
+    "dynamic8u:tensor",
+  ],
+)
+@pytest.mark.parametrize("size", ["small", "large"])
+def test_scales_beside_nonfinite_and_negative_entries_equal_the_oracle(
+  spec, overflow, size, monkeypatch
+):
+  """The block scales of `_inputs(4)` (blocks of 32 cut 300 columns,
+  the last one ragged) stored as they are (every entry finite; a row
+  negative throughout, a block of -0.0), then with a NaN, an inf, a -inf
+  or (for an unsigned map) a negative value in one of four blocks, and
+  with all of them. The
+  oracle: the scales of the input with those entries replaced by 0, and
+  NaN for a block (or the tensor) where a map holds NaN, or under
+  "ieee" inf or a negative value of an unsigned map. On CPU, a tensor
+  of `_RAW_MIN_SIZE` entries or more (`large` sets that size to 0) takes
+  its scales from the maximum and minimum of its entries where a sum
+  says they are all finite, and from a select otherwise: both branches
+  are checked here; a `small` tensor keeps the select."""
+  if size == "large":
+    monkeypatch.setattr(codec_lib, "_RAW_MIN_SIZE", 0)
+  sf = parse_state_format(spec)
+  unsigned = _unsigned(spec)
+  x = _inputs(4, unsigned)
+  x[1] = -np.abs(x[1]) if not unsigned else x[1]
+  x[2, 32:64] = -0.0
+  where = {"nan": (1, 40), "inf": (2, 99), "-inf": (4, 0), "neg": (5, 299)}
+  put = {"nan": np.nan, "inf": np.inf, "-inf": -np.inf, "neg": -1.0}
+  kinds = [k for k in where if k != "neg" or unsigned]
+  for spoilt in [(), *[(k,) for k in kinds], tuple(kinds)]:
+    values = x.copy()
+    for name in spoilt:
+      values[where[name]] = put[name]
+    got = _stored(spec, values, overflow=overflow).scales["s/w"]
+    clean = np.where(np.isfinite(values), values, F32(0))
+    clean = np.maximum(clean, 0) if unsigned else clean
+    want = oracle(spec, clean)[1].copy()
+    if sf.mapped:
+      bad = {"nan"} | ({"inf", "-inf"} if overflow == "ieee" else set())
+      bad |= {"neg"} if overflow == "ieee" and unsigned else set()
+      for name in bad & set(spoilt):
+        r, c = where[name]
+        if sf.scale == "tensor":
+          want[...] = np.nan
+        else:
+          want[r, c // sf.scale] = np.nan
+    np.testing.assert_array_equal(_bits(got), _bits(want), str(spoilt))
 
 
 def _grid_inputs(name):
