@@ -215,18 +215,18 @@ def test_stored_codes_scales_and_values_equal_the_numpy_oracle(spec):
 @pytest.mark.parametrize(
   "spec",
   [
-    "float8_e4m3fn:nearest:block32:amax",
-    "dynamic8:block32",
-    "sqrt8:block32",
-    "dynamic8u:tensor",
+    "float8_e4m3fn:nearest:block64:amax",
+    "dynamic8:block64",
+    "sqrt8:block64",
+    "dynamic8u:block128",
   ],
 )
 @pytest.mark.parametrize("size", ["small", "large"])
 def test_scales_beside_nonfinite_and_negative_entries_equal_the_oracle(
   spec, overflow, size, monkeypatch
 ):
-  """The block scales of `_inputs(4)` (blocks of 32 cut 300 columns,
-  the last one ragged) stored as they are (every entry finite; a row
+  """The block scales of `_inputs(4)` (blocks of 64 or 128 cut 300
+  columns, the last one ragged) stored as they are (every entry finite; a row
   negative throughout, a block of -0.0), then with a NaN, an inf, a -inf
   or (for an unsigned map) a negative value in one of four blocks, and
   with all of them. The
