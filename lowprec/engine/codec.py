@@ -250,7 +250,7 @@ def encode(codec: Codec, x, old=None, bits=None) -> Encoded:
   per = None if scales is None else _spread(scales, x.shape, codec.scale)
   if codec.scale_rule == "amax":
     per = per.astype(jnp.float32)
-  y = x if per is None else _quotient(codec, x, scales, per)
+  y = x if per is None else _quotient(codec, x, per)
   sr = bits if codec.rounding == "stochastic" else None
   q, over = _round_and_flag(y, codec.fmt, sr, codec.overflow)
   v = q if per is None else _product(codec, q, per)
@@ -263,24 +263,19 @@ def encode(codec: Codec, x, old=None, bits=None) -> Encoded:
   return Encoded(q.astype(codec.dtype()), scales, v, over)
 
 
-def _quotient(codec: Codec, x, scales, per):
+def _quotient(codec: Codec, x, per):
   """`x / per`, correctly rounded.
 
-  A power-of-two scale `2^k` with `k <= 126` (every format whose largest
-  value is 4 or more: `_pow2_scales` gives `k <= 128 - floor(log2 max_E)`)
-  has a reciprocal in float32's normal range, and the product with it is
-  the same correctly rounded `x 2^-k` as the quotient, subnormal results
-  and their flushing included: one reciprocal a block, made on the
-  scale's bits, and a product an element in place of a division. Other
-  scales keep the IEEE division."""
-  if codec.scale_rule != "pow2":
-    return _divide(x, per)
-  if codec.fmt.max_finite < 4:
-    return x / per  # a scale of 2^127 has no normal reciprocal
-  u32 = jnp.uint32
-  bits = jax.lax.bitcast_convert_type(jnp.asarray(scales, jnp.float32), u32)
-  inverse = jax.lax.bitcast_convert_type(u32(254 << 23) - bits, jnp.float32)
-  return x * _spread(inverse, x.shape, codec.scale)
+  A power of two divides exactly however XLA computes it. A product with
+  its reciprocal (one a block, made on the scale's bits) gives the same
+  quotient wherever the reciprocal is a normal float32, and fuses into
+  the encoding where the division is a fusion of its own; but it let
+  XLA:CPU recompute Adam's new second moment in more than one fusion,
+  and on 8 devices one copy contracted a product into an FMA that the
+  single device's did not: one parameter an ulp off after three steps
+  (tests/state_storage_test.py's eight-device test, e5m2 blocks of 32).
+  So the division stays."""
+  return x / per if codec.scale_rule == "pow2" else _divide(x, per)
 
 
 def _product(codec: Codec, q, per):
