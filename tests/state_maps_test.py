@@ -600,13 +600,20 @@ DEVICE_SPECS = {
 }
 
 
+@pytest.mark.parametrize("size", ["small", "large"])
 @pytest.mark.parametrize("spec", DEVICE_SPECS.values(), ids=DEVICE_SPECS)
-def test_eight_devices_split_along_the_blocks_store_the_bits_of_one(spec):
+def test_eight_devices_split_along_the_blocks_store_the_bits_of_one(
+  spec, size, monkeypatch
+):
   """Adam, three scanned steps, `mu` (or, for sqrt8, `nu`) stored, the
   columns of two matrices and a vector split over 8 devices, so that a
   block (2048 columns, 256, 32) spans several devices or one holds
   parts of several: params, codes, scales and counts are the single
-  device's bit for bit."""
+  device's bit for bit. `large` takes the block maxima from the
+  entries' maximum and minimum (`_RAW_MIN_SIZE` set to 0: blocks of
+  more than 32) as a large tensor does on CPU."""
+  if size == "large":
+    monkeypatch.setattr(codec_lib, "_RAW_MIN_SIZE", 0)
   ks = jax.random.split(jax.random.key(3), 3)
   params = {
     "w": jax.random.normal(ks[0], (4, 4096)),
