@@ -388,12 +388,10 @@ def _block_max(a, how):
   return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)
 
 
-def _window(x, how, op):
-  """`op` (`lax.max`, `lax.min`) of 0 and each block of the last axis (or
-  of the tensor), as one windowed reduction: a ragged last block is
+def _window(x, how: int, op):
+  """`op` (`lax.max`, `lax.min`) of 0 and each block of `how` entries of
+  the last axis, as one windowed reduction: a ragged last block is
   padded inside the reduction, with no copy of `x`."""
-  if how == "tensor" or not x.shape:
-    return jax.lax.reduce(x, np.float32(0), op, tuple(range(x.ndim)))
   ones = (1,) * (x.ndim - 1)
   pad = [(0, 0)] * (x.ndim - 1) + [(0, -x.shape[-1] % how)]
   return jax.lax.reduce_window(
@@ -437,7 +435,7 @@ def _finite_amax(x, how, bad=None, clean=True):
     finite = jnp.isfinite(jnp.sum(x)) & clean
     return jax.lax.cond(finite, lambda: (fast, none), select)
 
-  if how == "tensor" or how <= 32 or x.size < _RAW_MIN_SIZE:
+  if how == "tensor" or how <= 32 or not x.shape or x.size < _RAW_MIN_SIZE:
     return select()
   return jax.lax.platform_dependent(cpu=raw, default=select)
 
