@@ -399,10 +399,13 @@ def _window(x, how: int, op):
   )
 
 
-def _finite_amax(x, how, bad=None, clean=True):
-  """The largest finite `|x|` per block (or of the tensor), 0 if none;
-  with `bad` (a function giving a per-element mask), also whether each
-  block holds a `bad` element.
+def _finite_amax(x, how, bad=None, clean=True, pre=None):
+  """The largest finite `|pre(x)|` per block (or of the tensor), 0 if
+  none; with `bad` (a function giving a per-element mask), also whether
+  each block holds a `bad` element. `pre` (None: the identity) is a
+  nondecreasing map onto nonnegative values, such as an unsigned code
+  map's (`CodeMap.pre`): its block maximum is `pre` of the block's
+  maximum, so the reductions read `x` and `pre(x)` is never written out.
 
   Written as a maximum of `where(isfinite(x), |x|, 0)`, the select is a
   pass of its own on XLA:CPU (its reductions take no fused producer),
@@ -423,14 +426,19 @@ def _finite_amax(x, how, bad=None, clean=True):
   depend on the order or the sharding."""
 
   def select():
-    amax = _block_max(jnp.where(jnp.isfinite(x), jnp.abs(x), 0.0), how)
+    y = x if pre is None else pre(x)
+    amax = _block_max(jnp.where(jnp.isfinite(y), jnp.abs(y), 0.0), how)
     if bad is None:
       return amax, None
     return amax, _block_max(bad().astype(jnp.float32), how) > 0
 
   def raw():
-    hi, lo = _window(x, how, jax.lax.max), _window(x, how, jax.lax.min)
-    fast = jnp.abs(jnp.maximum(hi, -lo))  # abs: no -0
+    hi = _window(x, how, jax.lax.max)
+    if pre is None:
+      fast = jnp.maximum(hi, -_window(x, how, jax.lax.min))
+    else:  # a sum of finite x is finite, and so is pre of it
+      fast = pre(hi)
+    fast = jnp.abs(fast)  # no -0
     none = None if bad is None else jnp.zeros(fast.shape, bool)
     finite = jnp.isfinite(jnp.sum(x)) & clean
     return jax.lax.cond(finite, lambda: (fast, none), select)
@@ -453,11 +461,11 @@ def _pow2_scales(s, codec: Codec):
   return jax.lax.bitcast_convert_type((k + 127) << 23, jnp.float32)
 
 
-def _amax_scales(x, codec: Codec, bad=None, clean=True):
+def _amax_scales(x, codec: Codec, bad=None, clean=True, pre=None):
   """`amax / max_E` per block in `codec.scale_dtype` (module docstring of
-  `Codec`); NaN for a block where the mask `bad()` holds (`clean`: see
-  `_finite_amax`)."""
-  amax, flagged = _finite_amax(x, codec.scale, bad, clean)
+  `Codec`), the amax of `pre(x)`; NaN for a block where the mask `bad()`
+  holds (`clean` and `pre`: see `_finite_amax`)."""
+  amax, flagged = _finite_amax(x, codec.scale, bad, clean, pre)
   top = np.float32(codec.fmt.max_finite)
   s = amax if top == 1 else _quotient_by_constant(amax, top)
   if codec.scale_dtype == "float16":
@@ -535,7 +543,6 @@ def _encode_mapped(codec: Codec, x, old, bits) -> Encoded:
   """`x` as the codes of a `CodeMap` under its block's largest magnitude
   (`lowprec.codemaps`)."""
   m = codec.fmt
-  u = m.pre(x)
 
   def bad():
     # A map has no NaN (nor, under "ieee", inf or, unsigned, a negative
@@ -545,11 +552,13 @@ def _encode_mapped(codec: Codec, x, old, bits) -> Encoded:
       b = b | jnp.isinf(x) | ((x < 0) if not m.signed else False)
     return b
 
-  # `pre` keeps NaN and inf, so a sum of `u` sees them; it maps a
-  # negative value of an unsigned map to 0, which the sum does not see.
+  # The scales take the maximum of `x`, and `pre` of it, so that
+  # `pre(x)` is not a pass of its own. The sum over `x` sees NaN and inf,
+  # not the negative values of an unsigned map, which `pre` maps to 0.
   ieee_unsigned = codec.overflow == "ieee" and not m.signed
   clean = jnp.min(x, initial=0.0) >= 0 if ieee_unsigned else True
-  scales = _amax_scales(u, codec, bad, clean)
+  scales = _amax_scales(x, codec, bad, clean, None if m.signed else m.pre)
+  u = m.pre(x)
   per = _spread(scales.astype(jnp.float32), x.shape, codec.scale)
   raw = jnp.where(per > 0, _divide(u, per), 0.0)
   lo = -1.0 if m.signed else 0.0
