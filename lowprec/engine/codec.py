@@ -411,10 +411,10 @@ def _finite_amax(x, how, bad=None, clean=True, pre=None):
   pass of its own on XLA:CPU (its reductions take no fused producer),
   which cost a block-scaled moment about a fifth of its step. On CPU the
   maximum and minimum of `x` itself are taken instead, `max(max x, -min
-  x)`: the same value wherever every entry is finite, which a sum over
-  the tensor says (NaN or infinite if any entry is, in any order). Where
+  x)`: the same value wherever every entry is finite, which those
+  maxima and minima say (NaN or infinite where an entry is). Where
   it is not, or where the scalar `clean` (which the caller makes true
-  only where `bad` holds nowhere it cannot see through the sum) is
+  only where `bad` holds nowhere it cannot see through them) is
   false, the select runs. The conditional costs compile time (about
   13 ms a leaf) and a launch, which pay only on a tensor of
   `_RAW_MIN_SIZE` entries or more, and only for blocks of more than 32:
@@ -433,15 +433,19 @@ def _finite_amax(x, how, bad=None, clean=True, pre=None):
     return amax, _block_max(bad().astype(jnp.float32), how) > 0
 
   def raw():
+    # XLA's maximum and minimum propagate NaN, so a block's are finite
+    # exactly where its entries are. `pre` of a finite maximum is
+    # finite and maps a -inf entry to 0, which the minimum would see.
     hi = _window(x, how, jax.lax.max)
+    finite = jnp.isfinite(hi)
     if pre is None:
-      fast = jnp.maximum(hi, -_window(x, how, jax.lax.min))
-    else:  # a sum of finite x is finite, and so is pre of it
+      lo = _window(x, how, jax.lax.min)
+      fast, finite = jnp.maximum(hi, -lo), finite & jnp.isfinite(lo)
+    else:
       fast = pre(hi)
     fast = jnp.abs(fast)  # no -0
     none = None if bad is None else jnp.zeros(fast.shape, bool)
-    finite = jnp.isfinite(jnp.sum(x)) & clean
-    return jax.lax.cond(finite, lambda: (fast, none), select)
+    return jax.lax.cond(jnp.all(finite) & clean, lambda: (fast, none), select)
 
   if how == "tensor" or how <= 32 or not x.shape or x.size < _RAW_MIN_SIZE:
     return select()
