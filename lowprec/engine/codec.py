@@ -388,14 +388,20 @@ def _block_max(a, how):
   return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)
 
 
-def _window(x, how: int, op):
-  """`op` (`lax.max`, `lax.min`) of 0 and each block of `how` entries of
-  the last axis, as one windowed reduction: a ragged last block is
-  padded inside the reduction, with no copy of `x`."""
+def _window(x, how: int, *ops):
+  """Each of `ops` (`lax.max`, `lax.min`) of 0 and each block of `how`
+  entries of the last axis, as one windowed reduction (one pass over `x`
+  for all of them): a ragged last block is padded inside the reduction,
+  with no copy of `x`."""
   ones = (1,) * (x.ndim - 1)
   pad = [(0, 0)] * (x.ndim - 1) + [(0, -x.shape[-1] % how)]
+
+  def each(a, b):
+    return tuple(op(p, q) for op, p, q in zip(ops, a, b, strict=True))
+
+  zeros = (np.float32(0),) * len(ops)
   return jax.lax.reduce_window(
-    x, np.float32(0), op, (*ones, how), (*ones, how), pad
+    (x,) * len(ops), zeros, each, (*ones, how), (*ones, how), pad
   )
 
 
@@ -436,13 +442,13 @@ def _finite_amax(x, how, bad=None, clean=True, pre=None):
     # XLA's maximum and minimum propagate NaN, so a block's are finite
     # exactly where its entries are. `pre` of a finite maximum is
     # finite and maps a -inf entry to 0, which the minimum would see.
-    hi = _window(x, how, jax.lax.max)
-    finite = jnp.isfinite(hi)
     if pre is None:
-      lo = _window(x, how, jax.lax.min)
-      fast, finite = jnp.maximum(hi, -lo), finite & jnp.isfinite(lo)
+      hi, lo = _window(x, how, jax.lax.max, jax.lax.min)
+      fast = jnp.maximum(hi, -lo)
+      finite = jnp.isfinite(hi) & jnp.isfinite(lo)
     else:
-      fast = pre(hi)
+      (hi,) = _window(x, how, jax.lax.max)
+      fast, finite = pre(hi), jnp.isfinite(hi)
     fast = jnp.abs(fast)  # no -0
     none = None if bad is None else jnp.zeros(fast.shape, bool)
     return jax.lax.cond(jnp.all(finite) & clean, lambda: (fast, none), select)
