@@ -405,10 +405,14 @@ def _window(x, how: int, *ops):
   )
 
 
-def _finite_amax(x, how, bad=None, clean=True, pre=None):
-  """The largest finite `|pre(x)|` per block (or of the tensor), 0 if
-  none; with `bad` (a function giving a per-element mask), also whether
-  each block holds a `bad` element. `pre` (None: the identity) is a
+def _finite_amax(x, how, bad=None, clean=True, pre=None, then=None):
+  """`then(amax, flagged)` (default: the pair itself) of the largest
+  finite `|pre(x)|` per block (or of the tensor), 0 if none, and, with
+  `bad` (a function giving a per-element mask), whether each block holds
+  a `bad` element (else None). `then` runs on the blocks inside each
+  branch of the conditional below, so that its result (the scales) is
+  computed once per block and written out, not again for every element
+  that reads it. `pre` (None: the identity) is a
   nondecreasing map onto nonnegative values, such as an unsigned code
   map's (`CodeMap.pre`): its block maximum is `pre` of the block's
   maximum, so the reductions read `x` and `pre(x)` is never written out.
@@ -431,12 +435,15 @@ def _finite_amax(x, how, bad=None, clean=True, pre=None):
   reduction and keep it. Every branch is a maximum, so the bits do not
   depend on the order or the sharding."""
 
+  if then is None:
+    then = lambda amax, flagged: (amax, flagged)  # noqa: E731
+
   def select():
     y = x if pre is None else pre(x)
     amax = _block_max(jnp.where(jnp.isfinite(y), jnp.abs(y), 0.0), how)
     if bad is None:
-      return amax, None
-    return amax, _block_max(bad().astype(jnp.float32), how) > 0
+      return then(amax, None)
+    return then(amax, _block_max(bad().astype(jnp.float32), how) > 0)
 
   def raw():
     # XLA's maximum and minimum propagate NaN, so a block's are finite
@@ -451,7 +458,9 @@ def _finite_amax(x, how, bad=None, clean=True, pre=None):
       fast, finite = pre(hi), jnp.isfinite(hi)
     fast = jnp.abs(fast)  # no -0
     none = None if bad is None else jnp.zeros(fast.shape, bool)
-    return jax.lax.cond(jnp.all(finite) & clean, lambda: (fast, none), select)
+    return jax.lax.cond(
+      jnp.all(finite) & clean, lambda: then(fast, none), select
+    )
 
   if how == "tensor" or how <= 32 or not x.shape or x.size < _RAW_MIN_SIZE:
     return select()
@@ -465,28 +474,35 @@ _RAW_MIN_SIZE = 1 << 16
 
 def _pow2_scales(s, codec: Codec):
   """float32 powers of two `p`, smallest with `amax / p <= max_E`."""
-  amax, _ = _finite_amax(s, codec.scale)
-  # The no-clip rule of lowprec.scaled, within float32's normal range.
-  k = scaled._pow2_exponent(amax, codec.fmt.max_finite, "noclip", -126, 127)
-  return jax.lax.bitcast_convert_type((k + 127) << 23, jnp.float32)
+
+  def scales(amax, _):
+    # The no-clip rule of lowprec.scaled, within float32's normal range.
+    top = codec.fmt.max_finite
+    k = scaled._pow2_exponent(amax, top, "noclip", -126, 127)
+    return jax.lax.bitcast_convert_type((k + 127) << 23, jnp.float32)
+
+  return _finite_amax(s, codec.scale, then=scales)
 
 
 def _amax_scales(x, codec: Codec, bad=None, clean=True, pre=None):
   """`amax / max_E` per block in `codec.scale_dtype` (module docstring of
   `Codec`), the amax of `pre(x)`; NaN for a block where the mask `bad()`
   holds (`clean` and `pre`: see `_finite_amax`)."""
-  amax, flagged = _finite_amax(x, codec.scale, bad, clean, pre)
-  top = np.float32(codec.fmt.max_finite)
-  s = amax if top == 1 else _quotient_by_constant(amax, top)
-  if codec.scale_dtype == "float16":
-    s = _ceil_float16(s)
-  elif top != 1:  # a scale that XLA:CPU would flush to 0 stays normal
-    s = jnp.maximum(s, np.float32(2.0**-126))
-  zero = 0.0 if codec.mapped else 1.0
-  s = jnp.where(amax > 0, s.astype(jnp.float32), zero)
-  if flagged is not None:
-    s = jnp.where(flagged, jnp.nan, s)
-  return s.astype(codec.scale_dtype)
+
+  def scales(amax, flagged):
+    top = np.float32(codec.fmt.max_finite)
+    s = amax if top == 1 else _quotient_by_constant(amax, top)
+    if codec.scale_dtype == "float16":
+      s = _ceil_float16(s)
+    elif top != 1:  # a scale that XLA:CPU would flush to 0 stays normal
+      s = jnp.maximum(s, np.float32(2.0**-126))
+    zero = 0.0 if codec.mapped else 1.0
+    s = jnp.where(amax > 0, s.astype(jnp.float32), zero)
+    if flagged is not None:
+      s = jnp.where(flagged, jnp.nan, s)
+    return s.astype(codec.scale_dtype)
+
+  return _finite_amax(x, codec.scale, bad, clean, pre, then=scales)
 
 
 def _ceil_float16(s):
