@@ -1,6 +1,7 @@
 """Benchmarks, side by side in one run, printed as Markdown tables of ratios.
 
   python -m scripts.bench [section ...] [--quick] [--runs N] [--json FILE]
+  python -m scripts.bench writeback --cost [--cases REGEX]
 
 Sections: rounding, scaled, writeback, trace, ops, train, user_ops, frontier
 (default: all that exist). Each lives in `scripts/bench_<section>.py` with
@@ -9,7 +10,10 @@ interleaved, round by round, and every ratio is reported as the median of
 same-round ratios with its range. `--json FILE` (or `-` for standard
 output) also writes every section's times and ratios as JSON. `--runs N`
 repeats each section N times and adds a table of the median and range of
-the N runs' ratios (JSON: "runs" and "across_runs").
+the N runs' ratios (JSON: "runs" and "across_runs"). `writeback --cost`
+times nothing: it prints XLA's cost analysis of each row's compiled step
+(fusions, bytes accessed and flops per parameter), the bytes that bound
+the step on a GPU.
 Numbers are machine-dependent; docs/benchmarks.md records the ratios
 measured on the 2-core CPU machine. Never used as timed assertions in tests.
 """
@@ -67,6 +71,13 @@ def main(argv=None) -> None:
     "Python regular expression, searched), beside both baselines",
   )
   parser.add_argument(
+    "--cost",
+    action="store_true",
+    help="writeback only: time nothing; compile each row's step on one "
+    "1024 x 1024 leaf and print XLA's count of its fusions and its bytes "
+    "accessed and flops per parameter (on a GPU the bytes set the time)",
+  )
+  parser.add_argument(
     "--json",
     metavar="FILE",
     help="also write the results as JSON to FILE ('-': standard output)",
@@ -91,6 +102,14 @@ def main(argv=None) -> None:
       re.compile(args.cases)
     except re.error as e:
       parser.error(f"--cases {args.cases!r} is not a regular expression: {e}")
+  if args.cost:
+    if names != ["writeback"]:
+      parser.error("--cost analyses the writeback section alone")
+    table, results["writeback"] = importlib.import_module(
+      "scripts.bench_writeback"
+    ).cost(args.cases)
+    print(table, file=out, flush=True)
+    names = []
   for name in names:
     module = importlib.import_module(f"scripts.bench_{name}")
     kwargs = {} if args.cases is None else {"cases": args.cases}

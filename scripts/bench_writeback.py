@@ -125,6 +125,15 @@ def _every_k(k: int):
   )
 
 
+def _uncounted(name: str, state):
+  """The state of row `EVERY` or `BRANCHES` at an update it does not
+  count (its count 1)."""
+  if name == EVERY:
+    inner, wb = state
+    return inner, wb._replace(count=wb.count + 1)
+  return state._replace(count=state.count + 1)
+
+
 def _k_updates(k: int, params, grads):
   """`(fn, args)` timing k updates of `_every_k(k)` as
   `lowprec.counted_and_uncounted` runs them: the counted program on a
@@ -144,13 +153,10 @@ def _k_updates(k: int, params, grads):
   return updates, (params, (inner, wb), later, grads)
 
 
-def run(quick: bool, cases: str | None = None) -> Result:
-  """Times the rows (those matching the regular expression `cases`, and
-  both baselines, where given)."""
-  n_params, layers, rounds = (2_000_000, 2, 3) if quick else (20_000_000, 10, 9)
-  params = lowprec.to_grid(_params(n_params, layers), "bfloat16")
-  grads = jax.tree.map(lambda p: 1e-3 * jnp.sign(p) + 1e-4, params)
-  count = sum(p.size for p in jax.tree.leaves(params))
+def _rows(quick: bool, cases: str | None) -> dict:
+  """The rows' optimizers by name, in order: those of --quick where
+  `quick`, then those matching the regular expression `cases` (and the
+  baselines) where given."""
   adamw = optax.adamw(1e-3)
   chosen = {"adamw": adamw}
   for rounding in ("nearest", "stochastic", "deadzone"):
@@ -196,17 +202,26 @@ def run(quick: bool, cases: str | None = None) -> Result:
       for name, opt in chosen.items()
       if name in kept or re.search(cases, name)
     }
+  return chosen
+
+
+def run(quick: bool, cases: str | None = None) -> Result:
+  """Times the rows (those matching the regular expression `cases`, and
+  both baselines, where given)."""
+  n_params, layers, rounds = (2_000_000, 2, 3) if quick else (20_000_000, 10, 9)
+  params = lowprec.to_grid(_params(n_params, layers), "bfloat16")
+  grads = jax.tree.map(lambda p: 1e-3 * jnp.sign(p) + 1e-4, params)
+  count = sum(p.size for p in jax.tree.leaves(params))
+  chosen = _rows(quick, cases)
   calls = {
     name: (_step(opt), (params, opt.init(params), grads))
     for name, opt in chosen.items()
     if name not in EVERY_K
   }
-  if EVERY in calls:
-    step, (p, (inner, wb), g) = calls[EVERY]
-    calls[EVERY] = step, (p, (inner, wb._replace(count=wb.count + 1)), g)
-  if BRANCHES in calls:
-    step, (p, state, g) = calls[BRANCHES]
-    calls[BRANCHES] = step, (p, state._replace(count=state.count + 1), g)
+  for name in (EVERY, BRANCHES):
+    if name in calls:
+      step, (p, state, g) = calls[name]
+      calls[name] = step, (p, _uncounted(name, state), g)
   for name, k in EVERY_K.items():
     if name in chosen:
       calls[name] = _k_updates(k, params, grads)
@@ -223,3 +238,56 @@ def run(quick: bool, cases: str | None = None) -> Result:
   if WITHOUT in times and any("every" in name for name in times):
     baselines += (WITHOUT,)
   return Result(title, times, baselines)
+
+
+# The leaf `cost` compiles each row's step on.
+COST_SHAPE = (1024, 1024)
+
+
+def cost(cases: str | None = None) -> tuple[str, dict]:
+  """XLA's own account of each row's compiled step on one `COST_SHAPE`
+  leaf, without running it: its fusions, and the bytes accessed and
+  flops of its cost analysis per parameter. On a GPU, where the step is
+  bound by memory, the bytes set its time; on this CPU the flops weigh
+  too. Rows counting every k-th update are compiled as they are timed:
+  their step on an update they do not count. Returns a Markdown table
+  and `{row: {"fusions", "bytes_per_param", "flops_per_param"}}`."""
+  key = jax.random.key(0)
+  params = lowprec.to_grid(
+    {"kernel": 0.02 * jax.random.normal(key, COST_SHAPE)}, "bfloat16"
+  )
+  grads = jax.tree.map(lambda p: 1e-3 * jnp.sign(p) + 1e-4, params)
+  n = params["kernel"].size
+  out = {}
+  for name, opt in _rows(False, cases).items():
+    tx = (
+      lowprec.counted_and_uncounted(opt).uncounted if name in EVERY_K else opt
+    )
+    state = tx.init(params)
+    if name in EVERY_K:
+      state = (state[0], state[1]._replace(count=state[1].count + 1))
+    elif name in (EVERY, BRANCHES):
+      state = _uncounted(name, state)
+    compiled = _step(tx).lower(params, state, grads).compile()
+    analysis = compiled.cost_analysis()
+    if isinstance(analysis, list | tuple):  # older jaxlibs: one per program
+      analysis = analysis[0]
+    out[name] = {
+      "fusions": len(re.findall(r" fusion\(", compiled.as_text())),
+      "bytes_per_param": float(analysis["bytes accessed"]) / n,
+      "flops_per_param": float(analysis["flops"]) / n,
+    }
+  base = out["adamw"]["bytes_per_param"]
+  lines = [
+    f"### write-back step, XLA's cost analysis, one {COST_SHAPE[0]} x "
+    f"{COST_SHAPE[1]} leaf, {jax.devices()[0].platform}",
+    "",
+    "| case | fusions | bytes / param | to adamw | flops / param |",
+    "|---|---:|---:|---:|---:|",
+  ]
+  for name, c in out.items():
+    lines.append(
+      f"| {name} | {c['fusions']} | {c['bytes_per_param']:.1f} | "
+      f"{c['bytes_per_param'] / base:.2f}x | {c['flops_per_param']:.0f} |"
+    )
+  return "\n".join(lines), out

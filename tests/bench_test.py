@@ -117,11 +117,32 @@ def test_cases_selects_writeback_rows_beside_the_baselines(monkeypatch):
   assert timed == ["adamw", "+ nearest", "+ stochastic + telemetry"]
 
 
+def test_cost_reports_xla_bytes_and_flops_per_parameter(tmp_path, capsys):
+  # AdamW must read the weight, the gradient and both moments and write
+  # back the weight and both moments: 7 float32 arrays, 28 bytes a
+  # parameter at least. Moments kept in bfloat16 halve four of those
+  # arrays, so that row must access fewer bytes than AdamW does.
+  path = tmp_path / "cost.json"
+  bench.main(
+    ["writeback", "--cost", "--cases", "bf16 stochastic", "--json", str(path)]
+  )
+  rows = json.loads(path.read_text())["writeback"]
+  moments = "adamw, bf16 stochastic moments"
+  assert list(rows) == ["adamw", "+ nearest", moments]
+  adamw = rows["adamw"]["bytes_per_param"]
+  assert 28 <= adamw <= 48, adamw
+  assert rows[moments]["bytes_per_param"] < adamw
+  assert rows["+ nearest"]["flops_per_param"] > rows["adamw"]["flops_per_param"]
+  assert all(r["fusions"] >= 1 for r in rows.values())
+  assert f"| {moments} |" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
   "argv, words",
   [
     (["rounding", "--cases", "x"], "writeback section alone"),
     (["writeback", "--cases", "("], "not a regular expression"),
+    (["rounding", "--cost"], "writeback section alone"),
   ],
 )
 def test_cases_mistakes_are_refused_naming_the_fix(argv, words, capsys):
