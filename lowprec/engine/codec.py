@@ -368,8 +368,9 @@ def _spread(scale, shape, how):
 
 
 def _block_max(a, how):
-  """The largest entry of `a` (>= 0) per block of the last axis (or of the
-  tensor): a maximum, exact in any order and on any sharding."""
+  """The largest of 0 and the entries of `a` per block of the last axis
+  (or of the tensor): a maximum, exact in any order and on any
+  sharding."""
   if how == "tensor" or not a.shape:
     return jnp.max(a, initial=0.0)
   n = a.shape[-1]
@@ -439,11 +440,18 @@ def _finite_amax(x, how, bad=None, clean=True, pre=None, then=None):
     then = lambda amax, flagged: (amax, flagged)  # noqa: E731
 
   def select():
-    y = x if pre is None else pre(x)
-    amax = _block_max(jnp.where(jnp.isfinite(y), jnp.abs(y), 0.0), how)
-    if bad is None:
-      return then(amax, None)
-    return then(amax, _block_max(bad().astype(jnp.float32), how) > 0)
+    if pre is None:
+      amax = _block_max(jnp.where(jnp.isfinite(x), jnp.abs(x), 0.0), how)
+    else:
+      # pre of the block's maximum, as in `raw`: NaN and inf (which pre
+      # keeps, and the select drops) and -inf (which pre maps to 0) all
+      # count as 0 either way.
+      finite = jnp.where(jnp.isfinite(x), x, 0.0)
+      amax = jnp.abs(pre(_block_max(finite, how)))
+    flagged = None
+    if bad is not None:
+      flagged = _block_max(bad().astype(jnp.float32), how) > 0
+    return jax.tree.map(_once_a_block, then(amax, flagged))
 
   def raw():
     # XLA's maximum and minimum propagate NaN, so a block's are finite
@@ -465,6 +473,21 @@ def _finite_amax(x, how, bad=None, clean=True, pre=None, then=None):
   if how == "tensor" or how <= 32 or not x.shape or x.size < _RAW_MIN_SIZE:
     return select()
   return jax.lax.platform_dependent(cpu=raw, default=select)
+
+
+def _once_a_block(a):
+  """`a` itself, written out once: without a conditional around it,
+  XLA:CPU fuses the scales' arithmetic into the encoding's loop and
+  repeats it for every element of a block. It does not repeat an integer
+  division (an expensive op), here of the bits by a 1 it cannot see
+  (`lowprec.grids.scaled` does the same for its block exponents). Other
+  backends pay one small division a leaf."""
+  ints = {2: jnp.int16, 4: jnp.int32}.get(jnp.dtype(a.dtype).itemsize)
+  if not jnp.shape(a) or ints is None:
+    return a
+  one = jax.lax.optimization_barrier(ints(1))
+  k = jax.lax.div(jax.lax.bitcast_convert_type(a, ints), one)
+  return jax.lax.bitcast_convert_type(k, a.dtype)
 
 
 # The size from which `_finite_amax` reads the entries' maximum and
