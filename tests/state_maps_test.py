@@ -219,13 +219,15 @@ def test_stored_codes_scales_and_values_equal_the_numpy_oracle(spec):
     "dynamic8:block64",
     "sqrt8:block64",
     "dynamic8u:block128",
+    "companded8:block32",
+    "sqrt8:block32",
   ],
 )
 @pytest.mark.parametrize("size", ["small", "large"])
 def test_scales_beside_nonfinite_and_negative_entries_equal_the_oracle(
   spec, overflow, size, monkeypatch
 ):
-  """The block scales of `_inputs(4)` (blocks of 64 or 128 cut 300
+  """The block scales of `_inputs(4)` (blocks of 32, 64 or 128 cut 300
   columns, the last one ragged) stored as they are (every entry finite;
   a row negative throughout, a block of -0.0), then with a NaN, an inf,
   a -inf or (for an unsigned map) a negative value in one of four
@@ -234,9 +236,10 @@ def test_scales_beside_nonfinite_and_negative_entries_equal_the_oracle(
   holds NaN, or under
   "ieee" inf or a negative value of an unsigned map. On CPU, a tensor
   of `_RAW_MIN_SIZE` entries or more (`large` sets that size to 0) takes
-  its scales from the maximum and minimum of its entries where a sum
-  says they are all finite, and from a select otherwise: both branches
-  are checked here; a `small` tensor keeps the select."""
+  its scales from the maximum and minimum of its entries where those
+  say they are all finite, and from a select otherwise (blocks of 32
+  always from the select, their scales written out once a block): every
+  branch is checked here; a `small` tensor keeps the select."""
   if size == "large":
     monkeypatch.setattr(codec_lib, "_RAW_MIN_SIZE", 0)
   sf = parse_state_format(spec)

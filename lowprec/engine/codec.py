@@ -439,7 +439,7 @@ def _finite_amax(x, how, bad=None, clean=True, pre=None, then=None):
   if then is None:
     then = lambda amax, flagged: (amax, flagged)  # noqa: E731
 
-  def select():
+  def select(once=False):
     if pre is None:
       amax = _block_max(jnp.where(jnp.isfinite(x), jnp.abs(x), 0.0), how)
     else:
@@ -451,7 +451,8 @@ def _finite_amax(x, how, bad=None, clean=True, pre=None, then=None):
     flagged = None
     if bad is not None:
       flagged = _block_max(bad().astype(jnp.float32), how) > 0
-    return jax.tree.map(_once_a_block, then(amax, flagged))
+    out = then(amax, flagged)
+    return jax.tree.map(_once_a_block, out) if once else out
 
   def raw():
     # XLA's maximum and minimum propagate NaN, so a block's are finite
@@ -470,8 +471,10 @@ def _finite_amax(x, how, bad=None, clean=True, pre=None, then=None):
       jnp.all(finite) & clean, lambda: then(fast, none), select
     )
 
-  if how == "tensor" or how <= 32 or not x.shape or x.size < _RAW_MIN_SIZE:
+  if not x.shape or x.size < _RAW_MIN_SIZE:
     return select()
+  if how == "tensor" or how <= 32:
+    return jax.lax.platform_dependent(cpu=lambda: select(True), default=select)
   return jax.lax.platform_dependent(cpu=raw, default=select)
 
 
@@ -480,8 +483,11 @@ def _once_a_block(a):
   XLA:CPU fuses the scales' arithmetic into the encoding's loop and
   repeats it for every element of a block. It does not repeat an integer
   division (an expensive op), here of the bits by a 1 it cannot see
-  (`lowprec.grids.scaled` does the same for its block exponents). Other
-  backends pay one small division a leaf."""
+  (`lowprec.grids.scaled` does the same for its block exponents). Used
+  on CPU for tensors of `_RAW_MIN_SIZE` entries or more, where it was
+  measured to pay (companded8/sqrt8 moments); a small tensor would pay a
+  fusion of its own for little arithmetic, and other backends are bound
+  by memory, not by the repeated arithmetic."""
   ints = {2: jnp.int16, 4: jnp.int32}.get(jnp.dtype(a.dtype).itemsize)
   if not jnp.shape(a) or ints is None:
     return a
