@@ -411,9 +411,10 @@ def _finite_amax(x, how, bad=None, clean=True, pre=None, then=None):
   finite `|pre(x)|` per block (or of the tensor), 0 if none, and, with
   `bad` (a function giving a per-element mask), whether each block holds
   a `bad` element (else None). `then` runs on the blocks inside each
-  branch of the conditional below, so that its result (the scales) is
-  computed once per block and written out, not again for every element
-  that reads it. `pre` (None: the identity) is a
+  branch of the conditional below (or, without one, through
+  `_once_a_block`), so that its result (the scales) is computed once per
+  block and written out, not again for every element that reads it.
+  `pre` (None: the identity) is a
   nondecreasing map onto nonnegative values, such as an unsigned code
   map's (`CodeMap.pre`): its block maximum is `pre` of the block's
   maximum, so the reductions read `x` and `pre(x)` is never written out.
@@ -608,7 +609,7 @@ def _encode_mapped(codec: Codec, x, old, bits) -> Encoded:
     return b
 
   # The scales take the maximum of `x`, and `pre` of it, so that
-  # `pre(x)` is not a pass of its own. The sum over `x` sees NaN and inf,
+  # `pre(x)` is not a pass of its own. The block maxima see NaN and inf,
   # not the negative values of an unsigned map, which `pre` maps to 0.
   ieee_unsigned = codec.overflow == "ieee" and not m.signed
   clean = jnp.min(x, initial=0.0) >= 0 if ieee_unsigned else True
