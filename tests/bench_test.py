@@ -132,6 +132,11 @@ def test_cost_reports_xla_bytes_and_flops_per_parameter(tmp_path, capsys):
   adamw = rows["adamw"]["bytes_per_param"]
   assert 28 <= adamw <= 48, adamw
   assert rows[moments]["bytes_per_param"] < adamw
+  # The one-pass floor: AdamW reads 4 float32 arrays and writes 3 (28
+  # bytes); with bfloat16 moments 2 of the reads and 2 of the writes
+  # halve (20). The step counter adds a few bytes in all.
+  assert rows["adamw"]["floor_per_param"] == pytest.approx(28, abs=0.01)
+  assert rows[moments]["floor_per_param"] == pytest.approx(20, abs=0.01)
   assert rows["+ nearest"]["flops_per_param"] > rows["adamw"]["flops_per_param"]
   assert all(r["fusions"] >= 1 for r in rows.values())
   assert f"| {moments} |" in capsys.readouterr().out
