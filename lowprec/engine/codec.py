@@ -406,11 +406,12 @@ def _window(x, how: int, *ops):
   )
 
 
-def _finite_amax(x, how, bad=None, clean=True, pre=None, then=None):
-  """`then(amax, flagged)` (default: the pair itself) of the largest
-  finite `|pre(x)|` per block (or of the tensor), 0 if none, and, with
-  `bad` (a function giving a per-element mask), whether each block holds
-  a `bad` element (else None). `then` runs on the blocks inside each
+def _finite_amax(x, how, then, bad=None, clean=True, pre=None):
+  """`then(amax, flagged)` (the scales) of the largest finite `|pre(x)|`
+  per block (or of the tensor), 0 if none, and, with `bad` (a function
+  giving a per-element mask), whether each block holds a `bad` element
+  (else None, as where the conditional below has found none). `then`
+  runs on the blocks inside each
   branch of the conditional below (or, without one, through
   `_once_a_block`), so that its result (the scales) is computed once per
   block and written out, not again for every element that reads it.
@@ -437,9 +438,6 @@ def _finite_amax(x, how, bad=None, clean=True, pre=None, then=None):
   reduction and keep it. Every branch is a maximum, so the bits do not
   depend on the order or the sharding."""
 
-  if then is None:
-    then = lambda amax, flagged: (amax, flagged)  # noqa: E731
-
   def select(once=False):
     if pre is None:
       amax = _block_max(jnp.where(jnp.isfinite(x), jnp.abs(x), 0.0), how)
@@ -453,7 +451,7 @@ def _finite_amax(x, how, bad=None, clean=True, pre=None, then=None):
     if bad is not None:
       flagged = _block_max(bad().astype(jnp.float32), how) > 0
     out = then(amax, flagged)
-    return jax.tree.map(_once_a_block, out) if once else out
+    return _once_a_block(out) if once else out
 
   def raw():
     # XLA's maximum and minimum propagate NaN, so a block's are finite
@@ -467,9 +465,8 @@ def _finite_amax(x, how, bad=None, clean=True, pre=None, then=None):
       (hi,) = _window(x, how, jax.lax.max)
       fast, finite = pre(hi), jnp.isfinite(hi)
     fast = jnp.abs(fast)  # no -0
-    none = None if bad is None else jnp.zeros(fast.shape, bool)
     return jax.lax.cond(
-      jnp.all(finite) & clean, lambda: then(fast, none), select
+      jnp.all(finite) & clean, lambda: then(fast, None), select
     )
 
   if not x.shape or x.size < _RAW_MIN_SIZE:
@@ -480,20 +477,19 @@ def _finite_amax(x, how, bad=None, clean=True, pre=None, then=None):
 
 
 def _once_a_block(a):
-  """`a` itself, written out once: without a conditional around it,
-  XLA:CPU fuses the scales' arithmetic into the encoding's loop and
-  repeats it for every element of a block. It does not repeat an integer
-  division (an expensive op), here of the bits by a 1 it cannot see
-  (`lowprec.grids.scaled` does the same for its block exponents). Used
-  on CPU for tensors of `_RAW_MIN_SIZE` entries or more, where it was
-  measured to pay (companded8/sqrt8 moments); a small tensor would pay a
-  fusion of its own for little arithmetic, and other backends are bound
-  by memory, not by the repeated arithmetic."""
-  ints = {2: jnp.int16, 4: jnp.int32}.get(jnp.dtype(a.dtype).itemsize)
-  if not jnp.shape(a) or ints is None:
+  """Float scales `a` themselves, written out once: without a conditional
+  around them, XLA:CPU fuses the scales' arithmetic into the encoding's
+  loop and repeats it for every element of a block. Their bits go
+  through `lowprec.grids.scaled`'s integer division by an unseen 1,
+  which it does not repeat. Used on CPU for tensors of `_RAW_MIN_SIZE`
+  entries or more, where it was measured to pay (companded8/sqrt8
+  moments); a small tensor would pay a fusion of its own for little
+  arithmetic, and other backends are bound by memory, not by the
+  repeated arithmetic."""
+  if not jnp.shape(a):
     return a
-  one = jax.lax.optimization_barrier(ints(1))
-  k = jax.lax.div(jax.lax.bitcast_convert_type(a, ints), one)
+  ints = {2: jnp.int16, 4: jnp.int32}[jnp.dtype(a.dtype).itemsize]
+  k = scaled._once_per_block(jax.lax.bitcast_convert_type(a, ints))
   return jax.lax.bitcast_convert_type(k, a.dtype)
 
 
@@ -511,7 +507,7 @@ def _pow2_scales(s, codec: Codec):
     k = scaled._pow2_exponent(amax, top, "noclip", -126, 127)
     return jax.lax.bitcast_convert_type((k + 127) << 23, jnp.float32)
 
-  return _finite_amax(s, codec.scale, then=scales)
+  return _finite_amax(s, codec.scale, scales)
 
 
 def _amax_scales(x, codec: Codec, bad=None, clean=True, pre=None):
@@ -532,7 +528,7 @@ def _amax_scales(x, codec: Codec, bad=None, clean=True, pre=None):
       s = jnp.where(flagged, jnp.nan, s)
     return s.astype(codec.scale_dtype)
 
-  return _finite_amax(x, codec.scale, bad, clean, pre, then=scales)
+  return _finite_amax(x, codec.scale, scales, bad, clean, pre)
 
 
 def _ceil_float16(s):

@@ -398,11 +398,13 @@ def _blocks(x, fmt, mode, key, overflow, scales, bits):
 
 
 def _once_per_block(k):
-  """`k` (int32) itself, computed once per block: XLA:CPU would otherwise
-  fuse the exponent's computation from the block amax into the elements'
-  loop and repeat it for each of the block's elements. It does not repeat
-  an integer division (an expensive op), here by a 1 it cannot see."""
-  return jax.lax.div(k, jax.lax.optimization_barrier(jnp.int32(1)))
+  """`k` (an integer array) itself, computed once per block: XLA:CPU
+  would otherwise fuse the exponent's computation from the block amax
+  into the elements' loop and repeat it for each of the block's elements.
+  It does not repeat an integer division (an expensive op), here by a 1
+  it cannot see."""
+  one = jax.lax.optimization_barrier(jnp.ones((), k.dtype))
+  return jax.lax.div(k, one)
 
 
 def _scale_back(q, per, fmt: ScaledFormat):
