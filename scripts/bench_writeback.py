@@ -125,13 +125,14 @@ def _every_k(k: int):
   )
 
 
-def _uncounted(name: str, state):
-  """The state of row `EVERY` or `BRANCHES` at an update it does not
-  count (its count 1)."""
-  if name == EVERY:
-    inner, wb = state
-    return inner, wb._replace(count=wb.count + 1)
-  return state._replace(count=state.count + 1)
+def _uncounted(state):
+  """A state counting every k-th update at an update it does not count
+  (its count 1): the chain's `(inner, writeback)` pair, or the state of
+  `lowprec.counted_in_branches` (which carries the count itself)."""
+  if hasattr(state, "_replace"):
+    return state._replace(count=state.count + 1)
+  inner, wb = state
+  return inner, wb._replace(count=wb.count + 1)
 
 
 def _k_updates(k: int, params, grads):
@@ -141,8 +142,7 @@ def _k_updates(k: int, params, grads):
   1), each from the same inputs."""
   pair = lowprec.counted_and_uncounted(_every_k(k))
   counted, uncounted = _step(pair.counted), _step(pair.uncounted)
-  inner, wb = pair.counted.init(params)
-  later = (inner, wb._replace(count=wb.count + 1))
+  due = pair.counted.init(params)
 
   def updates(params, due, later, grads):
     out = counted(params, due, grads)
@@ -150,7 +150,7 @@ def _k_updates(k: int, params, grads):
       out = uncounted(params, later, grads)
     return out
 
-  return updates, (params, (inner, wb), later, grads)
+  return updates, (params, due, _uncounted(due), grads)
 
 
 def _rows(quick: bool, cases: str | None) -> dict:
@@ -221,7 +221,7 @@ def run(quick: bool, cases: str | None = None) -> Result:
   for name in (EVERY, BRANCHES):
     if name in calls:
       step, (p, state, g) = calls[name]
-      calls[name] = step, (p, _uncounted(name, state), g)
+      calls[name] = step, (p, _uncounted(state), g)
   for name, k in EVERY_K.items():
     if name in chosen:
       calls[name] = _k_updates(k, params, grads)
@@ -238,16 +238,6 @@ def run(quick: bool, cases: str | None = None) -> Result:
   if WITHOUT in times and any("every" in name for name in times):
     baselines += (WITHOUT,)
   return Result(title, times, baselines)
-
-
-def _nbytes(tree) -> int:
-  """The bytes of a pytree's arrays (PRNG keys as their key data)."""
-  total = 0
-  for leaf in jax.tree.leaves(tree):
-    if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-      leaf = jax.random.key_data(leaf)
-    total += leaf.size * leaf.dtype.itemsize
-  return total
 
 
 # The leaf `cost` compiles each row's step on.
@@ -277,19 +267,19 @@ def cost(cases: str | None = None) -> tuple[str, dict]:
       lowprec.counted_and_uncounted(opt).uncounted if name in EVERY_K else opt
     )
     state = tx.init(params)
-    if name in EVERY_K:
-      state = (state[0], state[1]._replace(count=state[1].count + 1))
-    elif name in (EVERY, BRANCHES):
-      state = _uncounted(name, state)
+    if name in (EVERY, BRANCHES, *EVERY_K):
+      state = _uncounted(state)
     compiled = _step(tx).lower(params, state, grads).compile()
     analysis = compiled.cost_analysis()
     if isinstance(analysis, list | tuple):  # older jaxlibs: one per program
       analysis = analysis[0]
-    read = _nbytes((params, state, grads))
+    # Params and state read and written, gradients read.
+    held = lowprec.bytes_per_param(params, state)
+    grad = lowprec.bytes_per_param(grads).params
     out[name] = {
       "fusions": len(re.findall(r" fusion\(", compiled.as_text())),
       "bytes_per_param": float(analysis["bytes accessed"]) / n,
-      "floor_per_param": (read + _nbytes((params, state))) / n,
+      "floor_per_param": 2 * (held.total + held.fixed / n) + grad,
       "flops_per_param": float(analysis["flops"]) / n,
     }
   base = out["adamw"]["bytes_per_param"]
