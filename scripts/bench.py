@@ -2,6 +2,7 @@
 
   python -m scripts.bench [section ...] [--quick] [--runs N] [--json FILE]
   python -m scripts.bench writeback --cost [--cases REGEX]
+  python -m scripts.bench writeback [--fresh-outputs] [--cases REGEX]
 
 Sections: rounding, scaled, writeback, trace, ops, train, user_ops, frontier
 (default: all that exist). Each lives in `scripts/bench_<section>.py` with
@@ -13,7 +14,9 @@ repeats each section N times and adds a table of the median and range of
 the N runs' ratios (JSON: "runs" and "across_runs"). `writeback --cost`
 times nothing: it prints XLA's cost analysis of each row's compiled step
 (fusions, bytes accessed and flops per parameter), the bytes that bound
-the step on a GPU.
+the step on a GPU. The writeback section's steps donate their params and
+state, as a training loop does (`--fresh-outputs`: every call writes new
+buffers instead, as an optax loop without `donate_argnums`).
 Numbers are machine-dependent; docs/benchmarks.md records the ratios
 measured on the 2-core CPU machine. Never used as timed assertions in tests.
 """
@@ -78,6 +81,13 @@ def main(argv=None) -> None:
     "accessed and flops per parameter (on a GPU the bytes set the time)",
   )
   parser.add_argument(
+    "--fresh-outputs",
+    action="store_true",
+    help="writeback only: do not donate the params and state; every call "
+    "reads the same inputs and writes new buffers (an optax loop without "
+    "donate_argnums)",
+  )
+  parser.add_argument(
     "--json",
     metavar="FILE",
     help="also write the results as JSON to FILE ('-': standard output)",
@@ -102,6 +112,8 @@ def main(argv=None) -> None:
       re.compile(args.cases)
     except re.error as e:
       parser.error(f"--cases {args.cases!r} is not a regular expression: {e}")
+  if args.fresh_outputs and names != ["writeback"]:
+    parser.error("--fresh-outputs applies to the writeback section alone")
   if args.cost:
     if names != ["writeback"]:
       parser.error("--cost analyses the writeback section alone")
@@ -113,6 +125,8 @@ def main(argv=None) -> None:
   for name in names:
     module = importlib.import_module(f"scripts.bench_{name}")
     kwargs = {} if args.cases is None else {"cases": args.cases}
+    if args.fresh_outputs:
+      kwargs["donate"] = False
     runs = []
     for _ in range(args.runs):
       runs.append(module.run(quick=args.quick, **kwargs))

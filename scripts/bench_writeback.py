@@ -38,6 +38,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 import lowprec
@@ -106,13 +107,34 @@ def _params(n_params: int, layers: int) -> dict:
   }
 
 
-def _step(opt):
-  @jax.jit
+def _step(opt, donate: bool = False):
+  """The jitted step; with `donate`, its params and state are donated, as
+  a training loop's step donates them (`experiments/train.py`)."""
+
   def step(params, state, grads):
     updates, state = opt.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
-  return step
+  return jax.jit(step, donate_argnums=(0, 1) if donate else ())
+
+
+def _carried(step, params, state, grads, count=None):
+  """`(fn, ())`: each call of `fn` runs the donated `step` on the params
+  and state the call before returned, as a training loop does (its own
+  copies, so that no other row's buffers are donated). With `count`,
+  each returned state's count is set back to it: every call is then the
+  same update (one that a row counting every k-th update does not
+  count)."""
+  held = [jax.tree.map(jnp.copy, params), jax.tree.map(jnp.copy, state)]
+
+  def call():
+    p, s = step(*held, grads)
+    if count is not None:
+      s = _with_count(s, jnp.asarray(count))
+    held[:] = p, s
+    return p, s
+
+  return call, ()
 
 
 def _every_k(k: int):
@@ -125,24 +147,49 @@ def _every_k(k: int):
   )
 
 
+def _count_of(state):
+  """The update count of a state counting every k-th update: the
+  chain's `(inner, writeback)` pair's write-back, or the state of
+  `lowprec.counted_in_branches` (which carries the count itself)."""
+  return state.count if hasattr(state, "_replace") else state[1].count
+
+
+def _with_count(state, count):
+  """`state` (as `_count_of` reads it) with its count replaced."""
+  if hasattr(state, "_replace"):
+    return state._replace(count=count)
+  inner, wb = state
+  return inner, wb._replace(count=count)
+
+
 def _uncounted(state):
   """A state counting every k-th update at an update it does not count
-  (its count 1): the chain's `(inner, writeback)` pair, or the state of
-  `lowprec.counted_in_branches` (which carries the count itself)."""
-  if hasattr(state, "_replace"):
-    return state._replace(count=state.count + 1)
-  inner, wb = state
-  return inner, wb._replace(count=wb.count + 1)
+  (its count 1)."""
+  return _with_count(state, _count_of(state) + 1)
 
 
-def _k_updates(k: int, params, grads):
+def _k_updates(k: int, params, grads, donate: bool = False):
   """`(fn, args)` timing k updates of `_every_k(k)` as
   `lowprec.counted_and_uncounted` runs them: the counted program on a
   due update (count 0), the uncounted one on k - 1 that are not (count
-  1), each from the same inputs."""
+  1), each from the same inputs; with `donate`, k consecutive updates of
+  a training loop, each on the last one's donated params and state (the
+  counted program on the first, whose count is a multiple of k)."""
   pair = lowprec.counted_and_uncounted(_every_k(k))
-  counted, uncounted = _step(pair.counted), _step(pair.uncounted)
+  counted = _step(pair.counted, donate)
+  uncounted = _step(pair.uncounted, donate)
   due = pair.counted.init(params)
+  if donate:
+    held = [jax.tree.map(jnp.copy, params), jax.tree.map(jnp.copy, due)]
+
+    def carried():
+      p, s = counted(*held, grads)
+      for _ in range(k - 1):
+        p, s = uncounted(p, s, grads)
+      held[:] = p, s
+      return p, s
+
+    return carried, ()
 
   def updates(params, due, later, grads):
     out = counted(params, due, grads)
@@ -205,34 +252,40 @@ def _rows(quick: bool, cases: str | None) -> dict:
   return chosen
 
 
-def run(quick: bool, cases: str | None = None) -> Result:
+def run(quick: bool, cases: str | None = None, donate: bool = True) -> Result:
   """Times the rows (those matching the regular expression `cases`, and
-  both baselines, where given)."""
+  both baselines, where given). With `donate` (the default), each step
+  donates its params and state and the next runs on what it returned,
+  as a training loop runs; without, every call reads the same inputs
+  and writes new buffers."""
   n_params, layers, rounds = (2_000_000, 2, 3) if quick else (20_000_000, 10, 9)
   params = lowprec.to_grid(_params(n_params, layers), "bfloat16")
   grads = jax.tree.map(lambda p: 1e-3 * jnp.sign(p) + 1e-4, params)
   count = sum(p.size for p in jax.tree.leaves(params))
   chosen = _rows(quick, cases)
-  calls = {
-    name: (_step(opt), (params, opt.init(params), grads))
-    for name, opt in chosen.items()
-    if name not in EVERY_K
-  }
-  for name in (EVERY, BRANCHES):
-    if name in calls:
-      step, (p, state, g) = calls[name]
-      calls[name] = step, (p, _uncounted(state), g)
-  for name, k in EVERY_K.items():
-    if name in chosen:
-      calls[name] = _k_updates(k, params, grads)
-  calls = {name: calls[name] for name in chosen}  # the rows' order
+  calls = {}
+  for name, opt in chosen.items():
+    if name in EVERY_K:
+      calls[name] = _k_updates(EVERY_K[name], params, grads, donate)
+      continue
+    state = opt.init(params)
+    if name in (EVERY, BRANCHES):
+      state = _uncounted(state)
+    if not donate:
+      calls[name] = _step(opt), (params, state, grads)
+      continue
+    # A row timed on an update it does not count stays at that update.
+    kept = name in (EVERY, BRANCHES)
+    again = np.asarray(_count_of(state)) if kept else None
+    calls[name] = _carried(_step(opt, True), params, state, grads, again)
   times = interleave(calls, rounds=rounds, repeats=3)
   for name, k in EVERY_K.items():
     if name in times:
       times[name] = [t / k for t in times[name]]
   title = (
     f"write-back step, {count / 1e6:.1f}M params, "
-    f"{jax.devices()[0].platform} x{jax.device_count()}"
+    f"{jax.devices()[0].platform} x{jax.device_count()}, "
+    + ("params and state donated" if donate else "new output buffers")
   )
   baselines = ("adamw", "+ nearest")
   if WITHOUT in times and any("every" in name for name in times):

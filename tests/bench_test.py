@@ -117,6 +117,59 @@ def test_cases_selects_writeback_rows_beside_the_baselines(monkeypatch):
   assert timed == ["adamw", "+ nearest", "+ stochastic + telemetry"]
 
 
+def test_writeback_steps_donate_and_carry_their_params_and_state(monkeypatch):
+  # A training loop donates its params and state and runs the next step on
+  # what the last returned; the section times its rows that way. Each call
+  # is made twice here: the step count must advance by one a call, by k
+  # for the two programs' row (k updates a call), and stay put for the row
+  # timed on an update it does not count; the params must move.
+  import jax
+  import numpy as np
+
+  from scripts import bench_writeback
+
+  out = {}
+
+  def calling(calls, rounds, repeats):
+    for name, (fn, args) in calls.items():
+      assert args == (), name  # a carried call reads its own buffers
+      out[name] = [jax.device_get(fn()) for _ in range(2)]
+    return {name: [1.0] * rounds for name in calls}
+
+  monkeypatch.setattr(bench_writeback, "interleave", calling)
+  programs, every = bench_writeback.PROGRAMS, bench_writeback.EVERY
+  bench_writeback.run(quick=False, cases="every 10, (two|uncounted)")
+  assert set(out) >= {"adamw", "+ nearest", programs, every}
+
+  def count(name, i):
+    return int(bench_writeback._count_of(out[name][i][1]))
+
+  adamw_count = [int(out["adamw"][i][1][0].count) for i in (0, 1)]
+  assert adamw_count[1] == adamw_count[0] + 1
+  assert count(programs, 1) == count(programs, 0) + 10
+  # Set back after each call: the next reads count 1 again, an update
+  # that telemetry every 10 does not count.
+  assert count(every, 0) == count(every, 1) == 1
+  first, second = (out["adamw"][i][0]["layer0"]["kernel"] for i in (0, 1))
+  assert not np.array_equal(first, second)
+
+
+def test_fresh_outputs_reuses_the_same_inputs(monkeypatch):
+  from scripts import bench_writeback
+
+  seen = {}
+
+  def fake(calls, rounds, repeats):
+    seen.update(calls)
+    return {name: [1.0] * rounds for name in calls}
+
+  monkeypatch.setattr(bench_writeback, "interleave", fake)
+  result = bench_writeback.run(quick=True, cases="^adamw$", donate=False)
+  assert "new output buffers" in result.title
+  step, args = seen["adamw"]
+  assert len(args) == 3  # params, state, gradients, read again each call
+
+
 def test_cost_reports_xla_bytes_and_flops_per_parameter(tmp_path, capsys):
   # AdamW must read the weight, the gradient and both moments and write
   # back the weight and both moments: 7 float32 arrays, 28 bytes a
@@ -148,6 +201,7 @@ def test_cost_reports_xla_bytes_and_flops_per_parameter(tmp_path, capsys):
     (["rounding", "--cases", "x"], "writeback section alone"),
     (["writeback", "--cases", "("], "not a regular expression"),
     (["rounding", "--cost"], "writeback section alone"),
+    (["rounding", "--fresh-outputs"], "writeback section alone"),
   ],
 )
 def test_cases_mistakes_are_refused_naming_the_fix(argv, words, capsys):
