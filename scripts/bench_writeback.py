@@ -300,20 +300,25 @@ COST_SHAPE = (1024, 1024)
 def cost(cases: str | None = None) -> tuple[str, dict]:
   """XLA's own account of each row's compiled step on one `COST_SHAPE`
   leaf, without running it: its fusions, and the bytes accessed and
-  flops of its cost analysis per parameter. On a GPU, where the step is
-  bound by memory, the bytes set its time; on this CPU the flops weigh
-  too. Beside them, the floor a one-pass kernel would touch: the params,
-  gradients and state read once, the params and state written once (the
-  bytes of the arrays themselves). Rows counting every k-th update are
-  compiled as they are timed: their step on an update they do not
-  count. Returns a Markdown table and `{row: {"fusions",
-  "bytes_per_param", "floor_per_param", "flops_per_param"}}`."""
+  flops of its cost analysis per parameter, for the step as `run` times
+  it (params and state donated) and, beside it, the bytes of the same
+  step writing new buffers; where XLA copies a donated leaf-sized
+  state array before overwriting it in place, the copies. On a GPU,
+  where the step is bound by memory, the bytes set its time; on this CPU
+  the flops weigh too. Beside them, the floor a one-pass kernel would
+  touch: the params, gradients and state read once, the params and
+  state written once (the bytes of the arrays themselves). Rows
+  counting every k-th update are compiled as they are timed: their step
+  on an update they do not count. Returns a Markdown table and `{row:
+  {"fusions", "bytes_per_param", "fresh_bytes_per_param", "copies",
+  "floor_per_param", "flops_per_param"}}`."""
   key = jax.random.key(0)
   params = lowprec.to_grid(
     {"kernel": 0.02 * jax.random.normal(key, COST_SHAPE)}, "bfloat16"
   )
   grads = jax.tree.map(lambda p: 1e-3 * jnp.sign(p) + 1e-4, params)
   n = params["kernel"].size
+  leaf = re.compile(rf"= \w+\[{COST_SHAPE[0]},{COST_SHAPE[1]}\]\S* copy\(")
   out = {}
   for name, opt in _rows(False, cases).items():
     tx = (
@@ -322,32 +327,45 @@ def cost(cases: str | None = None) -> tuple[str, dict]:
     state = tx.init(params)
     if name in (EVERY, BRANCHES, *EVERY_K):
       state = _uncounted(state)
-    compiled = _step(tx).lower(params, state, grads).compile()
-    analysis = compiled.cost_analysis()
-    if isinstance(analysis, list | tuple):  # older jaxlibs: one per program
-      analysis = analysis[0]
+    donated, fresh = (
+      _step(tx, donate).lower(params, state, grads).compile()
+      for donate in (True, False)
+    )
+    analysis, fresh_analysis = (_analysis(c) for c in (donated, fresh))
     # Params and state read and written, gradients read.
     held = lowprec.bytes_per_param(params, state)
     grad = lowprec.bytes_per_param(grads).params
+    text = donated.as_text()
     out[name] = {
-      "fusions": len(re.findall(r" fusion\(", compiled.as_text())),
+      "fusions": len(re.findall(r" fusion\(", text)),
       "bytes_per_param": float(analysis["bytes accessed"]) / n,
+      "fresh_bytes_per_param": float(fresh_analysis["bytes accessed"]) / n,
+      "copies": len(leaf.findall(text)),
       "floor_per_param": 2 * (held.total + held.fixed / n) + grad,
       "flops_per_param": float(analysis["flops"]) / n,
     }
   base = out["adamw"]["bytes_per_param"]
   lines = [
     f"### write-back step, XLA's cost analysis, one {COST_SHAPE[0]} x "
-    f"{COST_SHAPE[1]} leaf, {jax.devices()[0].platform}",
+    f"{COST_SHAPE[1]} leaf, {jax.devices()[0].platform}, params and state "
+    "donated",
     "",
-    "| case | fusions | bytes / param | to adamw | one-pass floor | "
-    "to the floor | flops / param |",
-    "|---|---:|---:|---:|---:|---:|---:|",
+    "| case | fusions | bytes / param | to adamw | with new buffers | "
+    "leaf copies | one-pass floor | to the floor | flops / param |",
+    "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
   ]
   for name, c in out.items():
     b, floor = c["bytes_per_param"], c["floor_per_param"]
     lines.append(
       f"| {name} | {c['fusions']} | {b:.1f} | {b / base:.2f}x | "
+      f"{c['fresh_bytes_per_param']:.1f} | {c['copies']} | "
       f"{floor:.1f} | {b / floor:.2f}x | {c['flops_per_param']:.0f} |"
     )
   return "\n".join(lines), out
+
+
+def _analysis(compiled) -> dict:
+  analysis = compiled.cost_analysis()
+  if isinstance(analysis, list | tuple):  # older jaxlibs: one per program
+    analysis = analysis[0]
+  return analysis

@@ -182,9 +182,15 @@ def test_cost_reports_xla_bytes_and_flops_per_parameter(tmp_path, capsys):
   rows = json.loads(path.read_text())["writeback"]
   moments = "adamw, bf16 stochastic moments"
   assert list(rows) == ["adamw", "+ nearest", moments]
-  adamw = rows["adamw"]["bytes_per_param"]
+  adamw = rows["adamw"]["fresh_bytes_per_param"]
   assert 28 <= adamw <= 48, adamw
-  assert rows[moments]["bytes_per_param"] < adamw
+  assert rows[moments]["fresh_bytes_per_param"] < adamw
+  # Donated, AdamW's step writes every output in place of its input: no
+  # leaf-sized copy, the same bytes. A copy only adds bytes.
+  assert rows["adamw"]["copies"] == 0
+  assert rows["adamw"]["bytes_per_param"] == pytest.approx(adamw)
+  for r in rows.values():
+    assert r["bytes_per_param"] >= r["fresh_bytes_per_param"] - 1e-6
   # The one-pass floor: AdamW reads 4 float32 arrays and writes 3 (28
   # bytes); with bfloat16 moments 2 of the reads and 2 of the writes
   # halve (20). The step counter adds a few bytes in all.
