@@ -27,6 +27,13 @@ most 1.3x the plain adamw step; Kahan and two-component at most 1.25x
 nearest write-back without telemetry; bf16 stochastic moments at most
 1.3x plain adamw.
 
+Each step donates its params and state, and the next call runs on what
+it returned, as a training loop does (`run(donate=False)`, `--fresh-
+outputs`: every call reads the same inputs and writes new buffers, which
+on a CPU also reads each written line first; plain AdamW is about 1.5x
+slower that way, the arithmetic-bound recipes hardly, so ratios to it
+shrink).
+
 The cases run in interleaved rounds; ratios are medians of same-round
 ratios, with their range, so load from other processes on a shared machine
 biases all rows alike.
