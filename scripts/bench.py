@@ -114,6 +114,11 @@ def main(argv=None) -> None:
       parser.error(f"--cases {args.cases!r} is not a regular expression: {e}")
   if args.fresh_outputs and names != ["writeback"]:
     parser.error("--fresh-outputs applies to the writeback section alone")
+  if args.fresh_outputs and args.cost:
+    parser.error(
+      "--fresh-outputs times steps; --cost already prints the bytes with "
+      "new buffers beside the donated ones: drop one of the two"
+    )
   if args.cost:
     if names != ["writeback"]:
       parser.error("--cost analyses the writeback section alone")

@@ -208,6 +208,7 @@ def test_cost_reports_xla_bytes_and_flops_per_parameter(tmp_path, capsys):
     (["writeback", "--cases", "("], "not a regular expression"),
     (["rounding", "--cost"], "writeback section alone"),
     (["rounding", "--fresh-outputs"], "writeback section alone"),
+    (["writeback", "--cost", "--fresh-outputs"], "drop one of the two"),
   ],
 )
 def test_cases_mistakes_are_refused_naming_the_fix(argv, words, capsys):
