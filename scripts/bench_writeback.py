@@ -126,9 +126,10 @@ def _step(opt, donate: bool = False):
 
 
 def _carried(step, params, state, grads, count=None):
-  """`(fn, ())`: each call of `fn` runs the donated `step` on the params
-  and state the call before returned, as a training loop does (its own
-  copies, so that no other row's buffers are donated). With `count`,
+  """`(fn, ())`: each call of `fn` runs `step` (donating; one update or
+  several) on the params and state the call before returned, as a
+  training loop does (its own copies, so that no other row's buffers are
+  donated). With `count`,
   each returned state's count is set back to it: every call is then the
   same update (one that a row counting every k-th update does not
   count)."""
@@ -187,16 +188,14 @@ def _k_updates(k: int, params, grads, donate: bool = False):
   uncounted = _step(pair.uncounted, donate)
   due = pair.counted.init(params)
   if donate:
-    held = [jax.tree.map(jnp.copy, params), jax.tree.map(jnp.copy, due)]
 
-    def carried():
-      p, s = counted(*held, grads)
+    def k_steps(params, state, grads):
+      params, state = counted(params, state, grads)
       for _ in range(k - 1):
-        p, s = uncounted(p, s, grads)
-      held[:] = p, s
-      return p, s
+        params, state = uncounted(params, state, grads)
+      return params, state
 
-    return carried, ()
+    return _carried(k_steps, params, due, grads)
 
   def updates(params, due, later, grads):
     out = counted(params, due, grads)
@@ -276,14 +275,13 @@ def run(quick: bool, cases: str | None = None, donate: bool = True) -> Result:
       calls[name] = _k_updates(EVERY_K[name], params, grads, donate)
       continue
     state = opt.init(params)
-    if name in (EVERY, BRANCHES):
+    stays = name in (EVERY, BRANCHES)  # timed on an update it does not count
+    if stays:
       state = _uncounted(state)
     if not donate:
       calls[name] = _step(opt), (params, state, grads)
       continue
-    # A row timed on an update it does not count stays at that update.
-    kept = name in (EVERY, BRANCHES)
-    again = np.asarray(_count_of(state)) if kept else None
+    again = np.asarray(_count_of(state)) if stays else None
     calls[name] = _carried(_step(opt, True), params, state, grads, again)
   times = interleave(calls, rounds=rounds, repeats=3)
   for name, k in EVERY_K.items():

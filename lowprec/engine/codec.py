@@ -411,14 +411,13 @@ def _finite_amax(x, how, then, bad=None, clean=True, pre=None):
   per block (or of the tensor), 0 if none, and, with `bad` (a function
   giving a per-element mask), whether each block holds a `bad` element
   (else None, as where the conditional below has found none). `then`
-  runs on the blocks inside each
-  branch of the conditional below (or, without one, through
-  `_once_a_block`), so that its result (the scales) is computed once per
-  block and written out, not again for every element that reads it.
-  `pre` (None: the identity) is a
-  nondecreasing map onto nonnegative values, such as an unsigned code
-  map's (`CodeMap.pre`): its block maximum is `pre` of the block's
-  maximum, so the reductions read `x` and `pre(x)` is never written out.
+  runs on the blocks inside each branch of the conditional below (or,
+  without one, through `_once_a_block`), so that its result (the scales)
+  is computed once per block and written out, not again for every
+  element that reads it. `pre` (None: the identity) is a nondecreasing
+  map onto nonnegative values, such as an unsigned code map's
+  (`CodeMap.pre`): its block maximum is `pre` of the block's maximum, so
+  the reductions read `x` and `pre(x)` is never written out.
 
   Written as a maximum of `where(isfinite(x), |x|, 0)`, the select is a
   pass of its own on XLA:CPU (its reductions take no fused producer),
