@@ -120,7 +120,9 @@ def _last_json_line(path: str):
 
 
 def _bench(parts_dir: str) -> dict:
-  """Per section: case -> ratio to each baseline (median, min, max)."""
+  """Per section: case -> ratio to each baseline (median, min, max), and
+  the section's columns (`{label: {case: value}}`; the write-back
+  section's bytes a parameter and GB/s)."""
   out = {}
   for section in BENCH_SECTIONS:
     path = os.path.join(parts_dir, f"bench_{section}.json")
@@ -133,6 +135,7 @@ def _bench(parts_dir: str) -> dict:
       "ratios": {
         case: c["ratio_to"] for case, c in data.get("cases", {}).items()
       },
+      "columns": data.get("columns", {}),
     }
   return out
 
@@ -262,6 +265,7 @@ def markdown(report: dict) -> str:
           f"| {section} | {case} | {base} | {r['median']:.2f}x "
           f"({r['min']:.2f}-{r['max']:.2f}) |"
         )
+  lines += _column_lines(report["bench"])
   advice = report.get("advice", [])
   lines += [
     "",
@@ -271,6 +275,24 @@ def markdown(report: dict) -> str:
   ]
   lines += advice
   return "\n".join(lines) + "\n"
+
+
+def _column_lines(bench: dict) -> list[str]:
+  """A table per benchmark section with columns beside its ratios."""
+  lines = []
+  for section, data in bench.items():
+    columns = data.get("columns") or {}
+    if not columns:
+      continue
+    lines += ["", f"| {section} | " + " | ".join(columns) + " |"]
+    lines.append("|---|" + "---:|" * len(columns))
+    for case in data["ratios"]:
+      cells = " | ".join(
+        "-" if c.get(case) is None else f"{c[case]:.1f}"
+        for c in columns.values()
+      )
+      lines.append(f"| {case} | {cells} |")
+  return lines
 
 
 def _family_lines(families: list[dict]) -> list[str]:

@@ -36,12 +36,17 @@ shrink).
 
 The cases run in interleaved rounds; ratios are medians of same-round
 ratios, with their range, so load from other processes on a shared machine
-biases all rows alike.
+biases all rows alike. Beside the ratios, each row's bytes a parameter as
+XLA's cost analysis counts them for the very program timed (compiled
+ahead of time, so nothing compiles twice), and the rate at which the
+median step moved them: a row near the machine's memory speed is bound by
+its bytes, a row well below it by its arithmetic or its launches.
 """
 
 from __future__ import annotations
 
 import re
+import statistics
 
 import jax
 import jax.numpy as jnp
@@ -84,6 +89,11 @@ EVERY_K = {PROGRAMS: 10, PROGRAMS_20: 20}
 # without telemetry (the target: at most 1.1x it).
 WITHOUT = "+ stochastic"
 
+# The columns `run` adds beside the ratios (from the compiled step's cost
+# analysis; bytes over the median time).
+BYTES = "XLA bytes / param"
+RATE = "GB/s"
+
 # The rows of --quick: both baselines, a rounding with and without
 # telemetry and with it every 10th update as two programs, a compensated
 # write-back of each kind of state, ECO, and a 16- and an 8-bit store of
@@ -123,6 +133,14 @@ def _step(opt, donate: bool = False):
     return optax.apply_updates(params, updates), state
 
   return jax.jit(step, donate_argnums=(0, 1) if donate else ())
+
+
+def _compiled(opt, donate, params, state, grads):
+  """The row's step compiled ahead of time for these inputs, and the
+  bytes XLA's cost analysis says one call accesses (the program timed is
+  the program analysed: no second compile)."""
+  compiled = _step(opt, donate).lower(params, state, grads).compile()
+  return compiled, float(_analysis(compiled)["bytes accessed"])
 
 
 def _carried(step, params, state, grads, count=None):
@@ -177,16 +195,20 @@ def _uncounted(state):
 
 
 def _k_updates(k: int, params, grads, donate: bool = False):
-  """`(fn, args)` timing k updates of `_every_k(k)` as
+  """`(fn, args, bytes)` timing k updates of `_every_k(k)` as
   `lowprec.counted_and_uncounted` runs them: the counted program on a
   due update (count 0), the uncounted one on k - 1 that are not (count
   1), each from the same inputs; with `donate`, k consecutive updates of
   a training loop, each on the last one's donated params and state (the
-  counted program on the first, whose count is a multiple of k)."""
+  counted program on the first, whose count is a multiple of k).
+  `bytes`: XLA's bytes accessed, the mean of the k updates."""
   pair = lowprec.counted_and_uncounted(_every_k(k))
-  counted = _step(pair.counted, donate)
-  uncounted = _step(pair.uncounted, donate)
   due = pair.counted.init(params)
+  counted, counted_bytes = _compiled(pair.counted, donate, params, due, grads)
+  uncounted, uncounted_bytes = _compiled(
+    pair.uncounted, donate, params, due, grads
+  )
+  mean_bytes = (counted_bytes + (k - 1) * uncounted_bytes) / k
   if donate:
 
     def k_steps(params, state, grads):
@@ -195,7 +217,7 @@ def _k_updates(k: int, params, grads, donate: bool = False):
         params, state = uncounted(params, state, grads)
       return params, state
 
-    return _carried(k_steps, params, due, grads)
+    return (*_carried(k_steps, params, due, grads), mean_bytes)
 
   def updates(params, due, later, grads):
     out = counted(params, due, grads)
@@ -203,7 +225,7 @@ def _k_updates(k: int, params, grads, donate: bool = False):
       out = uncounted(params, later, grads)
     return out
 
-  return updates, (params, due, _uncounted(due), grads)
+  return updates, (params, due, _uncounted(due), grads), mean_bytes
 
 
 def _rows(quick: bool, cases: str | None) -> dict:
@@ -263,30 +285,44 @@ def run(quick: bool, cases: str | None = None, donate: bool = True) -> Result:
   both baselines, where given). With `donate` (the default), each step
   donates its params and state and the next runs on what it returned,
   as a training loop runs; without, every call reads the same inputs
-  and writes new buffers."""
+  and writes new buffers. The result's columns: XLA's bytes accessed a
+  parameter per update (`BYTES`) and GB/s at the median time (`RATE`)."""
   n_params, layers, rounds = (2_000_000, 2, 3) if quick else (20_000_000, 10, 9)
   params = lowprec.to_grid(_params(n_params, layers), "bfloat16")
   grads = jax.tree.map(lambda p: 1e-3 * jnp.sign(p) + 1e-4, params)
   count = sum(p.size for p in jax.tree.leaves(params))
   chosen = _rows(quick, cases)
-  calls = {}
+  calls, accessed = {}, {}
   for name, opt in chosen.items():
     if name in EVERY_K:
-      calls[name] = _k_updates(EVERY_K[name], params, grads, donate)
+      *calls[name], accessed[name] = _k_updates(
+        EVERY_K[name], params, grads, donate
+      )
       continue
     state = opt.init(params)
     stays = name in (EVERY, BRANCHES)  # timed on an update it does not count
     if stays:
       state = _uncounted(state)
+    step, accessed[name] = _compiled(opt, donate, params, state, grads)
     if not donate:
-      calls[name] = _step(opt), (params, state, grads)
+      calls[name] = step, (params, state, grads)
       continue
     again = np.asarray(_count_of(state)) if stays else None
-    calls[name] = _carried(_step(opt, True), params, state, grads, again)
+    calls[name] = _carried(step, params, state, grads, again)
   times = interleave(calls, rounds=rounds, repeats=3)
   for name, k in EVERY_K.items():
     if name in times:
       times[name] = [t / k for t in times[name]]
+  # What XLA says each step reads and writes, and at what rate the timed
+  # step then moved it: at the machine's memory speed, a step is bound by
+  # its bytes.
+  columns = {
+    BYTES: {name: b / count for name, b in accessed.items()},
+    RATE: {
+      name: accessed[name] / statistics.median(times[name]) / 1e9
+      for name in times
+    },
+  }
   title = (
     f"write-back step, {count / 1e6:.1f}M params, "
     f"{jax.devices()[0].platform} x{jax.device_count()}, "
@@ -295,7 +331,7 @@ def run(quick: bool, cases: str | None = None, donate: bool = True) -> Result:
   baselines = ("adamw", "+ nearest")
   if WITHOUT in times and any("every" in name for name in times):
     baselines += (WITHOUT,)
-  return Result(title, times, baselines)
+  return Result(title, times, baselines, columns=columns)
 
 
 # The leaf `cost` compiles each row's step on.

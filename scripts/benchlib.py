@@ -63,6 +63,8 @@ class Result:
     baselines: the cases ratios are taken to.
     notes: lines printed under the table.
     extra: numbers for the JSON output only (tokens per step, errors).
+    columns: numbers shown beside the ratios, `{label: {case: value}}`
+      (the label names the unit; a case without a value shows none).
   """
 
   title: str
@@ -70,6 +72,7 @@ class Result:
   baselines: tuple[str, ...]
   notes: tuple[str, ...] = ()
   extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+  columns: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
 
   def ratios(self, case: str, baseline: str) -> list[float]:
     """Per-round ratios of `case` to `baseline`."""
@@ -95,17 +98,22 @@ class Result:
         "ratio_to": ratio,
       }
     rounds = len(next(iter(self.times.values()), []))
-    return {
+    out = {
       "title": self.title,
       "rounds": rounds,
       "cases": cases,
       "notes": list(self.notes),
       **self.extra,
     }
+    if self.columns:
+      out["columns"] = self.columns
+    return out
 
   def markdown(self) -> str:
     data = self.as_dict()
-    head = " | ".join(f"ratio to {b} (range)" for b in self.baselines)
+    head = " | ".join(
+      [f"ratio to {b} (range)" for b in self.baselines] + list(self.columns)
+    )
     lines = [
       f"### {self.title}",
       "",
@@ -113,17 +121,24 @@ class Result:
       "rounds of same-round ratios, with their range.",
       "",
       f"| case | median ms | {head} |",
-      "|---|---:|" + "---:|" * len(self.baselines),
+      "|---|---:|" + "---:|" * (len(self.baselines) + len(self.columns)),
     ]
     for name, c in data["cases"].items():
       cells = " | ".join(
-        f"{r['median']:.2f}x ({r['min']:.2f}-{r['max']:.2f})"
-        for r in c["ratio_to"].values()
+        [
+          f"{r['median']:.2f}x ({r['min']:.2f}-{r['max']:.2f})"
+          for r in c["ratio_to"].values()
+        ]
+        + [_cell(col.get(name)) for col in self.columns.values()]
       )
       lines.append(f"| {name} | {c['median_ms']:.2f} | {cells} |")
     if self.notes:
       lines += ["", *self.notes]
     return "\n".join(lines)
+
+
+def _cell(value: float | None) -> str:
+  return "" if value is None else f"{value:.1f}"
 
 
 def across_runs(results: list[Result]) -> dict[str, Any]:

@@ -24,6 +24,22 @@ def test_ratios_pair_cases_round_by_round():
   assert "3 interleaved rounds" in md
 
 
+def test_columns_show_beside_the_ratios_and_blank_where_a_case_has_none():
+  r = benchlib.Result(
+    "t",
+    {"base": [1.0], "x": [2.0]},
+    ("base",),
+    columns={"MB": {"base": 3.25}, "n": {"x": 7.0}},
+  )
+  md = r.markdown()
+  assert "| case | median ms | ratio to base (range) | MB | n |" in md
+  assert "|---|---:|---:|---:|---:|" in md
+  assert "| base | 1000.00 | 1.00x (1.00-1.00) | 3.2 |  |" in md
+  assert "| x | 2000.00 | 2.00x (2.00-2.00) |  | 7.0 |" in md
+  assert r.as_dict()["columns"] == {"MB": {"base": 3.25}, "n": {"x": 7.0}}
+  assert "columns" not in benchlib.Result("t", {"a": [1.0]}, ("a",)).as_dict()
+
+
 def test_interleave_times_every_case_every_round_in_alternating_order():
   order = []
 
@@ -152,6 +168,61 @@ def test_writeback_steps_donate_and_carry_their_params_and_state(monkeypatch):
   assert count(every, 0) == count(every, 1) == 1
   first, second = (out["adamw"][i][0]["layer0"]["kernel"] for i in (0, 1))
   assert not np.array_equal(first, second)
+
+
+def test_writeback_rows_show_xla_bytes_and_the_rate_they_were_moved_at(
+  monkeypatch,
+):
+  # Beside the ratios: the bytes XLA's cost analysis gives for the very
+  # program timed, a parameter, and those bytes over the median time. The
+  # oracle is XLA's analysis of the same step compiled here; the
+  # two-program row's bytes are the mean of its k updates (one counted).
+  import jax
+  import optax
+
+  import lowprec
+  from scripts import bench_writeback as bw
+
+  def fake(calls, rounds, repeats):
+    return {name: [0.5, 1.0, 2.0] for name in calls}  # median 1 s
+
+  monkeypatch.setattr(bw, "interleave", fake)
+  result = bw.run(quick=True, cases="^adamw$|two programs")
+  params = lowprec.to_grid(bw._params(2_000_000, 2), "bfloat16")
+  grads = jax.tree.map(lambda p: p + 1e-4, params)
+  n = sum(p.size for p in jax.tree.leaves(params))
+
+  def accessed(tx):
+    def step(params, state, grads):
+      updates, state = tx.update(grads, state, params)
+      return optax.apply_updates(params, updates), state
+
+    state = tx.init(params)
+    lowered = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, grads)
+    return lowered.compile().cost_analysis()["bytes accessed"]
+
+  k = bw.EVERY_K[bw.PROGRAMS]
+  pair = lowprec.counted_and_uncounted(bw._every_k(k))
+  want = {
+    "adamw": accessed(optax.adamw(1e-3)),
+    bw.PROGRAMS: (accessed(pair.counted) + (k - 1) * accessed(pair.uncounted))
+    / k,
+  }
+  got, rate = result.columns[bw.BYTES], result.columns[bw.RATE]
+  assert (
+    set(got) == set(rate) == {"adamw", "+ nearest", "+ stochastic", bw.PROGRAMS}
+  )
+  for name, b in want.items():
+    assert got[name] == pytest.approx(b / n, rel=1e-6), name
+  # The two-program row's time is a tenth a call (k updates a call).
+  assert rate["adamw"] == pytest.approx(want["adamw"] / 1.0 / 1e9)
+  assert rate[bw.PROGRAMS] == pytest.approx(want[bw.PROGRAMS] / 0.1 / 1e9)
+  # AdamW reads and writes its 7 float32 arrays at least: 28 bytes.
+  assert got["adamw"] >= 28
+  md = result.markdown()
+  assert f"| {bw.BYTES} | {bw.RATE} |" in md
+  assert f"| {got['adamw']:.1f} | {rate['adamw']:.1f} |" in md
+  assert result.as_dict()["columns"][bw.BYTES] == got
 
 
 def test_fresh_outputs_reuses_the_same_inputs(monkeypatch):

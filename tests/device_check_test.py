@@ -317,6 +317,9 @@ def test_dry_run_of_device_check_on_the_cpu(tmp_path):
     assert ratios and all(
       r["median"] > 0 for case in ratios.values() for r in case.values()
     )
+  # Beside the write-back ratios, every row's bytes and the rate.
+  columns = report["bench"]["writeback"]["columns"]
+  assert set(columns["GB/s"]) == set(report["bench"]["writeback"]["ratios"])
   md = (out / "device_check.md").read_text()
   assert md.startswith("# Device check (dry run)")
   assert "| freeze_gpt2_fp8 | 21,984 |" in md
@@ -481,6 +484,10 @@ def test_report_cells_of_a_config_and_a_benchmark(tmp_path):
     "b": {"median": 0.5, "min": 0.25, "max": 0.75},
   }}}}}  # fmt: skip
   (d / "bench_rounding.json").write_text(json.dumps(bench))
+  columns = {"XLA bytes / param": {"a": 40.0}, "GB/s": {"a": 3012.34}}
+  writeback = {"writeback": {"cases": bench["rounding"]["cases"]}}
+  writeback["writeback"]["columns"] = columns
+  (d / "bench_writeback.json").write_text(json.dumps(writeback))
   md = device_report.markdown(device_report.collect(str(d)))
   assert (
     "| freeze_gpt2_fp8 | 124,439,808 | 65,536 | 512,000 | 41.2% | 31.3 GB "
@@ -490,6 +497,9 @@ def test_report_cells_of_a_config_and_a_benchmark(tmp_path):
   assert f"| step_freeze_gpt2_fp8 | {row} | 31.3 GB |" in md
   assert "| rounding | a | b | 0.50x (0.25-0.75) |" in md
   assert "| rounding | a | a |" not in md
+  # The write-back section's bytes and rate, in a table of their own.
+  assert "| writeback | XLA bytes / param | GB/s |" in md
+  assert "| a | 40.0 | 3012.3 |" in md
 
 
 @pytest.mark.parametrize(
