@@ -2,7 +2,8 @@
 
   python -m scripts.bench [section ...] [--quick] [--runs N] [--json FILE]
   python -m scripts.bench writeback --cost [--cases REGEX]
-  python -m scripts.bench writeback [--fresh-outputs] [--cases REGEX]
+  python -m scripts.bench writeback [--fresh-outputs] [--vector-width 512]
+      [--cases REGEX]
 
 Sections: rounding, scaled, writeback, trace, ops, train, user_ops, frontier
 (default: all that exist). Each lives in `scripts/bench_<section>.py` with
@@ -88,6 +89,14 @@ def main(argv=None) -> None:
     "donate_argnums)",
   )
   parser.add_argument(
+    "--vector-width",
+    type=int,
+    choices=(128, 256, 512),
+    help="writeback only: compile each row's step with XLA:CPU's vectors "
+    "of this many bits (`xla_cpu_prefer_vector_width`; 256 by default; "
+    "512 on a CPU with AVX-512 stores the same bits, faster)",
+  )
+  parser.add_argument(
     "--json",
     metavar="FILE",
     help="also write the results as JSON to FILE ('-': standard output)",
@@ -114,6 +123,11 @@ def main(argv=None) -> None:
       parser.error(f"--cases {args.cases!r} is not a regular expression: {e}")
   if args.fresh_outputs and names != ["writeback"]:
     parser.error("--fresh-outputs applies to the writeback section alone")
+  if args.vector_width and (names != ["writeback"] or args.cost):
+    parser.error(
+      "--vector-width applies to the writeback section's timed rows alone "
+      "(XLA's bytes, which --cost prints, do not depend on it)"
+    )
   if args.fresh_outputs and args.cost:
     parser.error(
       "--fresh-outputs times steps; --cost already prints the bytes with "
@@ -132,6 +146,8 @@ def main(argv=None) -> None:
     kwargs = {} if args.cases is None else {"cases": args.cases}
     if args.fresh_outputs:
       kwargs["donate"] = False
+    if args.vector_width:
+      kwargs["vector_width"] = args.vector_width
     runs = []
     for _ in range(args.runs):
       runs.append(module.run(quick=args.quick, **kwargs))

@@ -135,11 +135,13 @@ def _step(opt, donate: bool = False):
   return jax.jit(step, donate_argnums=(0, 1) if donate else ())
 
 
-def _compiled(opt, donate, params, state, grads):
-  """The row's step compiled ahead of time for these inputs, and the
-  bytes XLA's cost analysis says one call accesses (the program timed is
-  the program analysed: no second compile)."""
-  compiled = _step(opt, donate).lower(params, state, grads).compile()
+def _compiled(opt, donate, params, state, grads, options=None):
+  """The row's step compiled ahead of time for these inputs (with XLA
+  compile `options`, if any), and the bytes XLA's cost analysis says one
+  call accesses (the program timed is the program analysed: no second
+  compile)."""
+  lowered = _step(opt, donate).lower(params, state, grads)
+  compiled = lowered.compile(compiler_options=options or None)
   return compiled, float(_analysis(compiled)["bytes accessed"])
 
 
@@ -194,7 +196,7 @@ def _uncounted(state):
   return _with_count(state, _count_of(state) + 1)
 
 
-def _k_updates(k: int, params, grads, donate: bool = False):
+def _k_updates(k: int, params, grads, donate: bool = False, options=None):
   """`(fn, args, bytes)` timing k updates of `_every_k(k)` as
   `lowprec.counted_and_uncounted` runs them: the counted program on a
   due update (count 0), the uncounted one on k - 1 that are not (count
@@ -204,9 +206,11 @@ def _k_updates(k: int, params, grads, donate: bool = False):
   `bytes`: XLA's bytes accessed, the mean of the k updates."""
   pair = lowprec.counted_and_uncounted(_every_k(k))
   due = pair.counted.init(params)
-  counted, counted_bytes = _compiled(pair.counted, donate, params, due, grads)
+  counted, counted_bytes = _compiled(
+    pair.counted, donate, params, due, grads, options
+  )
   uncounted, uncounted_bytes = _compiled(
-    pair.uncounted, donate, params, due, grads
+    pair.uncounted, donate, params, due, grads, options
   )
   mean_bytes = (counted_bytes + (k - 1) * uncounted_bytes) / k
   if donate:
@@ -280,13 +284,25 @@ def _rows(quick: bool, cases: str | None) -> dict:
   return chosen
 
 
-def run(quick: bool, cases: str | None = None, donate: bool = True) -> Result:
+def run(
+  quick: bool,
+  cases: str | None = None,
+  donate: bool = True,
+  vector_width: int | None = None,
+) -> Result:
   """Times the rows (those matching the regular expression `cases`, and
   both baselines, where given). With `donate` (the default), each step
   donates its params and state and the next runs on what it returned,
   as a training loop runs; without, every call reads the same inputs
-  and writes new buffers. The result's columns: XLA's bytes accessed a
-  parameter per update (`BYTES`) and GB/s at the median time (`RATE`)."""
+  and writes new buffers. `vector_width`: XLA:CPU's preferred vector
+  width in bits for every row's compile (its default where None). The
+  result's columns: XLA's bytes accessed a parameter per update
+  (`BYTES`) and GB/s at the median time (`RATE`)."""
+  options = (
+    None
+    if vector_width is None
+    else {"xla_cpu_prefer_vector_width": vector_width}
+  )
   n_params, layers, rounds = (2_000_000, 2, 3) if quick else (20_000_000, 10, 9)
   params = lowprec.to_grid(_params(n_params, layers), "bfloat16")
   grads = jax.tree.map(lambda p: 1e-3 * jnp.sign(p) + 1e-4, params)
@@ -296,14 +312,14 @@ def run(quick: bool, cases: str | None = None, donate: bool = True) -> Result:
   for name, opt in chosen.items():
     if name in EVERY_K:
       *calls[name], accessed[name] = _k_updates(
-        EVERY_K[name], params, grads, donate
+        EVERY_K[name], params, grads, donate, options
       )
       continue
     state = opt.init(params)
     stays = name in (EVERY, BRANCHES)  # timed on an update it does not count
     if stays:
       state = _uncounted(state)
-    step, accessed[name] = _compiled(opt, donate, params, state, grads)
+    step, accessed[name] = _compiled(opt, donate, params, state, grads, options)
     if not donate:
       calls[name] = step, (params, state, grads)
       continue
@@ -327,6 +343,7 @@ def run(quick: bool, cases: str | None = None, donate: bool = True) -> Result:
     f"write-back step, {count / 1e6:.1f}M params, "
     f"{jax.devices()[0].platform} x{jax.device_count()}, "
     + ("params and state donated" if donate else "new output buffers")
+    + ("" if vector_width is None else f", {vector_width}-bit vectors")
   )
   baselines = ("adamw", "+ nearest")
   if WITHOUT in times and any("every" in name for name in times):

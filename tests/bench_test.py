@@ -272,6 +272,29 @@ def test_cost_reports_xla_bytes_and_flops_per_parameter(tmp_path, capsys):
   assert f"| {moments} |" in capsys.readouterr().out
 
 
+def test_vector_width_compiles_every_row_with_that_option(monkeypatch):
+  from scripts import bench_writeback as bw
+
+  seen = []
+  compiled = bw._compiled
+
+  def recording(*args):
+    seen.append(args[-1])
+    return compiled(*args)
+
+  monkeypatch.setattr(bw, "_compiled", recording)
+  monkeypatch.setattr(
+    bw, "interleave", lambda calls, rounds, repeats: {n: [1.0] for n in calls}
+  )
+  result = bw.run(quick=True, cases="two programs", vector_width=512)
+  assert "512-bit vectors" in result.title
+  # adamw, + nearest, + stochastic, and the two programs of the k-row.
+  assert seen == [{"xla_cpu_prefer_vector_width": 512}] * 5
+  seen.clear()
+  assert "vectors" not in bw.run(quick=True, cases="^adamw$").title
+  assert seen == [None] * 2
+
+
 @pytest.mark.parametrize(
   "argv, words",
   [
@@ -280,6 +303,9 @@ def test_cost_reports_xla_bytes_and_flops_per_parameter(tmp_path, capsys):
     (["rounding", "--cost"], "writeback section alone"),
     (["rounding", "--fresh-outputs"], "writeback section alone"),
     (["writeback", "--cost", "--fresh-outputs"], "drop one of the two"),
+    (["rounding", "--vector-width", "512"], "timed rows alone"),
+    (["writeback", "--cost", "--vector-width", "512"], "do not depend"),
+    (["writeback", "--vector-width", "384"], "invalid choice"),
   ],
 )
 def test_cases_mistakes_are_refused_naming_the_fix(argv, words, capsys):

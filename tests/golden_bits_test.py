@@ -66,6 +66,43 @@ def test_recipe_equals_its_golden_bits_without_excess_precision(name):
   assert golden_bits.first_difference(WANT[name], got) is None
 
 
+@pytest.mark.parametrize("name", NO_EXCESS)
+def test_recipe_bits_do_not_depend_on_the_cpu_vector_width(name):
+  # XLA:CPU's 512-bit vectors (where the CPU has AVX-512; elsewhere the
+  # option changes nothing) vectorise the recipe's loops otherwise; an
+  # elementwise recipe with integer counts must store the same bits.
+  got = golden_bits.compute([name], setting="cpu_512_bit_vectors")[name]
+  assert golden_bits.first_difference(WANT[name], got) is None
+
+
+def test_the_vector_width_setting_reaches_the_code(tmp_path):
+  # The test above means something only where the setting changes the
+  # code: on a CPU with AVX-512, the optimized LLVM IR of an elementwise
+  # program holds 16-wide float vectors with it and 8-wide without.
+  import platform
+
+  import jax
+  import jax.numpy as jnp
+
+  from experiments import goldens
+
+  here = goldens.cpu(goldens.read_cpuinfo(), platform.machine())
+  if "avx512f" not in (here["cpu_features"] or "").split():
+    pytest.skip("no AVX-512 here: XLA:CPU keeps 256-bit vectors either way")
+  x = jnp.ones((64, 1024), jnp.float32)
+  ir = {}
+  for setting in ("default", "cpu_512_bit_vectors"):
+    options = {**golden_bits.SETTINGS, **golden_bits.CPU_SETTINGS}[setting]
+    dump = tmp_path / setting
+    jax.jit(
+      lambda v: v * 1.5 + 2.0,
+      compiler_options={**options, "xla_dump_to": str(dump)},
+    ).lower(x).compile()
+    ir[setting] = "".join(p.read_text() for p in dump.glob("*ir-with-opt.ll"))
+  assert "<8 x float>" in ir["default"] and "<16 x float>" not in ir["default"]
+  assert "<16 x float>" in ir["cpu_512_bit_vectors"]
+
+
 PROBE = """
 import jax, jax.numpy as jnp, numpy as np
 x = jnp.full((4,), 1 + 2.0**-10, jnp.float32)
