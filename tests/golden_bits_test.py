@@ -80,6 +80,7 @@ def test_the_vector_width_setting_reaches_the_code(tmp_path):
   # code: on a CPU with AVX-512, the optimized LLVM IR of an elementwise
   # program holds 16-wide float vectors with it and 8-wide without.
   import platform
+  import secrets
 
   import jax
   import jax.numpy as jnp
@@ -90,12 +91,15 @@ def test_the_vector_width_setting_reaches_the_code(tmp_path):
   if "avx512f" not in (here["cpu_features"] or "").split():
     pytest.skip("no AVX-512 here: XLA:CPU keeps 256-bit vectors either way")
   x = jnp.ones((64, 1024), jnp.float32)
+  # A constant of this run's own: a program found in the tests' persistent
+  # compilation cache is not compiled, so nothing would be dumped.
+  c = np.float32(1 + secrets.randbelow(1 << 16) * 2.0**-20)
   ir = {}
   for setting in ("default", "cpu_512_bit_vectors"):
     options = {**golden_bits.SETTINGS, **golden_bits.CPU_SETTINGS}[setting]
     dump = tmp_path / setting
     jax.jit(
-      lambda v: v * 1.5 + 2.0,
+      lambda v: v * c + 2.0,
       compiler_options={**options, "xla_dump_to": str(dump)},
     ).lower(x).compile()
     ir[setting] = "".join(p.read_text() for p in dump.glob("*ir-with-opt.ll"))
