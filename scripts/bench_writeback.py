@@ -4,7 +4,9 @@ One jitted optimizer step (update and `optax.apply_updates`) on a pytree of
 20M float32 parameters: ten square matrices and their biases. With
 --quick, 2M parameters in two matrices and the rows of `QUICK` only: each
 row is a program to compile, longer with every leaf, and the full set on
-ten matrices did not finish in 55 s on an H200. Write-back params are
+ten matrices did not finish in 55 s on an H200. On an accelerator the
+trees are larger (`sizes`: 100M, and 64M with --quick), so that a step
+times memory rather than kernel launches. Write-back params are
 float32 holding bfloat16 grid values. Rows: nearest, stochastic and
 dead-zone write-back, each with telemetry on and off, and stochastic
 with telemetry every 10th update (`telemetry=10`), alone, with the
@@ -110,6 +112,22 @@ QUICK = (
   "adamw, bf16 stochastic moments",
   "adamw, dynamic8/dynamic8u block256 moments",
 )
+
+
+def sizes(quick: bool, platform: str) -> tuple[int, int, int]:
+  """`(parameters, square matrices, rounds)` of a run on `platform`.
+
+  On a CPU, 20M parameters in ten matrices (2M in two with `quick`). On
+  an accelerator, 100M in ten (64M in two): a step of 20M parameters
+  there moves 800 MB, a quarter of a millisecond at 3.35 TB/s, and would
+  time kernel launches rather than memory, while the time to compile a
+  step does not grow with its leaves' size. Every row holds its own
+  params and state, so 100M (about 1.6 GB a row, 22 rows) is what an
+  80 GB card holds with room for the steps' temporaries.
+  """
+  if platform == "cpu":
+    return (2_000_000, 2, 3) if quick else (20_000_000, 10, 9)
+  return (64_000_000, 2, 3) if quick else (100_000_000, 10, 9)
 
 
 def _params(n_params: int, layers: int) -> dict:
@@ -303,7 +321,7 @@ def run(
     if vector_width is None
     else {"xla_cpu_prefer_vector_width": vector_width}
   )
-  n_params, layers, rounds = (2_000_000, 2, 3) if quick else (20_000_000, 10, 9)
+  n_params, layers, rounds = sizes(quick, jax.devices()[0].platform)
   params = lowprec.to_grid(_params(n_params, layers), "bfloat16")
   grads = jax.tree.map(lambda p: 1e-3 * jnp.sign(p) + 1e-4, params)
   count = sum(p.size for p in jax.tree.leaves(params))

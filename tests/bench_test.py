@@ -225,6 +225,26 @@ def test_writeback_rows_show_xla_bytes_and_the_rate_they_were_moved_at(
   assert result.as_dict()["columns"][bw.BYTES] == got
 
 
+def test_accelerators_time_trees_large_enough_for_memory_to_set_the_time():
+  # 40 bytes a parameter for AdamW: on an accelerator a quick step must
+  # move gigabytes (over half a millisecond at 3.35 TB/s, far above a
+  # launch's microseconds), not tens of megabytes, and no run may hold
+  # more than half of an 80 GB card in its rows.
+  from scripts import bench_writeback as bw
+
+  assert bw.sizes(True, "cpu") == (2_000_000, 2, 3)
+  assert bw.sizes(False, "cpu") == (20_000_000, 10, 9)
+  for quick, rows in (
+    (True, len(bw.QUICK)),
+    (False, len(bw._rows(False, None))),
+  ):
+    n, layers, _ = bw.sizes(quick, "gpu")
+    assert 40 * n / 3.35e12 > 0.5e-3
+    # Params, gradients and AdamW's two moments, float32, per row.
+    assert rows * 16 * n < 40e9
+    assert bw.sizes(quick, "tpu")[0] == n
+
+
 def test_fresh_outputs_reuses_the_same_inputs(monkeypatch):
   from scripts import bench_writeback
 
