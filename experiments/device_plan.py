@@ -86,16 +86,16 @@ PLAN = (
   ),
   Part(
     "bench_writeback",
-    18,
-    25,
-    "estimated: 10 optimizer steps compiled on 4 leaves of 64M parameters "
+    26,
+    35,
+    "estimated: 13 optimizer steps compiled on 4 leaves of 64M parameters "
     "in all (20 leaves and 17 steps did not finish in 55 s; a leaf's size "
     "does not lengthen its compile)",
   ),
   Part(
     "frontier",
     32,
-    47,
+    37,
     "estimated: the smoke's float32 arm (4 steps, every trace) and the advisor",
   ),
 )

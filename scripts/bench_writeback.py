@@ -98,8 +98,9 @@ RATE = "GB/s"
 
 # The rows of --quick: both baselines, a rounding with and without
 # telemetry and with it every 10th update as two programs, a compensated
-# write-back of each kind of state, ECO, and a 16- and an 8-bit store of
-# the moments.
+# write-back of each kind of state, ECO, and the moments stored in 16
+# bits and in each kind of 8- and 4-bit map (each a target of its own on
+# an accelerator).
 QUICK = (
   "adamw",
   "+ nearest",
@@ -111,6 +112,9 @@ QUICK = (
   "+ eco (nearest)",
   "adamw, bf16 stochastic moments",
   "adamw, dynamic8/dynamic8u block256 moments",
+  "adamw, amax e4m3 block256 moments",
+  "adamw, companded8/sqrt8 block32 moments",
+  "adamw, 4-bit moments",
 )
 
 
