@@ -272,7 +272,12 @@ def test_cost_reports_xla_bytes_and_flops_per_parameter(tmp_path, capsys):
   )
   rows = json.loads(path.read_text())["writeback"]
   moments = "adamw, bf16 stochastic moments"
-  assert list(rows) == ["adamw", "+ nearest", moments]
+  from scripts.bench_writeback import REGION
+
+  assert list(rows) == ["adamw", "+ nearest", moments, REGION]
+  # Donated, XLA copies both bfloat16 moments before overwriting them;
+  # with the copies placed by region analysis, neither.
+  assert rows[moments]["copies"] == 2 and rows[REGION]["copies"] == 0
   adamw = rows["adamw"]["fresh_bytes_per_param"]
   assert 28 <= adamw <= 48, adamw
   assert rows[moments]["fresh_bytes_per_param"] < adamw
@@ -313,6 +318,70 @@ def test_vector_width_compiles_every_row_with_that_option(monkeypatch):
   seen.clear()
   assert "vectors" not in bw.run(quick=True, cases="^adamw$").title
   assert seen == [None] * 2
+
+
+def test_the_region_analysis_row_alone_compiles_with_its_option(monkeypatch):
+  from scripts import bench_writeback as bw
+
+  seen = {}
+  compiled = bw._compiled
+
+  def recording(opt, *args):
+    seen[len(seen)] = args[-1]
+    return compiled(opt, *args)
+
+  monkeypatch.setattr(bw, "_compiled", recording)
+  monkeypatch.setattr(
+    bw, "interleave", lambda calls, rounds, repeats: {n: [1.0] for n in calls}
+  )
+  result = bw.run(
+    quick=False, cases="bf16 stochastic moments", vector_width=512
+  )
+  names = list(result.times)
+  assert names == [
+    "adamw",
+    "+ nearest",
+    "adamw, bf16 stochastic moments",
+    bw.REGION,
+  ]
+  wide = {"xla_cpu_prefer_vector_width": 512}
+  region = {"xla_cpu_copy_insertion_use_region_analysis": True}
+  assert [seen[i] for i in range(4)] == [wide, wide, wide, {**wide, **region}]
+
+
+def test_region_analysis_copies_keep_the_bf16_moments_bits():
+  # The option moves where XLA copies donated buffers, not what it
+  # computes: two donated steps of the stored bfloat16 moments (stochastic
+  # rounding) give the same params and state bit for bit with and without.
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  import lowprec
+  from scripts import bench_writeback as bw
+
+  tx = bw._rows(False, "bf16 stochastic moments")[bw.REGION]
+  params = lowprec.to_grid(bw._params(2 * 96 * 96, 2), "bfloat16")
+  grads = jax.tree.map(lambda p: 1e-3 * jnp.sign(p) + 1e-4, params)
+  state = tx.init(params)
+  out = []
+  for options in (None, bw.ROW_OPTIONS[bw.REGION]):
+    step, _ = bw._compiled(tx, True, params, state, grads, options)
+    p, s = jax.tree.map(jnp.copy, (params, state))
+    for _ in range(2):
+      p, s = step(p, s, grads)
+    out.append(jax.tree.leaves(jax.device_get((p, s))))
+  assert len(out[0]) == len(out[1]) > 4
+  for a, b in zip(*out, strict=True):
+    a, b = np.atleast_1d(a), np.atleast_1d(b)
+    assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
+  # The steps moved params and moments: there was something to compare.
+  before = jax.tree.leaves(jax.device_get((params, state)))
+  moved = [
+    np.atleast_1d(x).tobytes() != np.atleast_1d(y).tobytes()
+    for x, y in zip(before, out[0], strict=True)
+  ]
+  assert sum(moved) >= 4
 
 
 @pytest.mark.parametrize(
