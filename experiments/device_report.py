@@ -277,21 +277,41 @@ def markdown(report: dict) -> str:
   return "\n".join(lines) + "\n"
 
 
+# A write-back row moving XLA's bytes at this fraction of AdamW's rate or
+# more is at memory speed: bound by its bytes (docs/benchmarks.md says
+# what that decides).
+AT_MEMORY_SPEED = 0.7
+
+
 def _column_lines(bench: dict) -> list[str]:
-  """A table per benchmark section with columns beside its ratios."""
+  """A table per benchmark section with columns beside its ratios; where
+  the section has a `GB/s` column and an `adamw` row, each row's rate as
+  a fraction of AdamW's, and whether that is memory speed."""
   lines = []
   for section, data in bench.items():
     columns = data.get("columns") or {}
     if not columns:
       continue
-    lines += ["", f"| {section} | " + " | ".join(columns) + " |"]
-    lines.append("|---|" + "---:|" * len(columns))
+    rate = columns.get("GB/s", {})
+    base = rate.get("adamw")
+    extra = ["GB/s / adamw's", "bound by"] if base else []
+    lines += ["", f"| {section} | " + " | ".join([*columns, *extra]) + " |"]
+    lines.append("|---|" + "---:|" * len(columns) + "---|" * len(extra))
     for case in data["ratios"]:
-      cells = " | ".join(
+      cells = [
         "-" if c.get(case) is None else f"{c[case]:.1f}"
         for c in columns.values()
-      )
-      lines.append(f"| {case} | {cells} |")
+      ]
+      if base:
+        if rate.get(case) is None:
+          cells += ["-", "-"]
+        else:
+          share = rate[case] / base
+          bound = (
+            "bytes" if share >= AT_MEMORY_SPEED else "arithmetic or launches"
+          )
+          cells += [f"{share:.2f}", bound]
+      lines.append(f"| {case} | {' | '.join(cells)} |")
   return lines
 
 

@@ -484,9 +484,13 @@ def test_report_cells_of_a_config_and_a_benchmark(tmp_path):
     "b": {"median": 0.5, "min": 0.25, "max": 0.75},
   }}}}}  # fmt: skip
   (d / "bench_rounding.json").write_text(json.dumps(bench))
-  columns = {"XLA bytes / param": {"a": 40.0}, "GB/s": {"a": 3012.34}}
-  writeback = {"writeback": {"cases": bench["rounding"]["cases"]}}
-  writeback["writeback"]["columns"] = columns
+  ratio = bench["rounding"]["cases"]["a"]["ratio_to"]
+  cases = {name: {"ratio_to": ratio} for name in ("adamw", "a", "b")}
+  columns = {
+    "XLA bytes / param": {"adamw": 40.0, "a": 40.0, "b": 117.4},
+    "GB/s": {"adamw": 3012.34, "a": 2500.0, "b": 1200.0},
+  }
+  writeback = {"writeback": {"cases": cases, "columns": columns}}
   (d / "bench_writeback.json").write_text(json.dumps(writeback))
   md = device_report.markdown(device_report.collect(str(d)))
   assert (
@@ -497,9 +501,14 @@ def test_report_cells_of_a_config_and_a_benchmark(tmp_path):
   assert f"| step_freeze_gpt2_fp8 | {row} | 31.3 GB |" in md
   assert "| rounding | a | b | 0.50x (0.25-0.75) |" in md
   assert "| rounding | a | a |" not in md
-  # The write-back section's bytes and rate, in a table of their own.
-  assert "| writeback | XLA bytes / param | GB/s |" in md
-  assert "| a | 40.0 | 3012.3 |" in md
+  # The write-back section's bytes and rate, in a table of their own,
+  # with each rate against AdamW's: 0.7 of it or more is memory speed.
+  assert (
+    "| writeback | XLA bytes / param | GB/s | GB/s / adamw's | bound by |" in md
+  )
+  assert "| adamw | 40.0 | 3012.3 | 1.00 | bytes |" in md
+  assert "| a | 40.0 | 2500.0 | 0.83 | bytes |" in md
+  assert "| b | 117.4 | 1200.0 | 0.40 | arithmetic or launches |" in md
 
 
 @pytest.mark.parametrize(
