@@ -94,12 +94,17 @@ EVERY_K = {PROGRAMS: 10, PROGRAMS_20: 20}
 WITHOUT = "+ stochastic"
 
 # Rows compiled with XLA options of their own: the bfloat16 moments with
-# the copies of donated buffers placed by XLA:CPU's finer analysis, which
-# removes the copies of both moments (and slows the compensated
-# write-backs, so it is given to this program only). GPU and TPU compilers
-# ignore the option.
+# the copies of donated buffers placed by the finer analysis, which on
+# XLA:CPU removes the copies of both moments (and slows the compensated
+# write-backs, so it is given to this program only). XLA:GPU has a switch
+# of its own for the same pass; each compiler ignores the other's.
 REGION = "adamw, bf16 stochastic moments, copies placed by region analysis"
-ROW_OPTIONS = {REGION: {"xla_cpu_copy_insertion_use_region_analysis": True}}
+ROW_OPTIONS = {
+  REGION: {
+    "xla_cpu_copy_insertion_use_region_analysis": True,
+    "xla_gpu_copy_insertion_use_region_analysis": True,
+  }
+}
 
 # The columns `run` adds beside the ratios (from the compiled step's cost
 # analysis; bytes over the median time).
@@ -109,8 +114,8 @@ RATE = "GB/s"
 # The rows of --quick: both baselines, a rounding with and without
 # telemetry and with it every 10th update as two programs, a compensated
 # write-back of each kind of state, ECO, and the moments stored in 16
-# bits and in each kind of 8- and 4-bit map (each a target of its own on
-# an accelerator).
+# bits (also with the copies placed by region analysis) and in each kind
+# of 8- and 4-bit map (each a target of its own on an accelerator).
 QUICK = (
   "adamw",
   "+ nearest",
@@ -121,6 +126,7 @@ QUICK = (
   "+ split (8-bit correction)",
   "+ eco (nearest)",
   "adamw, bf16 stochastic moments",
+  REGION,
   "adamw, dynamic8/dynamic8u block256 moments",
   "adamw, amax e4m3 block256 moments",
   "adamw, companded8/sqrt8 block32 moments",

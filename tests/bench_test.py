@@ -345,7 +345,10 @@ def test_the_region_analysis_row_alone_compiles_with_its_option(monkeypatch):
     bw.REGION,
   ]
   wide = {"xla_cpu_prefer_vector_width": 512}
-  region = {"xla_cpu_copy_insertion_use_region_analysis": True}
+  region = {
+    "xla_cpu_copy_insertion_use_region_analysis": True,
+    "xla_gpu_copy_insertion_use_region_analysis": True,
+  }
   assert [seen[i] for i in range(4)] == [wide, wide, wide, {**wide, **region}]
 
 
