@@ -142,7 +142,7 @@ def sizes(quick: bool, platform: str) -> tuple[int, int, int]:
   there moves 800 MB, a quarter of a millisecond at 3.35 TB/s, and would
   time kernel launches rather than memory, while the time to compile a
   step does not grow with its leaves' size. Every row holds its own
-  params and state, so 100M (about 1.6 GB a row, 22 rows) is what an
+  params and state, so 100M (about 1.6 GB a row, 23 rows) is what an
   80 GB card holds with room for the steps' temporaries.
   """
   if platform == "cpu":
