@@ -64,6 +64,7 @@ SETTINGS = {
 # a step so compiled runs the rounding 1.2-1.4x faster on such a CPU
 # (docs/benchmarks.md).
 CPU_SETTINGS = {"cpu_512_bit_vectors": {"xla_cpu_prefer_vector_width": 512}}
+ALL_SETTINGS = {**SETTINGS, **CPU_SETTINGS}
 
 
 # ---- fixed inputs ------------------------------------------------------------
@@ -352,7 +353,7 @@ def _run(make, options: dict) -> dict:
 
 
 def _recipes(setting: str = "default") -> dict[str, Callable[[], dict]]:
-  options = {**SETTINGS, **CPU_SETTINGS}[setting]
+  options = ALL_SETTINGS[setting]
   return {
     name: (lambda m=make: _run(m, options))
     for name, make in transforms().items()
@@ -516,10 +517,11 @@ def main(argv=None) -> int:
     print(f"wrote {args.path}")
     return 0
   settings = args.settings.split(",")
-  valid = {**SETTINGS, **CPU_SETTINGS}
-  unknown = [s for s in settings if s not in valid]
+  unknown = [s for s in settings if s not in ALL_SETTINGS]
   if unknown:
-    parser.error(f"unknown setting(s) {unknown}; valid: {', '.join(valid)}")
+    parser.error(
+      f"unknown setting(s) {unknown}; valid: {', '.join(ALL_SETTINGS)}"
+    )
   results = {}
   for setting in settings:
     results[setting] = compare(args.path, setting=setting)

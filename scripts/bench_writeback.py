@@ -106,6 +106,13 @@ ROW_OPTIONS = {
   }
 }
 
+
+def _options(name: str, options: dict | None = None) -> dict | None:
+  """The compile options of row `name`: `options` (the run's), and the
+  row's own (`ROW_OPTIONS`) over them; None where there are none."""
+  return {**(options or {}), **ROW_OPTIONS.get(name, {})} or None
+
+
 # The columns `run` adds beside the ratios (from the compiled step's cost
 # analysis; bytes over the median time).
 BYTES = "XLA bytes / param"
@@ -187,10 +194,9 @@ def _carried(step, params, state, grads, count=None):
   """`(fn, ())`: each call of `fn` runs `step` (donating; one update or
   several) on the params and state the call before returned, as a
   training loop does (its own copies, so that no other row's buffers are
-  donated). With `count`,
-  each returned state's count is set back to it: every call is then the
-  same update (one that a row counting every k-th update does not
-  count)."""
+  donated). With `count`, each returned state's count is set back to it:
+  every call is then the same update (one that a row counting every k-th
+  update does not count)."""
   held = [jax.tree.map(jnp.copy, params), jax.tree.map(jnp.copy, state)]
 
   def call():
@@ -351,15 +357,16 @@ def run(
   for name, opt in chosen.items():
     if name in EVERY_K:
       *calls[name], accessed[name] = _k_updates(
-        EVERY_K[name], params, grads, donate, options
+        EVERY_K[name], params, grads, donate, _options(name, options)
       )
       continue
     state = opt.init(params)
     stays = name in (EVERY, BRANCHES)  # timed on an update it does not count
     if stays:
       state = _uncounted(state)
-    mine = {**(options or {}), **ROW_OPTIONS.get(name, {})} or None
-    step, accessed[name] = _compiled(opt, donate, params, state, grads, mine)
+    step, accessed[name] = _compiled(
+      opt, donate, params, state, grads, _options(name, options)
+    )
     if not donate:
       calls[name] = step, (params, state, grads)
       continue
@@ -428,7 +435,7 @@ def cost(cases: str | None = None) -> tuple[str, dict]:
     donated, fresh = (
       _step(tx, donate)
       .lower(params, state, grads)
-      .compile(compiler_options=ROW_OPTIONS.get(name))
+      .compile(compiler_options=_options(name))
       for donate in (True, False)
     )
     analysis, fresh_analysis = (_analysis(c) for c in (donated, fresh))

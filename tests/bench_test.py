@@ -297,7 +297,9 @@ def test_cost_reports_xla_bytes_and_flops_per_parameter(tmp_path, capsys):
   assert f"| {moments} |" in capsys.readouterr().out
 
 
-def test_vector_width_compiles_every_row_with_that_option(monkeypatch):
+def _compile_options(monkeypatch) -> list:
+  """The compile options of every program the write-back section compiles
+  from here on, in order (nothing is timed)."""
   from scripts import bench_writeback as bw
 
   seen = []
@@ -311,6 +313,13 @@ def test_vector_width_compiles_every_row_with_that_option(monkeypatch):
   monkeypatch.setattr(
     bw, "interleave", lambda calls, rounds, repeats: {n: [1.0] for n in calls}
   )
+  return seen
+
+
+def test_vector_width_compiles_every_row_with_that_option(monkeypatch):
+  from scripts import bench_writeback as bw
+
+  seen = _compile_options(monkeypatch)
   result = bw.run(quick=True, cases="two programs", vector_width=512)
   assert "512-bit vectors" in result.title
   # adamw, + nearest, + stochastic, and the two programs of the k-row.
@@ -323,17 +332,7 @@ def test_vector_width_compiles_every_row_with_that_option(monkeypatch):
 def test_the_region_analysis_row_alone_compiles_with_its_option(monkeypatch):
   from scripts import bench_writeback as bw
 
-  seen = {}
-  compiled = bw._compiled
-
-  def recording(opt, *args):
-    seen[len(seen)] = args[-1]
-    return compiled(opt, *args)
-
-  monkeypatch.setattr(bw, "_compiled", recording)
-  monkeypatch.setattr(
-    bw, "interleave", lambda calls, rounds, repeats: {n: [1.0] for n in calls}
-  )
+  seen = _compile_options(monkeypatch)
   result = bw.run(
     quick=False, cases="bf16 stochastic moments", vector_width=512
   )
@@ -349,7 +348,7 @@ def test_the_region_analysis_row_alone_compiles_with_its_option(monkeypatch):
     "xla_cpu_copy_insertion_use_region_analysis": True,
     "xla_gpu_copy_insertion_use_region_analysis": True,
   }
-  assert [seen[i] for i in range(4)] == [wide, wide, wide, {**wide, **region}]
+  assert seen == [wide, wide, wide, {**wide, **region}]
 
 
 def test_region_analysis_copies_keep_the_bf16_moments_bits():

@@ -96,7 +96,7 @@ def test_the_vector_width_setting_reaches_the_code(tmp_path):
   c = np.float32(1 + secrets.randbelow(1 << 16) * 2.0**-20)
   ir = {}
   for setting in ("default", "cpu_512_bit_vectors"):
-    options = {**golden_bits.SETTINGS, **golden_bits.CPU_SETTINGS}[setting]
+    options = golden_bits.ALL_SETTINGS[setting]
     dump = tmp_path / setting
     jax.jit(
       lambda v: v * c + 2.0,
