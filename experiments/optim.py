@@ -91,10 +91,13 @@ def global_norm(tree) -> jax.Array:
   leaves = [x.astype(jnp.float32) for x in jax.tree.leaves(tree)]
   if not leaves:
     return jnp.float32(0)
-  # Leaves of one shape are summed stacked: one program per kind of leaf.
-  rows = [(jnp.ravel(jnp.square(x)),) for x in leaves]
-  sums = leafwise.grouped(lambda _, v: _pairwise_sum(v), rows)
-  return jnp.sqrt(_pairwise_sum(jnp.stack(sums)))
+  # Leaves of one shape are squared and summed stacked, and the sums come
+  # back as one vector: one program per kind of leaf, none per leaf.
+  rows = [(jnp.ravel(x),) for x in leaves]
+  sums = leafwise.grouped(
+    lambda _, v: _pairwise_sum(jnp.square(v)), rows, stacked=True
+  )
+  return jnp.sqrt(_pairwise_sum(sums))
 
 
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:

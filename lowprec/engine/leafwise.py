@@ -189,7 +189,7 @@ def stack(rows, group: list[int]) -> list:
   ]
 
 
-def grouped(fn, rows, statics=None) -> list:
+def grouped(fn, rows, statics=None, *, stacked: bool = False):
   """`[fn(statics[i], *rows[i]) for each i]`, with `fn` traced once per
   group of `same_shapes` rows: the group's arrays are stacked and `fn`
   runs under `jax.vmap`. The program then holds one copy of `fn` per
@@ -198,20 +198,39 @@ def grouped(fn, rows, statics=None) -> list:
   reductions within the row). Its elementwise results and integer counts
   are then the per-row calls' bit for bit; a float reduction may round
   otherwise, since XLA orders a batched reduction its own way. A group of
-  one is called as it is."""
+  one is called as it is.
+
+  With `stacked`, the results come back as one pytree of arrays stacked
+  in row order (`fn`'s outputs must then agree in shape across groups):
+  the groups' results are concatenated and put in order by one gather,
+  where the list would slice every row out, a program of its own per row.
+  """
   statics = [None] * len(rows) if statics is None else list(statics)
   out: list = [None] * len(rows)
+  parts, order = [], []
   for group in same_shapes(rows, statics):
     static = statics[group[0]]
     if len(group) == 1:
-      out[group[0]] = fn(static, *rows[group[0]])
-      continue
-    args = stack(rows, group)
-    axes = [None if a is None else 0 for a in args]
-    res = jax.vmap(lambda *a, s=static: fn(s, *a), in_axes=axes)(*args)
-    for j, i in enumerate(group):
-      out[i] = jax.tree.map(lambda x, j=j: x[j], res)
-  return out
+      res = fn(static, *rows[group[0]])
+      res = jax.tree.map(lambda x: x[None], res) if stacked else res
+    else:
+      args = stack(rows, group)
+      axes = [None if a is None else 0 for a in args]
+      res = jax.vmap(lambda *a, s=static: fn(s, *a), in_axes=axes)(*args)
+    if stacked:
+      parts.append(res)
+      order.extend(group)
+    elif len(group) == 1:
+      out[group[0]] = res
+    else:
+      for j, i in enumerate(group):
+        out[i] = jax.tree.map(lambda x, j=j: x[j], res)
+  if not stacked:
+    return out
+  if not parts:
+    raise ValueError("grouped(..., stacked=True) needs at least one row")
+  where = np.argsort(np.asarray(order))  # row i is entry where[i]
+  return jax.tree.map(lambda *p: jnp.concatenate(p)[where], *parts)
 
 
 def _check_proposal(name: str, u) -> None:

@@ -425,13 +425,15 @@ def reference_trace(
     )
     ws = [jnp.asarray(w, jnp.float32) for w in ws]
     us = [jnp.asarray(u, jnp.float32) for u in us]
-    # One traced count per kind of leaf (stacked), not per leaf.
-    per_leaf = leafwise.grouped(
+    # One traced count per kind of leaf (stacked), not per leaf, and the
+    # counts back in leaf order as one array each.
+    proposals, erased_a, move_a = _stacked(
+      ws,
+      us,
       lambda fmts, w, u: _leaf_counts(w, u, fmts, lay.roundings),
-      list(zip(ws, us, strict=True)),
       [tuple(f[i] for f in lay.formats) for i in range(len(ws))],
+      state,
     )
-    proposals, erased_a, move_a = _stacked(per_leaf, state)
     run_start = _online_crossing(state, proposals, erased_a, lay)
     sample_w, sample_u = _gather(ws, us, state.sample_index, lay)
     new = ReferenceTraceState(
@@ -480,16 +482,15 @@ def _sample_index(key, sample: int, total: int):
   return jnp.asarray(edges[:-1], jnp.int32) + r
 
 
-def _stacked(per_leaf, state):
+def _stacked(ws, us, counts, formats, state):
   """Proposals `[leaves]`, erased and move probabilities `[targets,
-  leaves]` from the per-leaf counts (the state's own without leaves)."""
-  if not per_leaf:
+  leaves]` from `counts` of each leaf (the state's own without leaves)."""
+  if not ws:
     return state.proposals, state.erased, state.move_prob
-  return (
-    jnp.stack([p for p, _, _ in per_leaf]),
-    jnp.stack([e for _, e, _ in per_leaf], axis=1),
-    jnp.stack([m for _, _, m in per_leaf], axis=1),
+  p, e, m = leafwise.grouped(
+    counts, list(zip(ws, us, strict=True)), formats, stacked=True
   )
+  return p, e.T, m.T
 
 
 def _check_blocks(ws, lay: TraceLayout) -> None:
