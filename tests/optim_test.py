@@ -33,6 +33,27 @@ def test_global_norm_is_the_norm():
   assert float(optim.global_norm({})) == 0.0
 
 
+def test_the_fixed_order_sum_is_the_padded_halving_tree():
+  # Oracle: numpy float32, the vector zero-padded to a power of two and
+  # its halves added until one is left. Sizes around powers of two, huge
+  # and tiny magnitudes, signed zeros; seed 0.
+  def oracle(x):
+    n = 1 << max(0, (x.size - 1).bit_length())
+    x = np.concatenate([x, np.zeros(n - x.size, np.float32)])
+    while x.size > 1:
+      x = x[: x.size // 2] + x[x.size // 2 :]
+    return x[0]
+
+  rs = np.random.default_rng(0)
+  fn = jax.jit(optim._pairwise_sum)
+  for n in [*range(0, 40), 63, 64, 65, 1023, 1025, 4097, 100_003]:
+    scale = np.float32(10.0) ** rs.integers(-30, 30, n).astype(np.float32)
+    for x in (rs.standard_normal(n).astype(np.float32) * scale, -np.zeros(n)):
+      x = x.astype(np.float32)
+      got = np.asarray(fn(jnp.asarray(x)), np.float32)
+      assert got.tobytes() == np.float32(oracle(x)).tobytes(), n
+
+
 def test_global_norm_compiles_one_program_per_kind_of_leaf():
   # 2 and 16 layers of the same leaves give as many fusions: the leaves
   # are squared and summed stacked and their sums come back as one vector
