@@ -20,12 +20,15 @@ dtype, and every integer count of its telemetry. Float sums of the
 telemetry (`carried`, `lost_mass`) are left out: their reduction order is
 the backend's choice. The `adamw/` records run AdamW's own arithmetic
 before the recipe, so they are information: the CPU test compares them only
-on the code path the file was made on (its `made_with`: jax, jaxlib and the
+on the code path they were made on (a `made_with`: jax, jaxlib and the
 CPU's architecture, model and features, as experiments/goldens.py keys its
-sets), and skips them, naming the difference, elsewhere.
+sets), and skips them, naming the difference, elsewhere. Beside the file's
+own, it holds the AdamW records of other CPUs (`adamw_on_other_machines`,
+added with `--pin-here`), so that they are compared there too.
 
-  python -m experiments.golden_bits --write   # remake the file (CPU)
-  python -m experiments.golden_bits           # compare here, print a table
+  python -m experiments.golden_bits --write     # remake the file (CPU)
+  python -m experiments.golden_bits --pin-here  # this CPU's AdamW records
+  python -m experiments.golden_bits             # compare here, print a table
   python -m experiments.golden_bits --settings default,no_excess_precision \
       --json OUT.json                         # both settings, one process
 """
@@ -45,6 +48,9 @@ from experiments import goldens
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GOLDEN_BITS = os.path.join(ROOT, "tests", "golden_bits.json")
 WRITE = "python -m experiments.golden_bits --write"
+PIN = "python -m experiments.golden_bits --pin-here"
+# The file's key for the AdamW records of machines other than its own.
+MACHINES = "adamw_on_other_machines"
 STEPS = 4
 SHAPE = (4, 64)  # the last axis holds two MX blocks of 32
 # The compile options a comparison runs under (`--settings`), given to
@@ -328,18 +334,37 @@ def informational(name: str) -> bool:
   return name.startswith("adamw/")
 
 
-def not_compared(name: str, made_with: dict, here: dict) -> str | None:
+def not_compared(name: str, made_with, here: dict) -> str | None:
   """Why the CPU test does not compare recipe `name` here, or None.
 
   The records of `informational` recipes are compared only on the code
   path they were made on (`goldens.same`: jax, jaxlib and the CPU's
-  architecture, model and features, from the file's `made_with`); every
-  other record holds on every CPU and is always compared.
+  architecture, model and features, from the file's `made_with`, or any
+  of a list of them: `environments`); every other record holds on every
+  CPU and is always compared.
   """
   if not informational(name):
     return None
-  why = goldens.mismatch(made_with, here, remedy=WRITE)
+  why = goldens.mismatch(made_with, here, remedy=PIN)
   return None if why is None else f"an AdamW record: {why}"
+
+
+def environments(data: dict) -> list[dict]:
+  """The machines a golden-bits file holds AdamW records for: the one it
+  was made on, then those pinned beside it (`--pin-here`)."""
+  return [data["made_with"], *(m["made_with"] for m in data.get(MACHINES, []))]
+
+
+def wanted(data: dict, name: str, here: dict) -> dict | None:
+  """The record of `name` to compare on machine `here`: the file's own, or
+  for an `informational` recipe the one made on `here`'s code path (None
+  where no machine of the file is `here`'s)."""
+  if not informational(name) or goldens.same(data["made_with"], here):
+    return data["recipes"].get(name)
+  for machine in data.get(MACHINES, []):
+    if goldens.same(machine["made_with"], here):
+      return machine["recipes"].get(name)
+  return None
 
 
 def _as_weights(tx, params):
@@ -466,8 +491,15 @@ def compare(
 ) -> dict[str, str]:
   """`{recipe: "equal" or the first difference}` against the file, each
   recipe's programs compiled with the options of `SETTINGS[setting]`."""
+  import jax
+
   with open(path) as f:
-    want = json.load(f)["recipes"]
+    data = json.load(f)
+  want = dict(data["recipes"])
+  if jax.default_backend() == "cpu":  # the AdamW records pinned for this CPU
+    here = goldens.environment()
+    for name in want:
+      want[name] = wanted(data, name, here) or want[name]
   got = compute(names if names is not None else list(want), setting)
   out = {}
   for name in sorted(want if names is None else names):
@@ -480,17 +512,63 @@ def compare(
 
 
 def write(path: str = GOLDEN_BITS) -> None:
-  """Remakes the file from this machine's results (atomically)."""
+  """Remakes the file from this machine's results (atomically). The AdamW
+  records pinned for other machines stay (those of this machine's code
+  path are now the file's own)."""
   import jax
 
+  here = goldens.environment()
+  others = []
+  if os.path.exists(path):
+    with open(path) as f:
+      old = json.load(f)
+    others = [
+      m for m in old.get(MACHINES, []) if not goldens.same(m["made_with"], here)
+    ]
   data = {
     "about": "Stored outputs and integer counts of every storage recipe on "
-    "fixed float32 inputs; see experiments/golden_bits.py. Remake (on "
-    "CPU): python -m experiments.golden_bits --write",
-    "made_with": {"backend": jax.default_backend(), **goldens.environment()},
+    f"fixed float32 inputs; see experiments/golden_bits.py. Remake (on "
+    f"CPU): {WRITE}; the AdamW records of another CPU: {PIN}",
+    "made_with": {"backend": jax.default_backend(), **here},
     "steps": STEPS,
     "recipes": compute(),
+    MACHINES: others,
   }
+  _dump(data, path)
+
+
+def pin_here(path: str = GOLDEN_BITS) -> str:
+  """Adds (or remakes) this machine's AdamW records beside the file's, so
+  that the CPU test compares them here too; every other record holds on
+  every CPU and is not repeated. Returns what was done, in words.
+
+  Raises:
+    ValueError: this machine's CPU cannot be read, or the backend is not
+      the CPU.
+  """
+  import jax
+
+  here = goldens.environment()
+  if jax.default_backend() != "cpu" or goldens._unknown(here):
+    raise ValueError(
+      "AdamW records are pinned per CPU: run on a CPU whose model and "
+      f"features can be read ({goldens.CPUINFO}), with JAX_PLATFORMS=cpu"
+    )
+  with open(path) as f:
+    data = json.load(f)
+  if goldens.same(data["made_with"], here):
+    return f"{path} was made on this machine's code path: nothing to pin"
+  names = [f"adamw/{n}" for n in ADAMW]
+  mine = {"made_with": {"backend": "cpu", **here}, "recipes": compute(names)}
+  kept = [
+    m for m in data.get(MACHINES, []) if not goldens.same(m["made_with"], here)
+  ]
+  data[MACHINES] = [*kept, mine]
+  _dump(data, path)
+  return f"pinned {len(names)} AdamW records for this machine in {path}"
+
+
+def _dump(data: dict, path: str) -> None:
   tmp = path + ".tmp"
   with open(tmp, "w") as f:
     json.dump(data, f, indent=1, sort_keys=True)
@@ -501,6 +579,12 @@ def write(path: str = GOLDEN_BITS) -> None:
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--write", action="store_true", help="remake the file")
+  parser.add_argument(
+    "--pin-here",
+    action="store_true",
+    help="add this CPU's AdamW records beside the file's (they are "
+    "compared only on the CPU they were made on)",
+  )
   parser.add_argument("--path", default=GOLDEN_BITS)
   parser.add_argument(
     "--json", default=None, help="write {setting: {recipe: verdict}} here"
@@ -515,6 +599,12 @@ def main(argv=None) -> int:
   if args.write:
     write(args.path)
     print(f"wrote {args.path}")
+    return 0
+  if args.pin_here:
+    try:
+      print(pin_here(args.path))
+    except ValueError as e:
+      parser.exit(2, f"golden_bits: {e}\n")
     return 0
   settings = args.settings.split(",")
   unknown = [s for s in settings if s not in ALL_SETTINGS]

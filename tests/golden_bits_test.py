@@ -5,8 +5,8 @@ arrays and integer counts after a few steps (experiments/golden_bits.py).
 Its values depend only on IEEE float32 arithmetic and the recipes' own
 roundings, so they hold on every CPU, and a device must reproduce them;
 the `adamw/` records, which run AdamW's arithmetic too, are compared only
-on the code path the file was made on (its `made_with`, keyed as
-experiments/goldens.py keys its sets).
+on the code path they were made on (the file's `made_with`, or a machine
+pinned beside it, keyed as experiments/goldens.py keys its sets).
 """
 
 import json
@@ -41,13 +41,15 @@ def test_the_file_covers_every_recipe():
 
 @pytest.mark.parametrize("name", sorted(WANT))
 def test_recipe_equals_its_golden_bits(name):
-  reason = golden_bits.not_compared(name, FILE["made_with"], HERE)
+  reason = golden_bits.not_compared(name, golden_bits.environments(FILE), HERE)
   if reason:
     pytest.skip(reason)
+  want = golden_bits.wanted(FILE, name, HERE)
   got = golden_bits.compute([name])[name]
-  assert golden_bits.first_difference(WANT[name], got) is None, (
-    golden_bits.first_difference(WANT[name], got)
-    + "; if the change is intended: python -m experiments.golden_bits --write"
+  remedy = golden_bits.PIN if golden_bits.informational(name) else "--write"
+  assert golden_bits.first_difference(want, got) is None, (
+    golden_bits.first_difference(want, got)
+    + f"; if the change is intended: python -m experiments.golden_bits {remedy}"
   )
 
 
@@ -241,7 +243,7 @@ def test_adamw_records_are_compared_only_on_their_code_path():
       "adamw/" + name, made_with, _machine(143, AMX)
     )
     assert why.startswith("an AdamW record: ") and "amx_tile" in why, why
-    assert "python -m experiments.golden_bits --write" in why
+    assert "python -m experiments.golden_bits --pin-here" in why
     why = golden_bits.not_compared(
       "adamw/" + name, made_with, _machine(85, AVX512)
     )
@@ -255,3 +257,93 @@ def test_the_file_names_the_code_path_it_was_made_on():
   made_with = FILE["made_with"]
   assert set(goldens.KEY) <= set(made_with), made_with
   assert not goldens._unknown(made_with), made_with
+  adamw = sorted(n for n in WANT if golden_bits.informational(n))
+  for machine in FILE[golden_bits.MACHINES]:  # each pinned CPU: its own
+    assert not goldens._unknown(machine["made_with"]), machine["made_with"]
+    assert not goldens.same(machine["made_with"], made_with)
+    assert sorted(machine["recipes"]) == adamw
+
+
+def _fake_file(tmp_path, made_with):
+  """A golden-bits file made on `made_with`, with one record per recipe."""
+  record = lambda v: {"arrays": {}, "counts": {"v": v}}  # noqa: E731
+  names = ["writeback/bfloat16/nearest"] + [
+    "adamw/" + n for n in golden_bits.ADAMW
+  ]
+  data = {
+    "made_with": {"backend": "cpu", **made_with},
+    "recipes": {n: record(0) for n in names},
+    golden_bits.MACHINES: [],
+  }
+  path = tmp_path / "golden_bits.json"
+  path.write_text(json.dumps(data))
+  return path, record
+
+
+def test_pin_here_adds_this_cpus_adamw_records_beside_the_files(
+  tmp_path, monkeypatch
+):
+  # The file made on an AVX-512 machine; pinned on an AMX one, then on it
+  # again (replaced, not repeated), and on the file's own (nothing). Each
+  # machine is then given its own AdamW records, and every machine the
+  # file's other records.
+  avx512, amx = _machine(143, AVX512), _machine(143, AMX)
+  path, record = _fake_file(tmp_path, avx512)
+  calls = []
+
+  def fake_compute(names=None, setting="default"):
+    calls.append(sorted(names))
+    return {n: record(len(calls)) for n in names}
+
+  monkeypatch.setattr(golden_bits, "compute", fake_compute)
+  monkeypatch.setattr(goldens, "environment", lambda: amx)
+  assert "pinned 5 AdamW records" in golden_bits.pin_here(str(path))
+  assert "pinned" in golden_bits.pin_here(str(path))
+  data = json.loads(path.read_text())
+  assert calls == [sorted("adamw/" + n for n in golden_bits.ADAMW)] * 2
+  assert [
+    m["made_with"]["cpu_features"] for m in data[golden_bits.MACHINES]
+  ] == [amx["cpu_features"]]
+  name = "adamw/" + golden_bits.ADAMW[0]
+  assert golden_bits.wanted(data, name, amx) == record(2)
+  assert golden_bits.wanted(data, name, avx512) == record(0)
+  assert golden_bits.wanted(data, name, _machine(85, AVX512)) is None
+  assert (
+    golden_bits.not_compared(name, golden_bits.environments(data), amx) is None
+  )
+  assert golden_bits.not_compared(
+    name, golden_bits.environments(data), _machine(85, AVX512)
+  )
+  plain = "writeback/bfloat16/nearest"
+  assert golden_bits.wanted(data, plain, amx) == record(0)
+  monkeypatch.setattr(goldens, "environment", lambda: avx512)
+  assert "nothing to pin" in golden_bits.pin_here(str(path))
+  assert json.loads(path.read_text()) == data
+
+
+def test_write_keeps_the_other_cpus_adamw_records(tmp_path, monkeypatch):
+  # Remade on a pinned machine, the file becomes that machine's: its own
+  # pinned set goes (now the file's), the others stay.
+  avx512, amx = _machine(143, AVX512), _machine(143, AMX)
+  other = _machine(85, AVX512)
+  path, record = _fake_file(tmp_path, avx512)
+  data = json.loads(path.read_text())
+  data[golden_bits.MACHINES] = [
+    {"made_with": m, "recipes": {}} for m in (amx, other)
+  ]
+  path.write_text(json.dumps(data))
+  monkeypatch.setattr(golden_bits, "compute", lambda *a, **k: {"r": record(7)})
+  monkeypatch.setattr(goldens, "environment", lambda: amx)
+  golden_bits.write(str(path))
+  data = json.loads(path.read_text())
+  assert goldens.same(data["made_with"], amx) and data["recipes"] == {
+    "r": record(7)
+  }
+  assert [m["made_with"] for m in data[golden_bits.MACHINES]] == [other]
+
+
+def test_pin_here_refuses_an_unreadable_cpu_naming_why(tmp_path, monkeypatch):
+  path, _ = _fake_file(tmp_path, _machine(143, AVX512))
+  monkeypatch.setattr(goldens, "environment", lambda: {"jax": HERE["jax"]})
+  with pytest.raises(ValueError, match="model and features can be read"):
+    golden_bits.pin_here(str(path))
