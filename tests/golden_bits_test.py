@@ -347,3 +347,31 @@ def test_pin_here_refuses_an_unreadable_cpu_naming_why(tmp_path, monkeypatch):
   monkeypatch.setattr(goldens, "environment", lambda: {"jax": HERE["jax"]})
   with pytest.raises(ValueError, match="model and features can be read"):
     golden_bits.pin_here(str(path))
+
+
+def test_the_pin_command_pins_this_cpu_and_compare_then_holds(tmp_path):
+  # The command on a copy of the real file, made elsewhere: this CPU's five
+  # AdamW records are pinned (once however often it runs), and comparing
+  # the copy here finds them equal. On an unreadable CPU the command exits
+  # 2 with the reason and leaves the file as it was (tested above).
+  copy = tmp_path / "golden_bits.json"
+  data = dict(FILE)
+  data[golden_bits.MACHINES] = []
+  if goldens.same(FILE["made_with"], HERE):  # made here: pretend elsewhere
+    data["made_with"] = {**FILE["made_with"], "cpu_model": "elsewhere"}
+  copy.write_text(json.dumps(data))
+  for _ in range(2):
+    run = subprocess.run(
+      [sys.executable, "-m", "experiments.golden_bits", "--pin-here"]
+      + ["--path", str(copy)],
+      capture_output=True,
+      text=True,
+      cwd=golden_bits.ROOT,
+      timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "pinned 5 AdamW records for this machine" in run.stdout
+  pinned = json.loads(copy.read_text())
+  assert len(pinned[golden_bits.MACHINES]) == 1
+  names = ["adamw/" + golden_bits.ADAMW[0]]
+  assert golden_bits.compare(str(copy), names) == {names[0]: "equal"}
