@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import sys
 import time
 
@@ -247,17 +248,47 @@ def table(plans: list[Plan], chips: int = 8) -> str:
   return "\n".join(rows)
 
 
+_COMPUTATION = re.compile(
+  r"^%?([\w.\-]+) (\([^\n]*\)) -> [^\n]* \{\n(.*?)\n\}", re.M | re.S
+)
+_FUSION_CALL = re.compile(r" fusion\([^\n]*calls=%?([\w.\-]+)")
+
+
+def fusions(hlo: str) -> tuple[int, int]:
+  """The fusions of an optimized HLO module (`compiled.as_text()`), and how
+  many of them differ (their fused computations compared without names
+  and metadata).
+
+  XLA:CPU generates code for every fusion; XLA:GPU's kernel reuse cache
+  compiles identical fusions once. A deep model's layers make copies of
+  the same fusions (one per layer for each per-parameter step), so the
+  second count is what grows with depth on a GPU.
+  """
+  bodies = {}
+  for name, params, body in _COMPUTATION.findall(hlo):
+    body = re.sub(r", metadata=\{[^}]*\}", "", body)
+    key = re.sub(r"[\w.\-]+:", "p:", params) + re.sub(r"%[\w.\-]+", "%", body)
+    bodies[name] = key
+  calls = _FUSION_CALL.findall(hlo)
+  return len(calls), len({bodies.get(c, c) for c in calls})
+
+
 def describe(result: dict) -> str:
   """One line of `step`'s measurements."""
   mfu = result["mfu"]
   mem = result["peak_device_bytes"] or result["peak_rss_bytes"]
   recipe = f" ({result['recipe']})" if result.get("recipe") else ""
+  fused = (
+    f"{result['fusions']:,} fusions, {result['distinct_fusions']:,} distinct, "
+    if result.get("fusions")
+    else ""
+  )
   return (
     f"{result['config']}{recipe}: {result['tokens_per_s']:,.0f} tokens/s on "
     f"{result['chips']} x {result['device']}, MFU "
     f"{'n/a' if mfu is None else f'{mfu:.1%}'}, step "
     f"{result['step_s']:.2f} s (compiled in {result['compile_s']:.0f} s, "
-    f"first step {result['first_step_s']:.1f} s), peak "
+    f"{fused}first step {result['first_step_s']:.1f} s), peak "
     f"memory {mem / 1e9:.1f} GB, loss {result['losses'][-1]:.3f}"
   )
 
@@ -387,6 +418,7 @@ def step(name: str, data_dir: str, steps: int = 1, **overrides) -> dict:
   t = time.time()
   step_fn = run.step_fn.lower(state, run.train_batch(0)).compile()
   compile_s = time.time() - t
+  n_fusions, distinct = fusions(step_fn.as_text())
   _phase(f"compiled in {compile_s:.0f} s")
   for i in range(steps):
     t = time.time()
@@ -432,6 +464,8 @@ def step(name: str, data_dir: str, steps: int = 1, **overrides) -> dict:
     "probe": probe,
     "probe_s": probe_s if probe else None,
     "compile_s": compile_s,
+    "fusions": n_fusions,
+    "distinct_fusions": distinct,
     "first_step_s": times[0] if times else None,
     "step_s": step_s,
     "tokens_per_s": tokens / step_s,

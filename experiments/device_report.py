@@ -47,6 +47,9 @@ _COLUMNS = (
   ("mfu", "MFU"),
   ("peak_device_bytes", "peak device memory"),
   ("compile_s", "compile s"),
+  # XLA:GPU compiles identical fusions once (experiments.costs.fusions).
+  ("fusions", "fusions"),
+  ("distinct_fusions", "distinct fusions"),
   ("step_s", "step s"),
 )
 

@@ -476,6 +476,8 @@ def test_report_cells_of_a_config_and_a_benchmark(tmp_path):
     mfu=0.4123,
     peak_device_bytes=31.26e9,
     compile_s=35.5,
+    fusions=1947,
+    distinct_fusions=375,
     step_s=0.128,
   )
   (d / "step_freeze_gpt2_fp8.out").write_text(json.dumps(result) + "\n")
@@ -495,7 +497,7 @@ def test_report_cells_of_a_config_and_a_benchmark(tmp_path):
   md = device_report.markdown(device_report.collect(str(d)))
   assert (
     "| freeze_gpt2_fp8 | 124,439,808 | 65,536 | 512,000 | 41.2% | 31.3 GB "
-    "| 35.50 | 0.13 |" in md
+    "| 35.50 | 1,947 | 375 | 0.13 |" in md
   )
   row = _row("step_freeze_gpt2_fp8", "ok", 40)
   assert f"| step_freeze_gpt2_fp8 | {row} | 31.3 GB |" in md

@@ -140,3 +140,27 @@ def test_traffic_refuses_a_process_of_several_devices(tmp_path):
   c = costs.full_config("freeze_gpt2_fp8", str(tmp_path))
   with pytest.raises(ValueError, match="device_count=1"):
     costs.traffic(c)
+
+
+def test_fusions_counts_the_copies_of_a_layers_fusions_once():
+  # Two and eight layers of the same per-leaf step: XLA makes a fusion
+  # per leaf (the total grows), all copies of the same few (the distinct
+  # count does not); a leaf of another shape adds one of its own.
+  import jax
+  import jax.numpy as jnp
+
+  def step(tree):
+    return jax.tree.map(lambda x: jnp.sqrt(jnp.abs(x)) * 0.5 + x * x, tree)
+
+  def counts(n_layer, extra=False):
+    tree = {f"h_{i}": jnp.ones((64, 32)) for i in range(n_layer)}
+    if extra:
+      tree["wte"] = jnp.ones((40, 32))
+    hlo = jax.jit(step).lower(tree).compile().as_text()
+    assert costs.fusions(hlo)[0] == hlo.count(" fusion(")  # every one
+    return costs.fusions(hlo)
+
+  (t2, d2), (t8, d8) = counts(2), counts(8)
+  assert t8 == 4 * t2 and t2 >= 2, (t2, t8)
+  assert d8 == d2 >= 1, (d2, d8)
+  assert counts(8, extra=True) == (t8 + t2 // 2, d8 + 1)
