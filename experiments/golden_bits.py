@@ -49,7 +49,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GOLDEN_BITS = os.path.join(ROOT, "tests", "golden_bits.json")
 WRITE = "python -m experiments.golden_bits --write"
 PIN = "python -m experiments.golden_bits --pin-here"
-# The file's key for the AdamW records of machines other than its own.
+# The file's key for the AdamW records of machines other than its own:
+# a set per machine, `{"made_on", "entries"}` as experiments/goldens.py
+# keeps its sets.
 MACHINES = "adamw_on_other_machines"
 STEPS = 4
 SHAPE = (4, 64)  # the last axis holds two MX blocks of 32
@@ -352,7 +354,7 @@ def not_compared(name: str, made_with, here: dict) -> str | None:
 def environments(data: dict) -> list[dict]:
   """The machines a golden-bits file holds AdamW records for: the one it
   was made on, then those pinned beside it (`--pin-here`)."""
-  return [data["made_with"], *(m["made_with"] for m in data.get(MACHINES, []))]
+  return [data["made_with"], *(m["made_on"] for m in data.get(MACHINES, []))]
 
 
 def wanted(data: dict, name: str, here: dict) -> dict | None:
@@ -361,10 +363,15 @@ def wanted(data: dict, name: str, here: dict) -> dict | None:
   where no machine of the file is `here`'s)."""
   if not informational(name) or goldens.same(data["made_with"], here):
     return data["recipes"].get(name)
-  for machine in data.get(MACHINES, []):
-    if goldens.same(machine["made_with"], here):
-      return machine["recipes"].get(name)
-  return None
+  mine = goldens.pinned({"environments": data.get(MACHINES, [])}, here)
+  return None if mine is None else mine.get(name)
+
+
+def _others(data: dict, here: dict) -> list[dict]:
+  """The file's pinned sets but `here`'s."""
+  return [
+    m for m in data.get(MACHINES, []) if not goldens.same(m["made_on"], here)
+  ]
 
 
 def _as_weights(tx, params):
@@ -521,10 +528,7 @@ def write(path: str = GOLDEN_BITS) -> None:
   others = []
   if os.path.exists(path):
     with open(path) as f:
-      old = json.load(f)
-    others = [
-      m for m in old.get(MACHINES, []) if not goldens.same(m["made_with"], here)
-    ]
+      others = _others(json.load(f), here)
   data = {
     "about": "Stored outputs and integer counts of every storage recipe on "
     f"fixed float32 inputs; see experiments/golden_bits.py. Remake (on "
@@ -559,11 +563,8 @@ def pin_here(path: str = GOLDEN_BITS) -> str:
   if goldens.same(data["made_with"], here):
     return f"{path} was made on this machine's code path: nothing to pin"
   names = [f"adamw/{n}" for n in ADAMW]
-  mine = {"made_with": {"backend": "cpu", **here}, "recipes": compute(names)}
-  kept = [
-    m for m in data.get(MACHINES, []) if not goldens.same(m["made_with"], here)
-  ]
-  data[MACHINES] = [*kept, mine]
+  mine = {"made_on": {"backend": "cpu", **here}, "entries": compute(names)}
+  data[MACHINES] = [*_others(data, here), mine]
   _dump(data, path)
   return f"pinned {len(names)} AdamW records for this machine in {path}"
 

@@ -259,9 +259,9 @@ def test_the_file_names_the_code_path_it_was_made_on():
   assert not goldens._unknown(made_with), made_with
   adamw = sorted(n for n in WANT if golden_bits.informational(n))
   for machine in FILE[golden_bits.MACHINES]:  # each pinned CPU: its own
-    assert not goldens._unknown(machine["made_with"]), machine["made_with"]
-    assert not goldens.same(machine["made_with"], made_with)
-    assert sorted(machine["recipes"]) == adamw
+    assert not goldens._unknown(machine["made_on"]), machine["made_on"]
+    assert not goldens.same(machine["made_on"], made_with)
+    assert sorted(machine["entries"]) == adamw
 
 
 def _fake_file(tmp_path, made_with):
@@ -301,9 +301,9 @@ def test_pin_here_adds_this_cpus_adamw_records_beside_the_files(
   assert "pinned" in golden_bits.pin_here(str(path))
   data = json.loads(path.read_text())
   assert calls == [sorted("adamw/" + n for n in golden_bits.ADAMW)] * 2
-  assert [
-    m["made_with"]["cpu_features"] for m in data[golden_bits.MACHINES]
-  ] == [amx["cpu_features"]]
+  assert [m["made_on"]["cpu_features"] for m in data[golden_bits.MACHINES]] == [
+    amx["cpu_features"]
+  ]
   name = "adamw/" + golden_bits.ADAMW[0]
   assert golden_bits.wanted(data, name, amx) == record(2)
   assert golden_bits.wanted(data, name, avx512) == record(0)
@@ -329,7 +329,7 @@ def test_write_keeps_the_other_cpus_adamw_records(tmp_path, monkeypatch):
   path, record = _fake_file(tmp_path, avx512)
   data = json.loads(path.read_text())
   data[golden_bits.MACHINES] = [
-    {"made_with": m, "recipes": {}} for m in (amx, other)
+    {"made_on": m, "entries": {}} for m in (amx, other)
   ]
   path.write_text(json.dumps(data))
   monkeypatch.setattr(golden_bits, "compute", lambda *a, **k: {"r": record(7)})
@@ -339,7 +339,7 @@ def test_write_keeps_the_other_cpus_adamw_records(tmp_path, monkeypatch):
   assert goldens.same(data["made_with"], amx) and data["recipes"] == {
     "r": record(7)
   }
-  assert [m["made_with"] for m in data[golden_bits.MACHINES]] == [other]
+  assert [m["made_on"] for m in data[golden_bits.MACHINES]] == [other]
 
 
 def test_pin_here_refuses_an_unreadable_cpu_naming_why(tmp_path, monkeypatch):
