@@ -4,7 +4,8 @@ Formats and rounding (`get_format`, `round_nearest`, `round_stochastic`),
 write-back without master weights (`writeback`, `in_float32`, `to_grid`,
 `apply_updates`, `telemetry`, `telemetry_arrays`, `reseed`), compensated
 write-back (`kahan_writeback`, `two_component_writeback`,
-`remainder_writeback`), optimizer state in low precision (`store_state`),
+`remainder_writeback`), optimizer state in low precision (`store_state`;
+Adam with 8-bit moments in one kernel per leaf, `scale_by_stored_adam`),
 memory (`bytes_per_param`), block- and tensor-scaled formats (`scaled`:
 MX, NVFP4, per-tensor fp8; `get_scaled_format`), freeze
 prediction and per-group advice (`freeze`), named recipes per tensor
@@ -53,6 +54,7 @@ from lowprec.optim.compensated import (  # noqa: E402
 )
 from lowprec.optim.eco import EcoState, eco  # noqa: E402
 from lowprec.optim.float32_views import in_float32  # noqa: E402
+from lowprec.optim.fused_adam import scale_by_stored_adam  # noqa: E402
 from lowprec.optim.memory import BytesPerParam, bytes_per_param  # noqa: E402
 from lowprec.optim.split import SplitState, split_writeback  # noqa: E402
 from lowprec.optim.stored_state import (  # noqa: E402
@@ -114,6 +116,7 @@ __all__ = [
   "reseed",
   "round_nearest",
   "round_stochastic",
+  "scale_by_stored_adam",
   "scaled",
   "split_writeback",
   "store_state",

@@ -93,6 +93,16 @@ EVERY_K = {PROGRAMS: 10, PROGRAMS_20: 20}
 # without telemetry (the target: at most 1.1x it).
 WITHOUT = "+ stochastic"
 
+# AdamW with FlashOptim's moments as `lowprec.scale_by_stored_adam`
+# chains it: one kernel a leaf on one GPU, the XLA path elsewhere (on a
+# CPU the same arithmetic as the row of `store_state` around adamw).
+KERNEL = "adamw, companded8/sqrt8 block32 moments, scale_by_stored_adam"
+# row -> the row whose params it must equal bit for bit after `SAME_STEPS`
+# steps from the same inputs (checked after the timing, reported in the
+# notes and the JSON's `same_bits`).
+SAME_BITS = {KERNEL: "adamw, companded8/sqrt8 block32 moments"}
+SAME_STEPS = 2
+
 # Rows compiled with XLA options of their own: the bfloat16 moments with
 # the copies of donated buffers placed by the finer analysis, which on
 # XLA:CPU removes the copies of both moments (and slows the compensated
@@ -137,6 +147,7 @@ QUICK = (
   "adamw, dynamic8/dynamic8u block256 moments",
   "adamw, amax e4m3 block256 moments",
   "adamw, companded8/sqrt8 block32 moments",
+  KERNEL,
   "adamw, 4-bit moments",
 )
 
@@ -149,7 +160,7 @@ def sizes(quick: bool, platform: str) -> tuple[int, int, int]:
   there moves 800 MB, a quarter of a millisecond at 3.35 TB/s, and would
   time kernel launches rather than memory, while the time to compile a
   step does not grow with its leaves' size. Every row holds its own
-  params and state, so 100M (about 1.6 GB a row, 23 rows) is what an
+  params and state, so 100M (about 1.6 GB a row, 24 rows) is what an
   80 GB card holds with room for the steps' temporaries.
   """
   if platform == "cpu":
@@ -158,7 +169,9 @@ def sizes(quick: bool, platform: str) -> tuple[int, int, int]:
 
 
 def _params(n_params: int, layers: int) -> dict:
-  side = int((n_params / layers) ** 0.5)
+  # A whole number of blocks of 32 a row, as the kernel of
+  # `scale_by_stored_adam` takes them (and a model's widths are).
+  side = int((n_params / layers) ** 0.5) // 32 * 32
   keys = jax.random.split(jax.random.key(0), layers)
   return {
     f"layer{i}": {
@@ -315,6 +328,11 @@ def _rows(quick: bool, cases: str | None) -> dict:
       adamw, {"mu": mu, "nu": nu}, key=key, telemetry=False
     )
   chosen[REGION] = chosen["adamw, bf16 stochastic moments"]
+  chosen[KERNEL] = optax.chain(
+    lowprec.scale_by_stored_adam(),  # adamw's b1, b2 and eps
+    optax.add_decayed_weights(1e-4),  # adamw's default decay
+    optax.scale_by_learning_rate(1e-3),
+  )
   if quick:
     chosen = {name: chosen[name] for name in QUICK}
   if cases is not None:
@@ -395,7 +413,55 @@ def run(
   baselines = ("adamw", "+ nearest")
   if WITHOUT in times and any("every" in name for name in times):
     baselines += (WITHOUT,)
-  return Result(title, times, baselines, columns=columns)
+  same = same_bits(chosen, params, grads)
+  notes = tuple(
+    f"{name}: params after {SAME_STEPS} steps "
+    + (
+      "equal to"
+      if s["differing"] == 0
+      else f"differ in {s['differing']} of {s['of']} from"
+    )
+    + f" `{s['reference']}`'s bit for bit"
+    for name, s in same.items()
+  )
+  return Result(
+    title,
+    times,
+    baselines,
+    notes=notes,
+    extra={"same_bits": same} if same else {},
+    columns=columns,
+  )
+
+
+def same_bits(chosen: dict, params, grads) -> dict:
+  """`{row: {"reference", "differing", "of"}}` for each row of
+  `SAME_BITS` in `chosen` with its reference: the params after
+  `SAME_STEPS` steps of each from the same inputs, compared bit for bit
+  (`differing` of `of` elements)."""
+  out = {}
+  for name, reference in SAME_BITS.items():
+    if name not in chosen or reference not in chosen:
+      continue
+    ends = []
+    for row in (name, reference):
+      step = _step(chosen[row])
+      p, state = params, chosen[row].init(params)
+      for _ in range(SAME_STEPS):
+        p, state = step(p, state, grads)
+      ends.append(jax.tree.leaves(p))
+    pairs = list(zip(*ends, strict=True))
+    differing = sum(int(np.sum(_words(a) != _words(b))) for a, b in pairs)
+    of = sum(int(np.size(a)) for a, _ in pairs)
+    out[name] = {"reference": reference, "differing": differing, "of": of}
+  return out
+
+
+def _words(x) -> np.ndarray:
+  """An array's elements as unsigned integers of their width (NaN
+  payloads and signed zeros compared as bits)."""
+  a = np.asarray(x)
+  return a.view(f"u{a.dtype.itemsize}")
 
 
 # The leaf `cost` compiles each row's step on.

@@ -513,6 +513,13 @@ def _amax_scales(x, codec: Codec, bad=None, clean=True, pre=None):
   """`amax / max_E` per block in `codec.scale_dtype` (module docstring of
   `Codec`), the amax of `pre(x)`; NaN for a block where the mask `bad()`
   holds (`clean` and `pre`: see `_finite_amax`)."""
+  return _finite_amax(x, codec.scale, _scales_of(codec), bad, clean, pre)
+
+
+def _scales_of(codec: Codec):
+  """The `then` of `_amax_scales`: a block's scale from its largest
+  finite magnitude `amax` and whether it holds a bad element (`flagged`,
+  or None)."""
 
   def scales(amax, flagged):
     top = np.float32(codec.fmt.max_finite)
@@ -527,7 +534,7 @@ def _amax_scales(x, codec: Codec, bad=None, clean=True, pre=None):
       s = jnp.where(flagged, jnp.nan, s)
     return s.astype(codec.scale_dtype)
 
-  return _finite_amax(x, codec.scale, scales, bad, clean, pre)
+  return scales
 
 
 def _ceil_float16(s):

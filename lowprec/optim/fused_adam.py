@@ -1,0 +1,366 @@
+"""Adam with 8-bit moments in one pass: a Pallas kernel per leaf.
+
+`scale_by_stored_adam` is `store_state(optax.scale_by_adam(...), {"mu":
+mu, "nu": nu}, telemetry=False)`, the same state and the same bits, with
+the step of each leaf done by one kernel: it reads the gradient and the
+two moments' codes and block scales, runs Adam's update, takes each new
+moment's block maximum, and writes the new codes, scales and Adam's
+direction, each array read or written once. Written with XLA's ops, the
+same step writes each float32 moment out between its block reduction and
+its encoding and reads it back (2.1-2.8x AdamW's bytes by XLA's count,
+docs/benchmarks.md), and an optimizer step is bound by its bytes on an
+accelerator.
+
+The kernel holds the maps whose codes and values have closed forms,
+FlashOptim's `companded8` (first moment) and `sqrt8` (second moment),
+blocks of 32 or any power of two, nearest rounding: its arithmetic is
+the XLA path's, operation for operation (the same float32 expressions,
+the same IEEE divisions, the same selects that keep a product from
+being contracted into an FMA), so its codes, scales and updates are the
+XLA path's bit for bit (tests/fused_adam_test.py, on this CPU in Pallas's
+interpret mode). A leaf the kernel does not take (a last axis that is
+not a whole number of blocks, a scalar) takes the XLA path, leaf by
+leaf.
+
+Where it runs (`kernel`): "auto" runs the kernel on a GPU (Pallas's
+Triton backend) when one device is in use, and the XLA path elsewhere: on
+a CPU the XLA path is the faster one (the kernel runs there only in
+Pallas's interpreter), and on several devices XLA cannot split the
+kernel's call along a sharded leaf (it would gather the leaf whole onto
+every device; run the transform under `jax.shard_map` with
+`kernel="pallas"` to have each device step its own shard, whose blocks
+are whole where the shard's last axis is a multiple of the block).
+"pallas" runs the kernel everywhere (interpreted off a GPU: for tests),
+"xla" never.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton
+
+from lowprec.engine import codec as codec_lib
+from lowprec.engine.weights import path_name
+from lowprec.grids import choices
+from lowprec.optim import stored_state as stored_lib
+
+__all__ = ["KERNELS", "scale_by_stored_adam"]
+
+KERNELS = ("auto", "pallas", "xla")
+# The code maps the kernel holds, by moment.
+_MAPS = {"mu": ("companded8",), "nu": ("sqrt8",)}
+# At most this many rows (one block each) per kernel program.
+_ROWS = 256
+
+
+def scale_by_stored_adam(
+  b1: float = 0.9,
+  b2: float = 0.999,
+  eps: float = 1e-8,
+  eps_root: float = 0.0,
+  *,
+  mu: str = "companded8:block32",
+  nu: str = "sqrt8:block32",
+  kernel: str = "auto",
+) -> optax.GradientTransformation:
+  """`optax.scale_by_adam` with both moments stored as 8-bit codes, each
+  leaf's step one kernel (module docstring).
+
+  The same transform, state and bits as `lowprec.store_state(optax.
+  scale_by_adam(b1, b2, eps, eps_root), {"mu": mu, "nu": nu},
+  telemetry=False)`: a state of either continues in the other. Chain it
+  as `optax.scale_by_adam` is chained, e.g. AdamW:
+
+  ```python
+  tx = optax.chain(
+      lowprec.scale_by_stored_adam(0.9, 0.95),
+      optax.add_decayed_weights(0.1),
+      optax.scale_by_learning_rate(3e-4))
+  ```
+
+  Args:
+    b1, b2, eps, eps_root: Adam's, as `optax.scale_by_adam` takes them.
+    mu: the first moment's spec, `"companded8:block<N>"` (N a power of
+      two) with nearest rounding.
+    nu: the second moment's, `"sqrt8:block<N>"`.
+    kernel: "auto", "pallas" or "xla" (module docstring).
+
+  Raises:
+    ValueError: an unknown `kernel`; with `kernel="pallas"`, a spec the
+      kernel does not hold (naming the ones it does, and `kernel="xla"`
+      for any other `store_state` spec).
+  """
+  choices.check_choice("kernel", kernel, KERNELS)
+  specs = {"mu": mu, "nu": nu}
+  formats = {n: stored_lib.parse_state_format(s) for n, s in specs.items()}
+  reason = _unheld(formats)
+  if reason and kernel == "pallas":
+    raise ValueError(
+      f"scale_by_stored_adam: the kernel does not hold {reason}; it holds "
+      "mu 'companded8:block<N>' and nu 'sqrt8:block<N>' (N a power of "
+      "two, nearest rounding): use those, or kernel='xla', or "
+      "lowprec.store_state(optax.scale_by_adam(...), rules) for any "
+      "other spec"
+    )
+  reference = stored_lib.store_state(
+    optax.scale_by_adam(b1, b2, eps, eps_root), specs, telemetry=False
+  )
+  if reason or kernel == "xla":
+    return reference
+  codecs = {n: f.codec() for n, f in formats.items()}
+  hyper = (b1, b2, eps, eps_root)
+
+  def update_fn(updates, state, params=None):
+    if not _kernel_here(kernel):
+      return reference.update(updates, state, params)
+    inner = state.inner
+    count = optax.safe_increment(inner.count)
+    corrections = jnp.stack(
+      [(1 - b1**count).astype(jnp.float32), (1 - b2**count).astype(jnp.float32)]
+    )
+    flat_g, treedef = jax.tree_util.tree_flatten_with_path(updates)
+    mus = treedef.flatten_up_to(inner.mu)
+    nus = treedef.flatten_up_to(inner.nu)
+    out_u, out_mu, out_nu, scales = [], [], [], {}
+    for (path, g), m, v in zip(flat_g, mus, nus, strict=True):
+      name = path_name(path)
+      mu_s = state.scales[f"mu/{name}"]
+      nu_s = state.scales[f"nu/{name}"]
+      step = _leaf_step if _held(g, codecs) else _reference_step
+      u, m2, ms, v2, vs = step(codecs, hyper, corrections, g, m, mu_s, v, nu_s)
+      out_u.append(u)
+      out_mu.append(m2)
+      out_nu.append(v2)
+      scales[f"mu/{name}"] = ms
+      scales[f"nu/{name}"] = vs
+    new_inner = optax.ScaleByAdamState(
+      count,
+      jax.tree_util.tree_unflatten(treedef, out_mu),
+      jax.tree_util.tree_unflatten(treedef, out_nu),
+    )
+    counts = state.counts._replace(
+      count=optax.safe_increment(state.counts.count)
+    )
+    new = stored_lib.StoredState(new_inner, scales, counts, state.recipe)
+    return jax.tree_util.tree_unflatten(treedef, out_u), new
+
+  return optax.GradientTransformation(
+    reference.init, _checked(reference, update_fn)
+  )
+
+
+def _checked(reference, update_fn):
+  """`update_fn`, refusing a state recorded under other specs as the
+  reference does (its update, traced for shapes only, checks)."""
+
+  def update(updates, state, params=None):
+    jax.eval_shape(reference.update, updates, state, params)
+    return update_fn(updates, state, params)
+
+  return update
+
+
+def _kernel_here(kernel: str) -> bool:
+  """Whether the kernel runs: "pallas" everywhere; "auto" on one GPU.
+  On several devices XLA cannot split a kernel's call across them: it
+  would gather each sharded leaf whole onto every device."""
+  if kernel == "pallas":
+    return True
+  return jax.default_backend() == "gpu" and jax.device_count() == 1
+
+
+def _unheld(formats) -> str | None:
+  """What the kernel does not hold of `{"mu": StateFormat, "nu": ...}`,
+  or None."""
+  for name, f in formats.items():
+    if not f.mapped or f.fmt.name not in _MAPS[name]:
+      return f"{name} {str(f)!r} (its map)"
+    if f.rounding != "nearest":
+      return f"{name} {str(f)!r} (its rounding)"
+    block = f.scale
+    if not isinstance(block, int) or block & (block - 1):
+      return f"{name} {str(f)!r} (its blocks)"
+  if formats["mu"].scale != formats["nu"].scale:
+    return "moments in blocks of two sizes"
+  return None
+
+
+def _held(g, codecs) -> bool:
+  block = codecs["mu"].scale
+  shape = jnp.shape(g)
+  return bool(shape) and shape[-1] % block == 0 and jnp.size(g) > 0
+
+
+def _moments(hyper, corrections, g, mu, nu, compiled=False):
+  """Adam's new moments and direction from float32 `mu`, `nu` read back:
+  `optax.scale_by_adam`'s expressions, with its bias corrections given.
+
+  `compiled`: the direction as XLA compiles optax's expression, written
+  out for a compiler that takes it as written. XLA's simplifier turns
+  `(mu / c1) / den` into `mu / (c1 den)` (one rounding fewer) and drops
+  an `eps_root` of 0. (Where one leaf alone reads a correction, a
+  broadcast scalar, XLA:CPU also takes the division by it as a product
+  with its rounded reciprocal; the kernel does not, so on a one-leaf
+  tree its direction may differ from the XLA path's in the last bit.
+  The moments do not.)"""
+  b1, b2, eps, eps_root = hyper
+  mu = optax.tree.update_moment(g, mu, b1, 1)
+  nu = optax.tree.update_moment_per_elem_norm(g, nu, b2, 2)
+  if not compiled:
+    mu_hat = mu / corrections[0]
+    nu_hat = nu / corrections[1]
+    return mu, nu, mu_hat / (jnp.sqrt(nu_hat + eps_root) + eps)
+  nu_hat = nu / corrections[1]
+  if not (isinstance(eps_root, int | float) and eps_root == 0):
+    nu_hat = nu_hat + eps_root
+  return mu, nu, mu / (corrections[0] * (jnp.sqrt(nu_hat) + eps))
+
+
+def _reference_step(codecs, hyper, corrections, g, m, ms, v, vs):
+  """One leaf by XLA's ops (`store_state`'s arithmetic)."""
+  g = jnp.asarray(g, jnp.float32)
+  mu = codec_lib.decode(codecs["mu"], m, ms)
+  nu = codec_lib.decode(codecs["nu"], v, vs)
+  mu, nu, u = _moments(hyper, corrections, g, mu, nu)
+  em = codec_lib.encode(codecs["mu"], mu)
+  en = codec_lib.encode(codecs["nu"], nu)
+  return u, em.code, em.scales, en.code, en.scales
+
+
+def _leaf_step(codecs, hyper, corrections, g, m, ms, v, vs):
+  """One leaf by the kernel: the leaf as rows of one block each, in
+  tiles of up to `_ROWS` rows; compiled by Triton for CUDA, and run by
+  Pallas's interpreter on any other platform."""
+  block = codecs["mu"].scale
+  shape = jnp.shape(g)
+  rows = int(np.prod(shape)) // block
+  tile = _tile(rows)
+  flat = lambda a, w: jnp.reshape(a, (rows, w))  # noqa: E731
+  spec = lambda w: pl.BlockSpec((tile, w), lambda i: (i, 0))  # noqa: E731
+  consts = jnp.concatenate(
+    [corrections, jax.lax.optimization_barrier(_CONSTANTS)]
+  )
+  kernel = functools.partial(_kernel, codecs, hyper)
+  out_shape = (
+    jax.ShapeDtypeStruct((rows, block), jnp.float32),
+    jax.ShapeDtypeStruct((rows, block), codecs["mu"].dtype()),
+    jax.ShapeDtypeStruct((rows, 1), ms.dtype),
+    jax.ShapeDtypeStruct((rows, block), codecs["nu"].dtype()),
+    jax.ShapeDtypeStruct((rows, 1), vs.dtype),
+  )
+
+  def call(interpret, *args):
+    return pl.pallas_call(
+      kernel,
+      out_shape=out_shape,
+      grid=(pl.cdiv(rows, tile),),
+      in_specs=[
+        pl.BlockSpec((len(_CONSTANTS) + 2,), lambda i: (0,)),
+        spec(block),
+        spec(block),
+        spec(1),
+        spec(block),
+        spec(1),
+      ],
+      out_specs=[spec(block), spec(block), spec(1), spec(block), spec(1)],
+      interpret=interpret,
+      # Triton: elementwise arithmetic and row reductions on tiles of
+      # any power-of-two shape (Mosaic GPU wants warpgroup-sized copies).
+      compiler_params=None if interpret else triton.CompilerParams(),
+      name="stored_adam",
+    )(*args)
+
+  u, m2, ms2, v2, vs2 = jax.lax.platform_dependent(
+    consts,
+    flat(jnp.asarray(g, jnp.float32), block),
+    flat(m, block),
+    flat(ms, 1),
+    flat(v, block),
+    flat(vs, 1),
+    cuda=functools.partial(call, False),
+    default=functools.partial(call, True),
+  )
+  back = lambda a: jnp.reshape(a, shape)  # noqa: E731
+  scales_shape = jnp.shape(ms)
+  return (
+    back(u),
+    back(m2),
+    jnp.reshape(ms2, scales_shape),
+    back(v2),
+    jnp.reshape(vs2, scales_shape),
+  )
+
+
+def _tile(rows: int) -> int:
+  """Rows a program takes: the largest power of two at most `_ROWS` and
+  `rows` (the last tile may hang over the leaf's end: Pallas masks what
+  it reads and writes there, and each row is a block of its own)."""
+  return min(_ROWS, 1 << (rows.bit_length() - 1))
+
+
+# Divisors the kernel reads at run time: a division by a constant XLA
+# (and a compiler after it) may turn into a product with its rounded
+# reciprocal, which is not the IEEE quotient the tables hold.
+_CONSTANTS = np.array([127.0, 255.0, 2.0, 1.0, 0.0, 0.0], np.float32)
+
+
+def _kernel(codecs, hyper, c_ref, g_ref, m_ref, ms_ref, v_ref, vs_ref, *outs):
+  u_ref, m_out, ms_out, v_out, vs_out = outs
+  g, m_code, v_code = g_ref[...], m_ref[...], v_ref[...]
+  # The scalars the kernel divides by, spread to every element by adding
+  # a zero made of the codes (finite, so the sum is exact): a division by
+  # a broadcast scalar XLA compiles as a product with the rounded
+  # reciprocal, which is not the IEEE quotient that the tables and the
+  # XLA path's divisions hold.
+  zero = m_code.astype(jnp.float32) * np.float32(0)
+
+  def spread(i):
+    return c_ref[i] + zero
+
+  two = spread(4)
+  mu = _read(m_code, ms_ref[...], "companded8", spread(2), two)
+  nu = _read(v_code, vs_ref[...], "sqrt8", spread(3), two)
+  mu, nu, u = _moments(hyper, (spread(0), spread(1)), g, mu, nu, True)
+  u_ref[...] = u
+  m_out[...], ms_out[...] = _write(codecs["mu"], mu)
+  v_out[...], vs_out[...] = _write(codecs["nu"], nu)
+
+
+def _read(code, scale, name, divisor, two):
+  """float32 values of codes under their block's scale (rows, 1): the
+  map's table entry computed as its table was (IEEE divisions by
+  `divisor`, spread to every element), times the scale, through
+  `decode`'s select."""
+  z = code.astype(jnp.float32) / divisor
+  if name == "companded8":
+    # Through a select: XLA turns `(c / 127) / d` into `c / (127 d)`.
+    z = codec_lib._kept(z)
+    z = z / (two - jnp.abs(z))
+  v = z * scale.astype(jnp.float32)
+  if name == "sqrt8":
+    v = v * v
+  return codec_lib._kept(v)
+
+
+def _write(codec, x):
+  """`encode(codec, x)`'s code and scales for rows of one block each."""
+  m = codec.fmt
+  pre = None if m.signed else m.pre
+  finite = jnp.where(jnp.isfinite(x), x if pre else jnp.abs(x), 0.0)
+  amax = jnp.max(finite, axis=-1, keepdims=True, initial=0.0)
+  if pre is not None:
+    amax = jnp.abs(pre(amax))
+  bad = jnp.max(jnp.isnan(x).astype(jnp.float32), axis=-1, keepdims=True) > 0
+  scales = codec_lib._scales_of(codec)(amax, bad)
+  per = scales.astype(jnp.float32)
+  u = m.pre(x)
+  raw = jnp.where(per > 0, codec_lib._divide(u, per), 0.0)
+  lo = -1.0 if m.signed else 0.0
+  index = m.nearest_index(jnp.clip(raw, lo, 1.0))
+  return m.code_of(index).astype(codec.dtype()), scales

@@ -1,0 +1,248 @@
+"""`lowprec.scale_by_stored_adam`: the one-pass kernel against the XLA path.
+
+The reference is `lowprec.store_state(optax.scale_by_adam(...), {"mu":
+"companded8:block32", "nu": "sqrt8:block32"}, telemetry=False)`: the
+kernel (Pallas's interpreter on this CPU) must give its updates, codes
+and scales bit for bit, on trees of several leaves (a one-leaf tree
+compiles optax's bias corrections differently: see `_moments`). The
+Triton lowering is checked by exporting for CUDA, which needs no GPU.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax import export
+
+import lowprec
+from lowprec.optim import fused_adam
+
+RULES = {"mu": "companded8:block32", "nu": "sqrt8:block32"}
+# Leaves the kernel takes (rows a whole number of tiles, a ragged last
+# tile, a tile of one row, three axes) and two it leaves to XLA (a last
+# axis that is not a whole number of blocks, a scalar).
+SHAPES = {
+  "tiles": (64, 128),
+  "ragged": (300, 96),
+  "one_row": (1, 32),
+  "three_axes": (2, 5, 64),
+  "odd_axis": (7, 33),
+  "scalar": (),
+}
+
+
+def _grads(shapes, t, rng):
+  """Gradients of mixed magnitudes (1e-30 to 1e6, so blocks of very
+  different scales and some subnormal squares), a block of zeros, and
+  at step 3 a NaN and an infinity (their blocks' scales become NaN or
+  saturate)."""
+  out = {}
+  for name, shape in shapes.items():
+    g = rng.standard_normal(shape) * 10.0 ** rng.integers(-30, 7, shape)
+    g = np.asarray(g, np.float32)
+    if g.ndim and g.size >= 64:
+      g.reshape(-1)[:32] = 0.0
+      if t == 3:
+        g.reshape(-1)[40] = np.nan
+        g.reshape(-1)[-1] = np.inf
+    out[name] = jnp.asarray(g)
+  return out
+
+
+def _bits(tree):
+  """Every leaf as its bytes (NaN payloads, signed zeros and all)."""
+  return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
+
+
+def _assert_same(a, b):
+  names = [
+    jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(a)
+  ]
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for name, x, y in zip(names, _bits(a), _bits(b), strict=True):
+    assert x == y, f"{name} differs"
+
+
+@pytest.mark.parametrize(
+  "hyper",
+  [
+    {},
+    {"b1": 0.8, "b2": 0.95, "eps": 1e-6, "eps_root": 1e-12},
+  ],
+  ids=["defaults", "other"],
+)
+def test_kernel_bits_equal_store_state(hyper):
+  """Six steps (seed 0): updates, codes, scales and counts equal the
+  XLA path's bit for bit, leaf by leaf, a NaN and an inf included."""
+  ref = lowprec.store_state(
+    optax.scale_by_adam(**hyper), RULES, telemetry=False
+  )
+  fused = lowprec.scale_by_stored_adam(**hyper, kernel="pallas")
+  params = {n: jnp.zeros(s) for n, s in SHAPES.items()}
+  s_ref, s_fused = ref.init(params), fused.init(params)
+  _assert_same(s_ref, s_fused)
+  step_ref, step_fused = jax.jit(ref.update), jax.jit(fused.update)
+  rng = np.random.default_rng(0)
+  for t in range(6):
+    g = _grads(SHAPES, t, rng)
+    u_ref, s_ref = step_ref(g, s_ref)
+    u_fused, s_fused = step_fused(g, s_fused)
+    _assert_same((u_ref, s_ref), (u_fused, s_fused))
+  # The NaN's block has a NaN scale, so the comparison saw one.
+  assert np.isnan(np.asarray(s_ref.scales["mu/tiles"], np.float32)).any()
+
+
+def test_the_kernel_runs_once_a_leaf_it_takes():
+  """One kernel per leaf the kernel takes (a `pallas_call` for CUDA and
+  one interpreted, picked by platform), none for the others;
+  `kernel="xla"` and (on this CPU) `"auto"` run none."""
+  params = {n: jnp.zeros(s) for n, s in SHAPES.items()}
+  held = sum(1 for s in SHAPES.values() if s and s[-1] % 32 == 0)
+
+  def calls(kernel):
+    tx = lowprec.scale_by_stored_adam(kernel=kernel)
+    jaxpr = jax.make_jaxpr(tx.update)(params, tx.init(params))
+    return str(jaxpr).count("pallas_call") / 2
+
+  assert calls("pallas") == held == 4
+  assert calls("xla") == 0
+  assert calls("auto") == 0
+
+
+def test_kernel_lowers_to_triton():
+  """Exported for CUDA (no GPU needed): each leaf the kernel takes is one
+  Triton call, so every operation in it has a Triton lowering."""
+  params = {n: jnp.zeros(s) for n, s in SHAPES.items()}
+  tx = lowprec.scale_by_stored_adam(kernel="pallas")
+  state = tx.init(params)
+  exported = export.export(
+    jax.jit(tx.update),
+    platforms=["cuda"],
+    disabled_checks=[
+      export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+    ],
+  )(params, state)
+  assert exported.mlir_module().count("xla.gpu.triton") == 4
+
+
+def _mlp(key):
+  k1, k2 = jax.random.split(key)
+  return {
+    "w1": 0.3 * jax.random.normal(k1, (16, 64)),
+    "b1": jnp.zeros((64,)),
+    "w2": 0.3 * jax.random.normal(k2, (64, 32)),
+    "b2": jnp.zeros((32,)),
+  }
+
+
+def _loss(p, x, y):
+  h = jnp.tanh(x @ p["w1"] + p["b1"])
+  return jnp.mean((h @ p["w2"] + p["b2"] - y) ** 2)
+
+
+def _adamw(kernel):
+  return optax.chain(
+    lowprec.scale_by_stored_adam(0.9, 0.95, kernel=kernel),
+    optax.add_decayed_weights(0.1),
+    optax.scale_by_learning_rate(1e-2),
+  )
+
+
+def test_plain_jax_adamw_loop_same_params():
+  """A plain-JAX AdamW loop (10 steps, seed 0): the kernel's params and
+  state equal the XLA path's bit for bit, and the loss falls."""
+  x = jax.random.normal(jax.random.key(1), (128, 16))
+  y = jnp.sin(x[:, :1] * jnp.arange(1, 33.0))
+
+  def train(kernel):
+    tx = _adamw(kernel)
+    params = _mlp(jax.random.key(0))
+    state = tx.init(params)
+
+    @jax.jit
+    def step(params, state):
+      loss, g = jax.value_and_grad(_loss)(params, x, y)
+      updates, state = tx.update(g, state, params)
+      return optax.apply_updates(params, updates), state, loss
+
+    losses = []
+    for _ in range(10):
+      params, state, loss = step(params, state)
+      losses.append(float(loss))
+    return params, state, losses
+
+  p_xla, s_xla, losses = train("xla")
+  p_kernel, s_kernel, losses_kernel = train("pallas")
+  _assert_same((p_xla, s_xla), (p_kernel, s_kernel))
+  assert losses == losses_kernel
+  assert losses[-1] < 0.8 * losses[0]
+
+
+def test_nnx_optimizer_loop_same_params():
+  """`nnx.Optimizer` over a two-layer NNX model (5 steps, seed 0): the
+  kernel's params equal the XLA path's bit for bit."""
+
+  class Model(nnx.Module):
+    def __init__(self, rngs):
+      self.a = nnx.Linear(16, 64, rngs=rngs)
+      self.b = nnx.Linear(64, 32, rngs=rngs)
+
+    def __call__(self, x):
+      return self.b(jnp.tanh(self.a(x)))
+
+  x = jax.random.normal(jax.random.key(1), (64, 16))
+
+  def train(kernel):
+    model = Model(nnx.Rngs(0))
+    opt = nnx.Optimizer(model, _adamw(kernel), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, opt):
+      grads = nnx.grad(lambda m: jnp.mean((m(x) - 1.0) ** 2))(model)
+      opt.update(model, grads)
+
+    for _ in range(5):
+      step(model, opt)
+    return nnx.state(model, nnx.Param)
+
+  _assert_same(train("xla"), train("pallas"))
+
+
+def test_refusals_name_the_fix():
+  with pytest.raises(ValueError, match="kernel='xla'"):
+    lowprec.scale_by_stored_adam(mu="dynamic8:block256", kernel="pallas")
+  with pytest.raises(ValueError, match="rounding"):
+    lowprec.scale_by_stored_adam(
+      mu="companded8:stochastic:block32", kernel="pallas"
+    )
+  with pytest.raises(ValueError, match="two sizes"):
+    lowprec.scale_by_stored_adam(nu="sqrt8:block64", kernel="pallas")
+  with pytest.raises(ValueError, match="valid: auto, pallas, xla"):
+    lowprec.scale_by_stored_adam(kernel="triton")
+  # Any other spec runs on the XLA path under "auto".
+  tx = lowprec.scale_by_stored_adam(
+    mu="dynamic8:block256", nu="dynamic8u:block256"
+  )
+  params = {"w": jnp.zeros((4, 256)), "v": jnp.zeros((256,))}
+  updates, _ = tx.update(params, tx.init(params))
+  assert updates["w"].dtype == jnp.float32
+
+
+def test_a_state_of_other_specs_is_refused():
+  params = {"w": jnp.zeros((4, 64)), "v": jnp.zeros((64,))}
+  other = lowprec.scale_by_stored_adam(
+    nu="sqrt8:block64", mu="companded8:block64"
+  )
+  state = other.init(params)
+  tx = lowprec.scale_by_stored_adam(kernel="pallas")
+  with pytest.raises(ValueError, match="recorded specs"):
+    tx.update(params, state)
+
+
+def test_tile_is_a_power_of_two_within_the_rows():
+  for rows in (1, 2, 3, 255, 256, 257, 10_000):
+    tile = fused_adam._tile(rows)
+    assert tile & (tile - 1) == 0 and tile <= min(rows, fused_adam._ROWS)
+    assert 2 * tile > min(rows, fused_adam._ROWS)
