@@ -123,9 +123,10 @@ def _last_json_line(path: str):
 
 
 def _bench(parts_dir: str) -> dict:
-  """Per section: case -> ratio to each baseline (median, min, max), and
-  the section's columns (`{label: {case: value}}`; the write-back
-  section's bytes a parameter and GB/s)."""
+  """Per section: case -> ratio to each baseline (median, min, max), the
+  section's columns (`{label: {case: value}}`; the write-back section's
+  bytes a parameter and GB/s) and its notes (the write-back section's
+  bits of a kernel against the XLA path)."""
   out = {}
   for section in BENCH_SECTIONS:
     path = os.path.join(parts_dir, f"bench_{section}.json")
@@ -139,6 +140,7 @@ def _bench(parts_dir: str) -> dict:
         case: c["ratio_to"] for case, c in data.get("cases", {}).items()
       },
       "columns": data.get("columns", {}),
+      "notes": data.get("notes", []),
     }
   return out
 
@@ -269,6 +271,9 @@ def markdown(report: dict) -> str:
           f"({r['min']:.2f}-{r['max']:.2f}) |"
         )
   lines += _column_lines(report["bench"])
+  for section, data in report["bench"].items():
+    notes = data.get("notes", [])
+    lines += [""] + [f"{section}: {n}" for n in notes] if notes else []
   advice = report.get("advice", [])
   lines += [
     "",

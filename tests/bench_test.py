@@ -403,3 +403,26 @@ def test_cases_mistakes_are_refused_naming_the_fix(argv, words, capsys):
   with pytest.raises(SystemExit) as e:
     bench.main(argv)
   assert e.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_same_bits_compares_a_kernel_row_with_its_reference(monkeypatch):
+  # The kernel's row (the XLA path on this CPU) and store_state around
+  # adamw: equal params after two steps on a 3-leaf tree; a row that
+  # rounds its params differently is counted as differing.
+  import jax
+  import jax.numpy as jnp
+
+  import lowprec
+  from scripts import bench_writeback as bw
+
+  params = lowprec.to_grid(bw._params(3 * 64 * 64, 3), "bfloat16")
+  grads = jax.tree.map(lambda p: 1e-3 * jnp.sign(p) + 1e-4, params)
+  chosen = bw._rows(False, "companded8/sqrt8")
+  same = bw.same_bits(chosen, params, grads)
+  n = sum(p.size for p in jax.tree.leaves(params))
+  assert same == {
+    bw.KERNEL: {"reference": bw.SAME_BITS[bw.KERNEL], "differing": 0, "of": n}
+  }
+  monkeypatch.setattr(bw, "SAME_BITS", {"+ nearest": "adamw"})
+  (other,) = bw.same_bits(bw._rows(False, None), params, grads).values()
+  assert 0 < other["differing"] <= other["of"] == n

@@ -320,6 +320,10 @@ def test_dry_run_of_device_check_on_the_cpu(tmp_path):
   # Beside the write-back ratios, every row's bytes and the rate.
   columns = report["bench"]["writeback"]["columns"]
   assert set(columns["GB/s"]) == set(report["bench"]["writeback"]["ratios"])
+  # The kernel's row against the XLA path's, bit for bit (on this CPU
+  # both run the XLA path).
+  (note,) = report["bench"]["writeback"]["notes"]
+  assert "scale_by_stored_adam: params after 2 steps equal to" in note
   md = (out / "device_check.md").read_text()
   assert md.startswith("# Device check (dry run)")
   assert "| freeze_gpt2_fp8 | 21,984 |" in md
@@ -492,7 +496,10 @@ def test_report_cells_of_a_config_and_a_benchmark(tmp_path):
     "XLA bytes / param": {"adamw": 40.0, "a": 40.0, "b": 117.4},
     "GB/s": {"adamw": 3012.34, "a": 2500.0, "b": 1200.0},
   }
-  writeback = {"writeback": {"cases": cases, "columns": columns}}
+  note = "k: params after 2 steps equal to `r`'s bit for bit"
+  writeback = {
+    "writeback": {"cases": cases, "columns": columns, "notes": [note]}
+  }
   (d / "bench_writeback.json").write_text(json.dumps(writeback))
   md = device_report.markdown(device_report.collect(str(d)))
   assert (
@@ -511,6 +518,9 @@ def test_report_cells_of_a_config_and_a_benchmark(tmp_path):
   assert "| adamw | 40.0 | 3012.3 | 1.00 | bytes |" in md
   assert "| a | 40.0 | 2500.0 | 0.83 | bytes |" in md
   assert "| b | 117.4 | 1200.0 | 0.40 | arithmetic or launches |" in md
+  # The section's notes (a kernel's bits against the XLA path's).
+  assert f"\nwriteback: {note}\n" in md
+  assert "rounding: " not in md  # a section without notes prints none
 
 
 @pytest.mark.parametrize(
