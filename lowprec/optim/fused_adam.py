@@ -27,9 +27,10 @@ Triton backend) when one device is in use, and the XLA path elsewhere: on
 a CPU the XLA path is the faster one (the kernel runs there only in
 Pallas's interpreter), and on several devices XLA cannot split the
 kernel's call along a sharded leaf (it would gather the leaf whole onto
-every device; run the transform under `jax.shard_map` with
-`kernel="pallas"` to have each device step its own shard, whose blocks
-are whole where the shard's last axis is a multiple of the block).
+every device; run the transform under `jax.shard_map(...,
+check_vma=False)` with `kernel="pallas"` to have each device step its
+own shard, whose blocks are whole where the shard's last axis is a
+multiple of the block: tests/fused_adam_test.py does so on 8 devices).
 "pallas" runs the kernel everywhere (interpreted off a GPU: for tests),
 "xla" never.
 """
