@@ -5,7 +5,7 @@ One jitted optimizer step (update and `optax.apply_updates`) on a pytree of
 --quick, 2M parameters in two matrices and the rows of `QUICK` only: each
 row is a program to compile, longer with every leaf, and the full set on
 ten matrices did not finish in 55 s on an H200. On an accelerator the
-trees are larger (`sizes`: 100M, and 64M with --quick), so that a step
+trees are larger (`sizes`: 96M, and 64M with --quick), so that a step
 times memory rather than kernel launches. Write-back params are
 float32 holding bfloat16 grid values. Rows: nearest, stochastic and
 dead-zone write-back, each with telemetry on and off, and stochastic
@@ -23,7 +23,11 @@ stochastic rounding, and as PyTorch's 8- and 4-bit optimizers store them
 a scale per 256 (and the same blocks with power-of-two scales,
 lowprec's default), FlashOptim's companded and square-root maps per 32, and
 torchao's 4-bit maps per 128, and the bfloat16 moments again compiled
-with XLA:CPU's region-analysis copy placement (`ROW_OPTIONS`). Ratios are
+with XLA:CPU's region-analysis copy placement (`ROW_OPTIONS`); and
+FlashOptim's and bitsandbytes' moments again by
+`lowprec.scale_by_stored_adam` (one kernel a leaf on one GPU, the XLA
+path elsewhere), each checked bit for bit against its `store_state` row
+after the timing (`SAME_BITS`). Ratios are
 to plain adamw and to nearest
 write-back without telemetry (`+ nearest`), the row ECO and the
 compensated write-backs replace. Targets: stochastic with telemetry at
@@ -93,14 +97,19 @@ EVERY_K = {PROGRAMS: 10, PROGRAMS_20: 20}
 # without telemetry (the target: at most 1.1x it).
 WITHOUT = "+ stochastic"
 
-# AdamW with FlashOptim's moments as `lowprec.scale_by_stored_adam`
-# chains it: one kernel a leaf on one GPU, the XLA path elsewhere (on a
-# CPU the same arithmetic as the row of `store_state` around adamw).
+# AdamW with FlashOptim's and bitsandbytes' moments as
+# `lowprec.scale_by_stored_adam` chains it: one kernel a leaf on one GPU,
+# the XLA path elsewhere (on a CPU the same arithmetic as the row of
+# `store_state` around adamw).
 KERNEL = "adamw, companded8/sqrt8 block32 moments, scale_by_stored_adam"
+KERNEL_8BIT = "adamw, dynamic8/dynamic8u block256 moments, scale_by_stored_adam"
 # row -> the row whose params it must equal bit for bit after `SAME_STEPS`
 # steps from the same inputs (checked after the timing, reported in the
 # notes and the JSON's `same_bits`).
-SAME_BITS = {KERNEL: "adamw, companded8/sqrt8 block32 moments"}
+SAME_BITS = {
+  KERNEL: "adamw, companded8/sqrt8 block32 moments",
+  KERNEL_8BIT: "adamw, dynamic8/dynamic8u block256 moments",
+}
 SAME_STEPS = 2
 
 # Rows compiled with XLA options of their own: the bfloat16 moments with
@@ -145,6 +154,7 @@ QUICK = (
   "adamw, bf16 stochastic moments",
   REGION,
   "adamw, dynamic8/dynamic8u block256 moments",
+  KERNEL_8BIT,
   "adamw, amax e4m3 block256 moments",
   "adamw, companded8/sqrt8 block32 moments",
   KERNEL,
@@ -156,16 +166,16 @@ def sizes(quick: bool, platform: str) -> tuple[int, int, int]:
   """`(parameters, square matrices, rounds)` of a run on `platform`.
 
   On a CPU, 20M parameters in ten matrices (2M in two with `quick`). On
-  an accelerator, 100M in ten (64M in two): a step of 20M parameters
+  an accelerator, 96M in ten (64M in two): a step of 20M parameters
   there moves 800 MB, a quarter of a millisecond at 3.35 TB/s, and would
   time kernel launches rather than memory, while the time to compile a
   step does not grow with its leaves' size. Every row holds its own
-  params and state, so 100M (about 1.6 GB a row, 24 rows) is what an
+  params and state, so 96M (about 1.5 GB a row, 25 rows) is what an
   80 GB card holds with room for the steps' temporaries.
   """
   if platform == "cpu":
     return (2_000_000, 2, 3) if quick else (20_000_000, 10, 9)
-  return (64_000_000, 2, 3) if quick else (100_000_000, 10, 9)
+  return (64_000_000, 2, 3) if quick else (96_000_000, 10, 9)
 
 
 def _params(n_params: int, layers: int) -> dict:
@@ -328,11 +338,15 @@ def _rows(quick: bool, cases: str | None) -> dict:
       adamw, {"mu": mu, "nu": nu}, key=key, telemetry=False
     )
   chosen[REGION] = chosen["adamw, bf16 stochastic moments"]
-  chosen[KERNEL] = optax.chain(
-    lowprec.scale_by_stored_adam(),  # adamw's b1, b2 and eps
-    optax.add_decayed_weights(1e-4),  # adamw's default decay
-    optax.scale_by_learning_rate(1e-3),
-  )
+  for name, (mu, nu) in (
+    (KERNEL, MOMENTS["companded8/sqrt8 block32"]),
+    (KERNEL_8BIT, MOMENTS["dynamic8/dynamic8u block256"]),
+  ):
+    chosen[name] = optax.chain(
+      lowprec.scale_by_stored_adam(mu=mu, nu=nu),  # adamw's b1, b2, eps
+      optax.add_decayed_weights(1e-4),  # adamw's default decay
+      optax.scale_by_learning_rate(1e-3),
+    )
   if quick:
     chosen = {name: chosen[name] for name in QUICK}
   if cases is not None:

@@ -20,18 +20,32 @@ import lowprec
 from lowprec.optim import fused_adam
 
 RULES = {"mu": "companded8:block32", "nu": "sqrt8:block32"}
-# Leaves the kernel takes (rows a whole number of tiles, a ragged last
-# tile, a tile of one row, three axes) and two it leaves to XLA (a last
-# axis that is not a whole number of blocks, a scalar).
-SHAPES = {
-  "tiles": (64, 128),
-  "ragged": (300, 96),
-  "one_row": (1, 32),
-  "three_axes": (2, 5, 64),
-  "bf16_grads": (4, 64),
-  "odd_axis": (7, 33),
-  "scalar": (),
+# Pairs of moments the kernel holds: FlashOptim's, bitsandbytes' (its
+# tables read by index), and one map for both.
+PAIRS = {
+  "flashoptim": RULES,
+  "bitsandbytes": {"mu": "dynamic8:block256", "nu": "dynamic8u:block256"},
+  "dynamic8_both": {"mu": "dynamic8:block64", "nu": "dynamic8:block64"},
 }
+
+
+def _shapes(block: int = 32) -> dict:
+  """Leaves the kernel takes (rows a whole number of tiles, a ragged last
+  tile, a tile of one row, three axes, bfloat16 gradients) and two it
+  leaves to XLA (a last axis that is not a whole number of blocks, a
+  scalar)."""
+  return {
+    "tiles": (64, 4 * block),
+    "ragged": (300, 3 * block),
+    "one_row": (1, block),
+    "three_axes": (2, 5, 2 * block),
+    "bf16_grads": (4, 2 * block),
+    "odd_axis": (7, 33),
+    "scalar": (),
+  }
+
+
+SHAPES = _shapes()
 
 
 def _grads(shapes, t, rng):
@@ -67,27 +81,32 @@ def _assert_same(a, b):
 
 
 @pytest.mark.parametrize(
-  "hyper",
+  "hyper, pair",
   [
-    {},
-    {"b1": 0.8, "b2": 0.95, "eps": 1e-6, "eps_root": 1e-12},
+    ({}, "flashoptim"),
+    ({"b1": 0.8, "b2": 0.95, "eps": 1e-6, "eps_root": 1e-12}, "flashoptim"),
+    ({}, "bitsandbytes"),
+    ({"b2": 0.95}, "dynamic8_both"),
   ],
-  ids=["defaults", "other"],
+  ids=["defaults", "other", "bitsandbytes", "dynamic8_both"],
 )
-def test_kernel_bits_equal_store_state(hyper):
+def test_kernel_bits_equal_store_state(hyper, pair):
   """Six steps (seed 0): updates, codes, scales and counts equal the
   XLA path's bit for bit, leaf by leaf, a NaN and an inf included."""
+  rules = PAIRS[pair]
   ref = lowprec.store_state(
-    optax.scale_by_adam(**hyper), RULES, telemetry=False
+    optax.scale_by_adam(**hyper), rules, telemetry=False
   )
-  fused = lowprec.scale_by_stored_adam(**hyper, kernel="pallas")
-  params = {n: jnp.zeros(s) for n, s in SHAPES.items()}
+  fused = lowprec.scale_by_stored_adam(**hyper, **rules, kernel="pallas")
+  block = int(rules["mu"].rsplit("block", 1)[1])
+  shapes = _shapes(block)
+  params = {n: jnp.zeros(s) for n, s in shapes.items()}
   s_ref, s_fused = ref.init(params), fused.init(params)
   _assert_same(s_ref, s_fused)
   step_ref, step_fused = jax.jit(ref.update), jax.jit(fused.update)
   rng = np.random.default_rng(0)
   for t in range(6):
-    g = _grads(SHAPES, t, rng)
+    g = _grads(shapes, t, rng)
     u_ref, s_ref = step_ref(g, s_ref)
     u_fused, s_fused = step_fused(g, s_fused)
     _assert_same((u_ref, s_ref), (u_fused, s_fused))
@@ -112,11 +131,13 @@ def test_the_kernel_runs_once_a_leaf_it_takes():
   assert calls("auto") == 0
 
 
-def test_kernel_lowers_to_triton():
+@pytest.mark.parametrize("pair", ["flashoptim", "bitsandbytes"])
+def test_kernel_lowers_to_triton(pair):
   """Exported for CUDA (no GPU needed): each leaf the kernel takes is one
-  Triton call, so every operation in it has a Triton lowering."""
-  params = {n: jnp.zeros(s) for n, s in SHAPES.items()}
-  tx = lowprec.scale_by_stored_adam(kernel="pallas")
+  Triton call, so every operation in it (the table maps' reads by index
+  included) has a Triton lowering."""
+  params = {n: jnp.zeros(s) for n, s in _shapes(256).items()}
+  tx = lowprec.scale_by_stored_adam(**PAIRS[pair], kernel="pallas")
   state = tx.init(params)
   exported = export.export(
     jax.jit(tx.update),
@@ -213,7 +234,7 @@ def test_nnx_optimizer_loop_same_params():
 
 def test_refusals_name_the_fix():
   with pytest.raises(ValueError, match="kernel='xla'"):
-    lowprec.scale_by_stored_adam(mu="dynamic8:block256", kernel="pallas")
+    lowprec.scale_by_stored_adam(mu="dynamic4:block128", kernel="pallas")
   with pytest.raises(ValueError, match="rounding"):
     lowprec.scale_by_stored_adam(
       mu="companded8:stochastic:block32", kernel="pallas"
@@ -224,7 +245,7 @@ def test_refusals_name_the_fix():
     lowprec.scale_by_stored_adam(kernel="triton")
   # Any other spec runs on the XLA path under "auto".
   tx = lowprec.scale_by_stored_adam(
-    mu="dynamic8:block256", nu="dynamic8u:block256"
+    mu="dynamic4:block128", nu="uint4nz:block128"
   )
   params = {"w": jnp.zeros((4, 256)), "v": jnp.zeros((256,))}
   updates, _ = tx.update(params, tx.init(params))
@@ -243,10 +264,12 @@ def test_a_state_of_other_specs_is_refused():
 
 
 def test_tile_is_a_power_of_two_within_the_rows():
-  for rows in (1, 2, 3, 255, 256, 257, 10_000):
-    tile = fused_adam._tile(rows)
-    assert tile & (tile - 1) == 0 and tile <= min(rows, fused_adam._ROWS)
-    assert 2 * tile > min(rows, fused_adam._ROWS)
+  for block in (32, 64, 256):
+    most = fused_adam._ELEMENTS // block
+    for rows in (1, 2, 3, 31, 32, 33, 255, 256, 257, 10_000):
+      tile = fused_adam._tile(rows, block)
+      assert tile & (tile - 1) == 0 and tile <= min(rows, most)
+      assert 2 * tile > min(rows, most)
 
 
 def test_under_shard_map_each_device_steps_its_own_shard():

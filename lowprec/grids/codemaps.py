@@ -109,17 +109,32 @@ class CodeMap:
       x = jnp.maximum(x, 0.0)
     return jnp.sqrt(x) if self.name == "sqrt8" else x
 
-  def value(self, index, per):
-    """float32 `post(T[index] * per)`: what a code reads back as."""
+  def value(self, index, per, tables=None):
+    """float32 `post(T[index] * per)`: what a code reads back as.
+    `tables`: see `nearest_index`."""
     table = self.table()
     if len(table) <= _SMALL:
       v = _select(table, jnp.clip(index, 0, len(table) - 1)) * per
+    elif tables is not None:
+      v = tables["table"][index] * per  # an index in range: a code's
     else:
       v = jnp.take(jnp.asarray(table), index, mode="clip") * per
     return v * v if self.name == "sqrt8" else v
 
-  def nearest_index(self, y):
-    """The index of the code of normalized `y` (finite, in range)."""
+  def tables(self) -> dict[str, np.ndarray]:
+    """The arrays `value` and `nearest_index` read by index, by name:
+    `table` (the values) and, for the maps of 256 entries read by a
+    first guess, `first` and `up` (`_Buckets`)."""
+    if len(self.table()) <= _SMALL or self.name in ("companded8", "sqrt8"):
+      return {}
+    g = _buckets(self.name)
+    return {"table": self.table(), "first": g.first, "up": g.up}
+
+  def nearest_index(self, y, tables=None):
+    """The index of the code of normalized `y` (finite, in range).
+
+    `tables`: `self.tables()`'s arrays by name, as anything indexed by an
+    integer array (a Pallas kernel's refs); None: the map's own."""
     if self.name == "companded8":
       phi = (2.0 * y) / (1.0 + jnp.abs(y))
       return _round_half_up(phi * np.float32(127)) + 127
@@ -141,10 +156,17 @@ class CodeMap:
     mag = jnp.maximum(bits & np.int32(0x7FFFFFFF), g.floor) - g.floor
     mag = jnp.minimum(mag >> g.shift, g.top)
     bucket = jnp.where(bits < 0, g.top - mag, g.top + 1 + mag)
-    index = jnp.take(jnp.asarray(g.first), bucket).astype(jnp.int32)
-    up = jnp.asarray(g.up)
+    if tables is None:
+      tables = {
+        n: functools.partial(jnp.take, jnp.asarray(a))
+        for n, a in self.tables().items()
+      }
+      read = lambda name, i: tables[name](i)  # noqa: E731
+    else:
+      read = lambda name, i: tables[name][i]  # noqa: E731
+    index = read("first", bucket).astype(jnp.int32)
     for j in range(1, g.extra + 1):
-      index = index + (y >= jnp.take(up, index + j)).astype(jnp.int32)
+      index = index + (y >= read("up", index + j)).astype(jnp.int32)
     return jnp.where(jnp.isnan(y), 0, index)
 
   def search_index(self, y):

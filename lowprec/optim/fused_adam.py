@@ -11,14 +11,17 @@ its encoding and reads it back (2.1-2.8x AdamW's bytes by XLA's count,
 docs/benchmarks.md), and an optimizer step is bound by its bytes on an
 accelerator.
 
-The kernel holds the maps whose codes and values have closed forms,
-FlashOptim's `companded8` (first moment) and `sqrt8` (second moment),
-blocks of 32 or any power of two, nearest rounding: its arithmetic is
-the XLA path's, operation for operation (the same float32 expressions,
-the same IEEE divisions, the same selects that keep a product from
-being contracted into an FMA), so its codes, scales and updates are the
-XLA path's bit for bit (tests/fused_adam_test.py, on this CPU in Pallas's
-interpret mode). A leaf the kernel does not take (a last axis that is
+The kernel holds FlashOptim's `companded8` (first moment) and `sqrt8`
+(second moment), whose codes and values have closed forms, and
+bitsandbytes' `dynamic8` (either moment) and `dynamic8u` (second
+moment), whose codes it finds in the same tables the XLA path reads
+(`CodeMap.tables()`, passed to the kernel whole); blocks of 32 or any
+power of two, nearest rounding. Its arithmetic is the XLA path's,
+operation for operation (the same float32 expressions, the same IEEE
+divisions, the same selects that keep a product from being contracted
+into an FMA), so its codes, scales and updates are the XLA path's bit
+for bit (tests/fused_adam_test.py, on this CPU in Pallas's interpret
+mode, for both pairs). A leaf the kernel does not take (a last axis that is
 not a whole number of blocks, a scalar) takes the XLA path, leaf by
 leaf.
 
@@ -55,9 +58,10 @@ __all__ = ["KERNELS", "scale_by_stored_adam"]
 
 KERNELS = ("auto", "pallas", "xla")
 # The code maps the kernel holds, by moment.
-_MAPS = {"mu": ("companded8",), "nu": ("sqrt8",)}
-# At most this many rows (one block each) per kernel program.
-_ROWS = 256
+_MAPS = {
+  "mu": ("companded8", "dynamic8"),
+  "nu": ("sqrt8", "dynamic8u", "dynamic8"),
+}
 
 
 def scale_by_stored_adam(
@@ -86,10 +90,14 @@ def scale_by_stored_adam(
   ```
 
   Args:
-    b1, b2, eps, eps_root: Adam's, as `optax.scale_by_adam` takes them.
-    mu: the first moment's spec, `"companded8:block<N>"` (N a power of
-      two) with nearest rounding.
-    nu: the second moment's, `"sqrt8:block<N>"`.
+    b1: Adam's first-moment decay, as `optax.scale_by_adam` takes it.
+    b2: Adam's second-moment decay.
+    eps: added to the root of the second moment.
+    eps_root: added to the second moment inside the root.
+    mu: the first moment's spec, `"companded8:block<N>"` or
+      `"dynamic8:block<N>"` (N a power of two) with nearest rounding.
+    nu: the second moment's, `"sqrt8:block<N>"`, `"dynamic8u:block<N>"`
+      or `"dynamic8:block<N>"`.
     kernel: "auto", "pallas" or "xla" (module docstring).
 
   Raises:
@@ -104,8 +112,9 @@ def scale_by_stored_adam(
   if reason and kernel == "pallas":
     raise ValueError(
       f"scale_by_stored_adam: the kernel does not hold {reason}; it holds "
-      "mu 'companded8:block<N>' and nu 'sqrt8:block<N>' (N a power of "
-      "two, nearest rounding): use those, or kernel='xla', or "
+      "mu 'companded8' or 'dynamic8' and nu 'sqrt8', 'dynamic8u' or "
+      "'dynamic8', as ':block<N>' (N a power of two, nearest rounding): "
+      "use those, or kernel='xla', or "
       "lowprec.store_state(optax.scale_by_adam(...), rules) for any "
       "other spec"
     )
@@ -236,18 +245,22 @@ def _reference_step(codecs, hyper, corrections, g, m, ms, v, vs):
 
 def _leaf_step(codecs, hyper, corrections, g, m, ms, v, vs):
   """One leaf by the kernel: the leaf as rows of one block each, in
-  tiles of up to `_ROWS` rows; compiled by Triton for CUDA, and run by
+  tiles of `_tile` rows; compiled by Triton for CUDA, and run by
   Pallas's interpreter on any other platform."""
   block = codecs["mu"].scale
   shape = jnp.shape(g)
   rows = int(np.prod(shape)) // block
-  tile = _tile(rows)
+  tile = _tile(rows, block)
   flat = lambda a, w: jnp.reshape(a, (rows, w))  # noqa: E731
   spec = lambda w: pl.BlockSpec((tile, w), lambda i: (i, 0))  # noqa: E731
   consts = jnp.concatenate(
     [corrections, jax.lax.optimization_barrier(_CONSTANTS)]
   )
-  kernel = functools.partial(_kernel, codecs, hyper)
+  tables = {n: _padded(c.fmt.tables()) for n, c in codecs.items()}
+  names = {n: tuple(t) for n, t in tables.items()}
+  arrays = [a for t in tables.values() for a in t.values()]
+  whole = [pl.BlockSpec(a.shape, lambda i: (0,)) for a in arrays]
+  kernel = functools.partial(_kernel, codecs, hyper, names)
   out_shape = (
     jax.ShapeDtypeStruct((rows, block), jnp.float32),
     jax.ShapeDtypeStruct((rows, block), codecs["mu"].dtype()),
@@ -262,17 +275,19 @@ def _leaf_step(codecs, hyper, corrections, g, m, ms, v, vs):
       out_shape=out_shape,
       grid=(pl.cdiv(rows, tile),),
       in_specs=[
-        pl.BlockSpec((len(_CONSTANTS) + 2,), lambda i: (0,)),
+        pl.BlockSpec(consts.shape, lambda i: (0,)),
         spec(block),
         spec(block),
         spec(1),
         spec(block),
         spec(1),
+        *whole,
       ],
       out_specs=[spec(block), spec(block), spec(1), spec(block), spec(1)],
       interpret=interpret,
-      # Triton: elementwise arithmetic and row reductions on tiles of
-      # any power-of-two shape (Mosaic GPU wants warpgroup-sized copies).
+      # Triton: elementwise arithmetic, row reductions and reads of a
+      # table by index on tiles of any power-of-two shape (Mosaic GPU
+      # wants warpgroup-sized copies).
       compiler_params=None if interpret else triton.CompilerParams(),
       name="stored_adam",
     )(*args)
@@ -284,6 +299,7 @@ def _leaf_step(codecs, hyper, corrections, g, m, ms, v, vs):
     flat(ms, 1),
     flat(v, block),
     flat(vs, 1),
+    *arrays,
     cuda=functools.partial(call, False),
     default=functools.partial(call, True),
   )
@@ -298,11 +314,29 @@ def _leaf_step(codecs, hyper, corrections, g, m, ms, v, vs):
   )
 
 
-def _tile(rows: int) -> int:
-  """Rows a program takes: the largest power of two at most `_ROWS` and
-  `rows` (the last tile may hang over the leaf's end: Pallas masks what
-  it reads and writes there, and each row is a block of its own)."""
-  return min(_ROWS, 1 << (rows.bit_length() - 1))
+# Elements a program takes: a tile of `_ELEMENTS // block` rows (at
+# most), 256 blocks of 32 or 32 of 256.
+_ELEMENTS = 8192
+
+
+def _tile(rows: int, block: int) -> int:
+  """Rows a program takes: the largest power of two at most `rows` and
+  `_ELEMENTS // block` (the last tile may hang over the leaf's end:
+  Pallas masks what it reads and writes there, and each row is a block
+  of its own)."""
+  most = max(1, _ELEMENTS // block)
+  return min(most, 1 << (rows.bit_length() - 1))
+
+
+def _padded(tables: dict) -> dict:
+  """A map's tables (`CodeMap.tables`) padded to a power-of-two length,
+  as a kernel's blocks must be (with what no index reaches: the last
+  entry repeated)."""
+  out = {}
+  for name, a in tables.items():
+    n = 1 << (len(a) - 1).bit_length()
+    out[name] = jnp.asarray(np.concatenate([a, np.repeat(a[-1:], n - len(a))]))
+  return out
 
 
 # Divisors the kernel reads at run time: a division by a constant XLA
@@ -311,8 +345,13 @@ def _tile(rows: int) -> int:
 _CONSTANTS = np.array([127.0, 255.0, 2.0, 1.0, 0.0, 0.0], np.float32)
 
 
-def _kernel(codecs, hyper, c_ref, g_ref, m_ref, ms_ref, v_ref, vs_ref, *outs):
-  u_ref, m_out, ms_out, v_out, vs_out = outs
+def _kernel(codecs, hyper, names, c_ref, g_ref, m_ref, ms_ref, v_ref, *refs):
+  vs_ref, *refs = refs
+  tables = {}
+  for moment in ("mu", "nu"):
+    tables[moment] = dict(zip(names[moment], refs, strict=False))
+    refs = refs[len(names[moment]) :]
+  u_ref, m_out, ms_out, v_out, vs_out = refs
   g, m_code, v_code = g_ref[...], m_ref[...], v_ref[...]
   # The scalars the kernel divides by, spread to every element by adding
   # a zero made of the codes (finite, so the sum is exact): a division by
@@ -324,32 +363,37 @@ def _kernel(codecs, hyper, c_ref, g_ref, m_ref, ms_ref, v_ref, vs_ref, *outs):
   def spread(i):
     return c_ref[i] + zero
 
-  two = spread(4)
-  mu = _read(m_code, ms_ref[...], "companded8", spread(2), two)
-  nu = _read(v_code, vs_ref[...], "sqrt8", spread(3), two)
+  divisors = {"companded8": spread(2), "sqrt8": spread(3), "two": spread(4)}
+  mu = _read(codecs["mu"], m_code, ms_ref[...], divisors, tables["mu"])
+  nu = _read(codecs["nu"], v_code, vs_ref[...], divisors, tables["nu"])
   mu, nu, u = _moments(hyper, (spread(0), spread(1)), g, mu, nu, True)
   u_ref[...] = u
-  m_out[...], ms_out[...] = _write(codecs["mu"], mu)
-  v_out[...], vs_out[...] = _write(codecs["nu"], nu)
+  m_out[...], ms_out[...] = _write(codecs["mu"], mu, tables["mu"])
+  v_out[...], vs_out[...] = _write(codecs["nu"], nu, tables["nu"])
 
 
-def _read(code, scale, name, divisor, two):
-  """float32 values of codes under their block's scale (rows, 1): the
-  map's table entry computed as its table was (IEEE divisions by
-  `divisor`, spread to every element), times the scale, through
-  `decode`'s select."""
-  z = code.astype(jnp.float32) / divisor
-  if name == "companded8":
+def _read(codec, code, scale, divisors, tables):
+  """`decode`: float32 values of codes under their block's scale (rows,
+  1). A table map reads its table by index; `companded8` and `sqrt8`
+  compute their table entry as their table was computed (IEEE divisions
+  by the `divisors`, spread to every element), then times the scale,
+  through `decode`'s select."""
+  m = codec.fmt
+  per = scale.astype(jnp.float32)
+  if m.name not in ("companded8", "sqrt8"):
+    return codec_lib._kept(m.value(m.index_of(code), per, tables))
+  z = code.astype(jnp.float32) / divisors[m.name]
+  if m.name == "companded8":
     # Through a select: XLA turns `(c / 127) / d` into `c / (127 d)`.
     z = codec_lib._kept(z)
-    z = z / (two - jnp.abs(z))
-  v = z * scale.astype(jnp.float32)
-  if name == "sqrt8":
+    z = z / (divisors["two"] - jnp.abs(z))
+  v = z * per
+  if m.name == "sqrt8":
     v = v * v
   return codec_lib._kept(v)
 
 
-def _write(codec, x):
+def _write(codec, x, tables):
   """`encode(codec, x)`'s code and scales for rows of one block each."""
   m = codec.fmt
   pre = None if m.signed else m.pre
@@ -363,5 +407,5 @@ def _write(codec, x):
   u = m.pre(x)
   raw = jnp.where(per > 0, codec_lib._divide(u, per), 0.0)
   lo = -1.0 if m.signed else 0.0
-  index = m.nearest_index(jnp.clip(raw, lo, 1.0))
+  index = m.nearest_index(jnp.clip(raw, lo, 1.0), tables or None)
   return m.code_of(index).astype(codec.dtype()), scales
