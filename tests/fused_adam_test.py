@@ -135,7 +135,9 @@ def test_the_kernel_runs_once_a_leaf_it_takes():
 def test_kernel_lowers_to_triton(pair):
   """Exported for CUDA (no GPU needed): each leaf the kernel takes is one
   Triton call, so every operation in it (the table maps' reads by index
-  included) has a Triton lowering."""
+  included) has a Triton lowering; and its divisions and roots are PTX's
+  correctly rounded ones, as XLA's are, not Triton's `/` (`arith.divf`,
+  which Triton compiles to the approximate `div.full.f32`)."""
   params = {n: jnp.zeros(s) for n, s in _shapes(256).items()}
   tx = lowprec.scale_by_stored_adam(**PAIRS[pair], kernel="pallas")
   state = tx.init(params)
@@ -146,7 +148,12 @@ def test_kernel_lowers_to_triton(pair):
       export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
     ],
   )(params, state)
-  assert exported.mlir_module().count("xla.gpu.triton") == 5
+  module = exported.mlir_module()
+  assert module.count("xla.gpu.triton") == 5
+  # Each call's Triton IR (bytecode, its strings legible) once.
+  assert module.count("div.rn.f32") == 5
+  assert module.count("sqrt.rn.f32") == 5
+  assert "divf" not in module
 
 
 def _mlp(key):

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowprec.engine.counting import count as tally
-from lowprec.grids import choices, scaled
+from lowprec.grids import _ieee, choices, scaled
 from lowprec.grids.codemaps import CodeMap
 from lowprec.grids.formats import Format
 from lowprec.grids.rounding import OVERFLOW_MODES, ROUNDINGS, _round_and_flag
@@ -290,7 +290,10 @@ def _divide(a, b):
   quotients by 448, and on some shardings but not others. A select in
   between (which returns every value, NaN as NaN) makes a runtime
   divisor no broadcast, and unlike an optimization barrier it still
-  fuses."""
+  fuses. In a kernel traced for Triton (`lowprec.grids._ieee.ptx`), PTX's
+  correctly rounded division."""
+  if _ieee.active():
+    return _ieee.div(a, b)
   if isinstance(b, int | float | np.ndarray | np.generic):
     # XLA folds a select of a constant: keep a constant opaque with a
     # barrier (small arrays: the per-block scales).

@@ -61,7 +61,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowprec.grids import choices
+from lowprec.grids import _ieee, choices
 
 __all__ = ["MAPS", "CodeMap", "get_map", "is_map"]
 
@@ -107,7 +107,7 @@ class CodeMap:
     a negative `x` for an unsigned map, its square root for `sqrt8`."""
     if not self.signed:
       x = jnp.maximum(x, 0.0)
-    return jnp.sqrt(x) if self.name == "sqrt8" else x
+    return _ieee.sqrt(x) if self.name == "sqrt8" else x
 
   def value(self, index, per, tables=None):
     """float32 `post(T[index] * per)`: what a code reads back as.
@@ -136,7 +136,7 @@ class CodeMap:
     `tables`: `self.tables()`'s arrays by name, as anything indexed by an
     integer array (a Pallas kernel's refs); None: the map's own."""
     if self.name == "companded8":
-      phi = (2.0 * y) / (1.0 + jnp.abs(y))
+      phi = _ieee.div(2.0 * y, 1.0 + jnp.abs(y))
       return _round_half_up(phi * np.float32(127)) + 127
     if self.name == "sqrt8":
       return _round_half_up(y * np.float32(255))

@@ -17,13 +17,16 @@ bitsandbytes' `dynamic8` (either moment) and `dynamic8u` (second
 moment), whose codes it finds in the same tables the XLA path reads
 (`CodeMap.tables()`, passed to the kernel whole); blocks of 32 or any
 power of two, nearest rounding. Its arithmetic is the XLA path's,
-operation for operation (the same float32 expressions, the same IEEE
-divisions, the same selects that keep a product from being contracted
-into an FMA), so its codes, scales and updates are the XLA path's bit
-for bit (tests/fused_adam_test.py, on this CPU in Pallas's interpret
-mode, for both pairs). A leaf the kernel does not take (a last axis that is
-not a whole number of blocks, a scalar) takes the XLA path, leaf by
-leaf.
+operation for operation (the same float32 expressions, the same selects
+that keep a product from being contracted into an FMA, the same
+correctly rounded divisions and roots: for Triton, PTX's `div.rn.f32`
+and `sqrt.rn.f32`, which XLA's compile to, where Triton's own `/` is the
+approximate `div.full.f32`; `lowprec.grids._ieee`), so its codes,
+scales and updates are the XLA path's bit for bit
+(tests/fused_adam_test.py, on this CPU in Pallas's interpret mode, for
+both pairs; on a GPU the write-back benchmark compares the two). A leaf
+the kernel does not take (a last axis that is not a whole number of
+blocks, a scalar) takes the XLA path, leaf by leaf.
 
 Where it runs (`kernel`): "auto" runs the kernel on a GPU (Pallas's
 Triton backend) when one device is in use, and the XLA path elsewhere: on
@@ -51,7 +54,7 @@ from jax.experimental.pallas import triton
 
 from lowprec.engine import codec as codec_lib
 from lowprec.engine.weights import path_name
-from lowprec.grids import choices
+from lowprec.grids import _ieee, choices
 from lowprec.optim import stored_state as stored_lib
 
 __all__ = ["KERNELS", "scale_by_stored_adam"]
@@ -226,10 +229,10 @@ def _moments(hyper, corrections, g, mu, nu, compiled=False):
     mu_hat = mu / corrections[0]
     nu_hat = nu / corrections[1]
     return mu, nu, mu_hat / (jnp.sqrt(nu_hat + eps_root) + eps)
-  nu_hat = nu / corrections[1]
+  nu_hat = _ieee.div(nu, corrections[1])
   if not (isinstance(eps_root, int | float) and eps_root == 0):
     nu_hat = nu_hat + eps_root
-  return mu, nu, mu / (corrections[0] * (jnp.sqrt(nu_hat) + eps))
+  return mu, nu, _ieee.div(mu, corrections[0] * (_ieee.sqrt(nu_hat) + eps))
 
 
 def _reference_step(codecs, hyper, corrections, g, m, ms, v, vs):
@@ -260,7 +263,6 @@ def _leaf_step(codecs, hyper, corrections, g, m, ms, v, vs):
   names = {n: tuple(t) for n, t in tables.items()}
   arrays = [a for t in tables.values() for a in t.values()]
   whole = [pl.BlockSpec(a.shape, lambda i: (0,)) for a in arrays]
-  kernel = functools.partial(_kernel, codecs, hyper, names)
   out_shape = (
     jax.ShapeDtypeStruct((rows, block), jnp.float32),
     jax.ShapeDtypeStruct((rows, block), codecs["mu"].dtype()),
@@ -271,7 +273,7 @@ def _leaf_step(codecs, hyper, corrections, g, m, ms, v, vs):
 
   def call(interpret, *args):
     return pl.pallas_call(
-      kernel,
+      functools.partial(_kernel, codecs, hyper, names, not interpret),
       out_shape=out_shape,
       grid=(pl.cdiv(rows, tile),),
       in_specs=[
@@ -345,7 +347,15 @@ def _padded(tables: dict) -> dict:
 _CONSTANTS = np.array([127.0, 255.0, 2.0, 1.0, 0.0, 0.0], np.float32)
 
 
-def _kernel(codecs, hyper, names, c_ref, g_ref, m_ref, ms_ref, v_ref, *refs):
+def _kernel(codecs, hyper, names, ptx, *refs):
+  """The kernel's body; `ptx`: traced for Triton, so divisions and roots
+  are PTX's correctly rounded ones (`lowprec.grids._ieee`), as XLA's
+  are."""
+  with _ieee.ptx(ptx):
+    _body(codecs, hyper, names, *refs)
+
+
+def _body(codecs, hyper, names, c_ref, g_ref, m_ref, ms_ref, v_ref, *refs):
   vs_ref, *refs = refs
   tables = {}
   for moment in ("mu", "nu"):
@@ -382,11 +392,11 @@ def _read(codec, code, scale, divisors, tables):
   per = scale.astype(jnp.float32)
   if m.name not in ("companded8", "sqrt8"):
     return codec_lib._kept(m.value(m.index_of(code), per, tables))
-  z = code.astype(jnp.float32) / divisors[m.name]
+  z = _ieee.div(code.astype(jnp.float32), divisors[m.name])
   if m.name == "companded8":
     # Through a select: XLA turns `(c / 127) / d` into `c / (127 d)`.
     z = codec_lib._kept(z)
-    z = z / (divisors["two"] - jnp.abs(z))
+    z = _ieee.div(z, divisors["two"] - jnp.abs(z))
   v = z * per
   if m.name == "sqrt8":
     v = v * v
