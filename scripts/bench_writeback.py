@@ -103,12 +103,14 @@ WITHOUT = "+ stochastic"
 # `store_state` around adamw).
 KERNEL = "adamw, companded8/sqrt8 block32 moments, scale_by_stored_adam"
 KERNEL_8BIT = "adamw, dynamic8/dynamic8u block256 moments, scale_by_stored_adam"
+KERNEL_FP8 = "adamw, amax e4m3 block256 moments, scale_by_stored_adam"
 # row -> the row whose params it must equal bit for bit after `SAME_STEPS`
 # steps from the same inputs (checked after the timing, reported in the
 # notes and the JSON's `same_bits`).
 SAME_BITS = {
   KERNEL: "adamw, companded8/sqrt8 block32 moments",
   KERNEL_8BIT: "adamw, dynamic8/dynamic8u block256 moments",
+  KERNEL_FP8: "adamw, amax e4m3 block256 moments",
 }
 SAME_STEPS = 2
 
@@ -156,6 +158,7 @@ QUICK = (
   "adamw, dynamic8/dynamic8u block256 moments",
   KERNEL_8BIT,
   "adamw, amax e4m3 block256 moments",
+  KERNEL_FP8,
   "adamw, companded8/sqrt8 block32 moments",
   KERNEL,
   "adamw, 4-bit moments",
@@ -341,6 +344,7 @@ def _rows(quick: bool, cases: str | None) -> dict:
   for name, (mu, nu) in (
     (KERNEL, MOMENTS["companded8/sqrt8 block32"]),
     (KERNEL_8BIT, MOMENTS["dynamic8/dynamic8u block256"]),
+    (KERNEL_FP8, MOMENTS["amax e4m3 block256"]),
   ):
     chosen[name] = optax.chain(
       lowprec.scale_by_stored_adam(mu=mu, nu=nu),  # adamw's b1, b2, eps

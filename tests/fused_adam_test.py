@@ -17,7 +17,8 @@ from flax import nnx
 from jax import export
 
 import lowprec
-from lowprec.optim import fused_adam
+from lowprec.grids import codemaps
+from lowprec.optim import fused_adam, stored_state
 
 RULES = {"mu": "companded8:block32", "nu": "sqrt8:block32"}
 # Pairs of moments the kernel holds: FlashOptim's, bitsandbytes' (its
@@ -26,6 +27,21 @@ PAIRS = {
   "flashoptim": RULES,
   "bitsandbytes": {"mu": "dynamic8:block256", "nu": "dynamic8u:block256"},
   "dynamic8_both": {"mu": "dynamic8:block64", "nu": "dynamic8:block64"},
+  # torchao's AdamWFp8 (float32 scales amax / 448).
+  "amax_e4m3": {
+    "mu": "float8_e4m3fn:nearest:block256:amax",
+    "nu": "float8_e4m3fn:nearest:block256:amax",
+  },
+  # Power-of-two scales beside float16 amax ones, and a code map beside a
+  # float format.
+  "pow2_and_float16_amax": {
+    "mu": "float8_e4m3fn:nearest:block64",
+    "nu": "float8_e4m3fn:nearest:block64:amax:float16",
+  },
+  "companded8_e4m3": {
+    "mu": "companded8:block32",
+    "nu": "float8_e4m3fn:nearest:block32:amax",
+  },
 }
 
 
@@ -87,8 +103,11 @@ def _assert_same(a, b):
     ({"b1": 0.8, "b2": 0.95, "eps": 1e-6, "eps_root": 1e-12}, "flashoptim"),
     ({}, "bitsandbytes"),
     ({"b2": 0.95}, "dynamic8_both"),
+    ({}, "amax_e4m3"),
+    ({"b1": 0.8, "eps_root": 1e-12}, "pow2_and_float16_amax"),
+    ({}, "companded8_e4m3"),
   ],
-  ids=["defaults", "other", "bitsandbytes", "dynamic8_both"],
+  ids=lambda v: v if isinstance(v, str) else None,
 )
 def test_kernel_bits_equal_store_state(hyper, pair):
   """Six steps (seed 0): updates, codes, scales and counts equal the
@@ -98,7 +117,7 @@ def test_kernel_bits_equal_store_state(hyper, pair):
     optax.scale_by_adam(**hyper), rules, telemetry=False
   )
   fused = lowprec.scale_by_stored_adam(**hyper, **rules, kernel="pallas")
-  block = int(rules["mu"].rsplit("block", 1)[1])
+  block = stored_state.parse_state_format(rules["mu"]).scale
   shapes = _shapes(block)
   params = {n: jnp.zeros(s) for n, s in shapes.items()}
   s_ref, s_fused = ref.init(params), fused.init(params)
@@ -110,8 +129,12 @@ def test_kernel_bits_equal_store_state(hyper, pair):
     u_ref, s_ref = step_ref(g, s_ref)
     u_fused, s_fused = step_fused(g, s_fused)
     _assert_same((u_ref, s_ref), (u_fused, s_fused))
-  # The NaN's block has a NaN scale, so the comparison saw one.
-  assert np.isnan(np.asarray(s_ref.scales["mu/tiles"], np.float32)).any()
+  # A map's block holding the NaN has a NaN scale (a float format's
+  # holds a NaN code), so the comparison saw one.
+  mu = s_ref.scales["mu/tiles"]
+  if not codemaps.is_map(rules["mu"].split(":")[0]):
+    mu = s_ref.inner.mu["tiles"]
+  assert np.isnan(np.asarray(mu, np.float32)).any()
 
 
 def test_the_kernel_runs_once_a_leaf_it_takes():
@@ -131,7 +154,7 @@ def test_the_kernel_runs_once_a_leaf_it_takes():
   assert calls("auto") == 0
 
 
-@pytest.mark.parametrize("pair", ["flashoptim", "bitsandbytes"])
+@pytest.mark.parametrize("pair", ["flashoptim", "bitsandbytes", "amax_e4m3"])
 def test_kernel_lowers_to_triton(pair):
   """Exported for CUDA (no GPU needed): each leaf the kernel takes is one
   Triton call, so every operation in it (the table maps' reads by index
@@ -248,6 +271,14 @@ def test_refusals_name_the_fix():
     )
   with pytest.raises(ValueError, match="two sizes"):
     lowprec.scale_by_stored_adam(nu="sqrt8:block64", kernel="pallas")
+  with pytest.raises(ValueError, match="its format"):
+    lowprec.scale_by_stored_adam(
+      nu="float8_e5m2:nearest:block32", kernel="pallas"
+    )
+  with pytest.raises(ValueError, match="its blocks"):
+    lowprec.scale_by_stored_adam(
+      mu="float8_e4m3fn:nearest:tensor", kernel="pallas"
+    )
   with pytest.raises(ValueError, match="valid: auto, pallas, xla"):
     lowprec.scale_by_stored_adam(kernel="triton")
   # Any other spec runs on the XLA path under "auto".

@@ -275,7 +275,9 @@ def _quotient(codec: Codec, x, per):
   single device's did not: one parameter an ulp off after three steps
   (tests/state_storage_test.py's eight-device test, e5m2 blocks of 32).
   So the division stays."""
-  return x / per if codec.scale_rule == "pow2" else _divide(x, per)
+  if codec.scale_rule == "pow2":
+    return _ieee.div(x, per)
+  return _divide(x, per)
 
 
 def _product(codec: Codec, q, per):
@@ -502,6 +504,12 @@ _RAW_MIN_SIZE = 1 << 16
 
 def _pow2_scales(s, codec: Codec):
   """float32 powers of two `p`, smallest with `amax / p <= max_E`."""
+  return _finite_amax(s, codec.scale, _pow2_of(codec))
+
+
+def _pow2_of(codec: Codec):
+  """The `then` of `_pow2_scales`: a block's scale from its largest
+  finite magnitude `amax` (the second argument, a flag, unused)."""
 
   def scales(amax, _):
     # The no-clip rule of lowprec.scaled, within float32's normal range.
@@ -509,7 +517,7 @@ def _pow2_scales(s, codec: Codec):
     k = scaled._pow2_exponent(amax, top, "noclip", -126, 127)
     return jax.lax.bitcast_convert_type((k + 127) << 23, jnp.float32)
 
-  return _finite_amax(s, codec.scale, scales)
+  return scales
 
 
 def _amax_scales(x, codec: Codec, bad=None, clean=True, pre=None):

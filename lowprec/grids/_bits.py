@@ -142,7 +142,9 @@ def bracket(a: jax.Array, fmt, lay: Layout) -> Bracket:
     out = Bracket(a, a + one, zero, (a & one).astype(bool))
   else:
     low_mask = u((1 << d) - 1, lay)
-    lo = a & ~low_mask
+    # The complement made in Python (Pallas's Triton backend has no `~`
+    # of a constant).
+    lo = a & u(((1 << w) - 1) ^ ((1 << d) - 1), lay)
     out = Bracket(
       lo=lo,
       hi=lo + u(1 << d, lay),

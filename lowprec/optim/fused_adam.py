@@ -15,18 +15,23 @@ The kernel holds FlashOptim's `companded8` (first moment) and `sqrt8`
 (second moment), whose codes and values have closed forms, and
 bitsandbytes' `dynamic8` (either moment) and `dynamic8u` (second
 moment), whose codes it finds in the same tables the XLA path reads
-(`CodeMap.tables()`, passed to the kernel whole); blocks of 32 or any
-power of two, nearest rounding. Its arithmetic is the XLA path's,
-operation for operation (the same float32 expressions, the same selects
-that keep a product from being contracted into an FMA, the same
-correctly rounded divisions and roots: for Triton, PTX's `div.rn.f32`
-and `sqrt.rn.f32`, which XLA's compile to, where Triton's own `/` is the
-approximate `div.full.f32`; `lowprec.grids._ieee`), so its codes,
-scales and updates are the XLA path's bit for bit
-(tests/fused_adam_test.py, on this CPU in Pallas's interpret mode, for
-both pairs; on a GPU the write-back benchmark compares the two). A leaf
-the kernel does not take (a last axis that is not a whole number of
-blocks, a scalar) takes the XLA path, leaf by leaf.
+(`CodeMap.tables()`, passed to the kernel whole); and float8 e4m3
+codes under power-of-two or amax block scales (torchao's AdamWFp8 is
+`"float8_e4m3fn:nearest:block256:amax"` for both), rounded as
+`lowprec.grids.rounding` rounds, on bit patterns. Blocks of 32 or any
+power of two, nearest rounding; either moment may take either kind.
+Its arithmetic is the XLA path's, operation for operation (the same
+float32 expressions, the same selects that keep a product from being
+contracted into an FMA, the same correctly rounded divisions and roots:
+for Triton, PTX's `div.rn.f32` and `sqrt.rn.f32`, which XLA's compile
+to, where Triton's own `/` is the approximate `div.full.f32`;
+`lowprec.grids._ieee`), so its codes, scales and updates are the XLA
+path's bit for bit (tests/fused_adam_test.py, on this CPU in Pallas's
+interpret mode, for six pairs of formats; on a GPU the write-back
+benchmark compares the two). Not e5m2: XLA:CPU converts a NaN to an e5m2
+NaN of one payload or another depending on the program around it. A
+leaf the kernel does not take (a last axis that is not a whole number
+of blocks, a scalar) takes the XLA path, leaf by leaf.
 
 Where it runs (`kernel`): "auto" runs the kernel on a GPU (Pallas's
 Triton backend) when one device is in use, and the XLA path elsewhere: on
@@ -54,7 +59,7 @@ from jax.experimental.pallas import triton
 
 from lowprec.engine import codec as codec_lib
 from lowprec.engine.weights import path_name
-from lowprec.grids import _ieee, choices
+from lowprec.grids import _ieee, choices, rounding
 from lowprec.optim import stored_state as stored_lib
 
 __all__ = ["KERNELS", "scale_by_stored_adam"]
@@ -65,6 +70,12 @@ _MAPS = {
   "mu": ("companded8", "dynamic8"),
   "nu": ("sqrt8", "dynamic8u", "dynamic8"),
 }
+# The float formats it holds, for either moment, under power-of-two or
+# amax block scales. (Not e5m2: XLA:CPU converts a NaN to an e5m2 NaN of
+# one payload or another depending on the program around it, so the
+# kernel's NaN codes could differ from the XLA path's; e4m3fn has one
+# NaN a sign.)
+_FLOATS = ("float8_e4m3fn",)
 
 
 def scale_by_stored_adam(
@@ -97,10 +108,12 @@ def scale_by_stored_adam(
     b2: Adam's second-moment decay.
     eps: added to the root of the second moment.
     eps_root: added to the second moment inside the root.
-    mu: the first moment's spec, `"companded8:block<N>"` or
-      `"dynamic8:block<N>"` (N a power of two) with nearest rounding.
-    nu: the second moment's, `"sqrt8:block<N>"`, `"dynamic8u:block<N>"`
-      or `"dynamic8:block<N>"`.
+    mu: the first moment's spec, `"companded8:block<N>"`,
+      `"dynamic8:block<N>"` or `"float8_e4m3fn:nearest:block<N>"` (with
+      `:amax`, and `:float16`, for amax scales), N a power of two, with
+      nearest rounding.
+    nu: the second moment's, `"sqrt8:block<N>"`, `"dynamic8u:block<N>"`,
+      `"dynamic8:block<N>"` or an e4m3 spec as for `mu`.
     kernel: "auto", "pallas" or "xla" (module docstring).
 
   Raises:
@@ -116,8 +129,9 @@ def scale_by_stored_adam(
     raise ValueError(
       f"scale_by_stored_adam: the kernel does not hold {reason}; it holds "
       "mu 'companded8' or 'dynamic8' and nu 'sqrt8', 'dynamic8u' or "
-      "'dynamic8', as ':block<N>' (N a power of two, nearest rounding): "
-      "use those, or kernel='xla', or "
+      "'dynamic8', as ':block<N>', or 'float8_e4m3fn:nearest:block<N>' "
+      "(':amax' allowed) for either (N a power of two, nearest "
+      "rounding): use those, or kernel='xla', or "
       "lowprec.store_state(optax.scale_by_adam(...), rules) for any "
       "other spec"
     )
@@ -192,8 +206,10 @@ def _unheld(formats) -> str | None:
   """What the kernel does not hold of `{"mu": StateFormat, "nu": ...}`,
   or None."""
   for name, f in formats.items():
-    if not f.mapped or f.fmt.name not in _MAPS[name]:
+    if f.mapped and f.fmt.name not in _MAPS[name]:
       return f"{name} {str(f)!r} (its map)"
+    if not f.mapped and getattr(f.fmt, "name", None) not in _FLOATS:
+      return f"{name} {str(f)!r} (its format)"
     if f.rounding != "nearest":
       return f"{name} {str(f)!r} (its rounding)"
     block = f.scale
@@ -259,7 +275,9 @@ def _leaf_step(codecs, hyper, corrections, g, m, ms, v, vs):
   consts = jnp.concatenate(
     [corrections, jax.lax.optimization_barrier(_CONSTANTS)]
   )
-  tables = {n: _padded(c.fmt.tables()) for n, c in codecs.items()}
+  tables = {
+    n: _padded(c.fmt.tables() if c.mapped else {}) for n, c in codecs.items()
+  }
   names = {n: tuple(t) for n, t in tables.items()}
   arrays = [a for t in tables.values() for a in t.values()]
   whole = [pl.BlockSpec(a.shape, lambda i: (0,)) for a in arrays]
@@ -368,7 +386,7 @@ def _body(codecs, hyper, names, c_ref, g_ref, m_ref, ms_ref, v_ref, *refs):
   # a broadcast scalar XLA compiles as a product with the rounded
   # reciprocal, which is not the IEEE quotient that the tables and the
   # XLA path's divisions hold.
-  zero = m_code.astype(jnp.float32) * np.float32(0)
+  zero = _bits_of(m_code).astype(jnp.float32) * np.float32(0)
 
   def spread(i):
     return c_ref[i] + zero
@@ -382,6 +400,13 @@ def _body(codecs, hyper, names, c_ref, g_ref, m_ref, ms_ref, v_ref, *refs):
   v_out[...], vs_out[...] = _write(codecs["nu"], nu, tables["nu"])
 
 
+def _bits_of(code):
+  """Integer codes as they are, float8 codes as their bits (finite)."""
+  if jnp.issubdtype(code.dtype, jnp.integer):
+    return code
+  return jax.lax.bitcast_convert_type(code, jnp.uint8)
+
+
 def _read(codec, code, scale, divisors, tables):
   """`decode`: float32 values of codes under their block's scale (rows,
   1). A table map reads its table by index; `companded8` and `sqrt8`
@@ -390,6 +415,8 @@ def _read(codec, code, scale, divisors, tables):
   through `decode`'s select."""
   m = codec.fmt
   per = scale.astype(jnp.float32)
+  if not codec.mapped:
+    return codec_lib._kept(code.astype(jnp.float32) * per)
   if m.name not in ("companded8", "sqrt8"):
     return codec_lib._kept(m.value(m.index_of(code), per, tables))
   z = _ieee.div(code.astype(jnp.float32), divisors[m.name])
@@ -406,6 +433,15 @@ def _read(codec, code, scale, divisors, tables):
 def _write(codec, x, tables):
   """`encode(codec, x)`'s code and scales for rows of one block each."""
   m = codec.fmt
+  if not codec.mapped:
+    finite = jnp.where(jnp.isfinite(x), jnp.abs(x), 0.0)
+    amax = jnp.max(finite, axis=-1, keepdims=True, initial=0.0)
+    pow2 = codec.scale_rule == "pow2"
+    scales = (codec_lib._pow2_of if pow2 else codec_lib._scales_of)(codec)
+    scales = scales(amax, None)
+    y = codec_lib._quotient(codec, x, scales.astype(jnp.float32))
+    q, _ = rounding._round_and_flag(y, m, None, codec.overflow)
+    return q.astype(codec.dtype()), scales
   pre = None if m.signed else m.pre
   finite = jnp.where(jnp.isfinite(x), x if pre else jnp.abs(x), 0.0)
   amax = jnp.max(finite, axis=-1, keepdims=True, initial=0.0)
