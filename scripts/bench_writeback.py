@@ -5,7 +5,7 @@ One jitted optimizer step (update and `optax.apply_updates`) on a pytree of
 --quick, 2M parameters in two matrices and the rows of `QUICK` only: each
 row is a program to compile, longer with every leaf, and the full set on
 ten matrices did not finish in 55 s on an H200. On an accelerator the
-trees are larger (`sizes`: 96M, and 64M with --quick), so that a step
+trees are larger (`sizes`: 88M, and 64M with --quick), so that a step
 times memory rather than kernel launches. Write-back params are
 float32 holding bfloat16 grid values. Rows: nearest, stochastic and
 dead-zone write-back, each with telemetry on and off, and stochastic
@@ -104,6 +104,7 @@ WITHOUT = "+ stochastic"
 KERNEL = "adamw, companded8/sqrt8 block32 moments, scale_by_stored_adam"
 KERNEL_8BIT = "adamw, dynamic8/dynamic8u block256 moments, scale_by_stored_adam"
 KERNEL_FP8 = "adamw, amax e4m3 block256 moments, scale_by_stored_adam"
+KERNEL_4BIT = "adamw, 4-bit moments, scale_by_stored_adam"
 # row -> the row whose params it must equal bit for bit after `SAME_STEPS`
 # steps from the same inputs (checked after the timing, reported in the
 # notes and the JSON's `same_bits`).
@@ -111,6 +112,7 @@ SAME_BITS = {
   KERNEL: "adamw, companded8/sqrt8 block32 moments",
   KERNEL_8BIT: "adamw, dynamic8/dynamic8u block256 moments",
   KERNEL_FP8: "adamw, amax e4m3 block256 moments",
+  KERNEL_4BIT: "adamw, 4-bit moments",
 }
 SAME_STEPS = 2
 
@@ -162,6 +164,7 @@ QUICK = (
   "adamw, companded8/sqrt8 block32 moments",
   KERNEL,
   "adamw, 4-bit moments",
+  KERNEL_4BIT,
 )
 
 
@@ -169,16 +172,16 @@ def sizes(quick: bool, platform: str) -> tuple[int, int, int]:
   """`(parameters, square matrices, rounds)` of a run on `platform`.
 
   On a CPU, 20M parameters in ten matrices (2M in two with `quick`). On
-  an accelerator, 96M in ten (64M in two): a step of 20M parameters
+  an accelerator, 88M in ten (64M in two): a step of 20M parameters
   there moves 800 MB, a quarter of a millisecond at 3.35 TB/s, and would
   time kernel launches rather than memory, while the time to compile a
   step does not grow with its leaves' size. Every row holds its own
-  params and state, so 96M (about 1.5 GB a row, 25 rows) is what an
+  params and state, so 88M (about 1.4 GB a row, 27 rows) is what an
   80 GB card holds with room for the steps' temporaries.
   """
   if platform == "cpu":
     return (2_000_000, 2, 3) if quick else (20_000_000, 10, 9)
-  return (64_000_000, 2, 3) if quick else (96_000_000, 10, 9)
+  return (64_000_000, 2, 3) if quick else (88_000_000, 10, 9)
 
 
 def _params(n_params: int, layers: int) -> dict:
@@ -345,6 +348,7 @@ def _rows(quick: bool, cases: str | None) -> dict:
     (KERNEL, MOMENTS["companded8/sqrt8 block32"]),
     (KERNEL_8BIT, MOMENTS["dynamic8/dynamic8u block256"]),
     (KERNEL_FP8, MOMENTS["amax e4m3 block256"]),
+    (KERNEL_4BIT, MOMENTS["4-bit"]),
   ):
     chosen[name] = optax.chain(
       lowprec.scale_by_stored_adam(mu=mu, nu=nu),  # adamw's b1, b2, eps

@@ -42,6 +42,10 @@ PAIRS = {
     "mu": "companded8:block32",
     "nu": "float8_e4m3fn:nearest:block32:amax",
   },
+  # 4-bit codes, two to a byte (Li, Chen, Zhu 2023's maps), and one
+  # packed moment beside an unpacked one.
+  "4bit": {"mu": "dynamic4:block128", "nu": "uint4nz:block128"},
+  "dynamic8_uint4nz": {"mu": "dynamic8:block64", "nu": "uint4nz:block64"},
 }
 
 
@@ -106,6 +110,8 @@ def _assert_same(a, b):
     ({}, "amax_e4m3"),
     ({"b1": 0.8, "eps_root": 1e-12}, "pow2_and_float16_amax"),
     ({}, "companded8_e4m3"),
+    ({}, "4bit"),
+    ({"b2": 0.95}, "dynamic8_uint4nz"),
   ],
   ids=lambda v: v if isinstance(v, str) else None,
 )
@@ -154,7 +160,9 @@ def test_the_kernel_runs_once_a_leaf_it_takes():
   assert calls("auto") == 0
 
 
-@pytest.mark.parametrize("pair", ["flashoptim", "bitsandbytes", "amax_e4m3"])
+@pytest.mark.parametrize(
+  "pair", ["flashoptim", "bitsandbytes", "amax_e4m3", "4bit"]
+)
 def test_kernel_lowers_to_triton(pair):
   """Exported for CUDA (no GPU needed): each leaf the kernel takes is one
   Triton call, so every operation in it (the table maps' reads by index
@@ -264,7 +272,9 @@ def test_nnx_optimizer_loop_same_params():
 
 def test_refusals_name_the_fix():
   with pytest.raises(ValueError, match="kernel='xla'"):
-    lowprec.scale_by_stored_adam(mu="dynamic4:block128", kernel="pallas")
+    lowprec.scale_by_stored_adam(
+      mu="int4:nearest:block128:amax", kernel="pallas"
+    )
   with pytest.raises(ValueError, match="rounding"):
     lowprec.scale_by_stored_adam(
       mu="companded8:stochastic:block32", kernel="pallas"
@@ -283,7 +293,7 @@ def test_refusals_name_the_fix():
     lowprec.scale_by_stored_adam(kernel="triton")
   # Any other spec runs on the XLA path under "auto".
   tx = lowprec.scale_by_stored_adam(
-    mu="dynamic4:block128", nu="uint4nz:block128"
+    mu="int4:nearest:block128:amax", nu="uint4nz:block128"
   )
   params = {"w": jnp.zeros((4, 256)), "v": jnp.zeros((256,))}
   updates, _ = tx.update(params, tx.init(params))

@@ -15,11 +15,15 @@ The kernel holds FlashOptim's `companded8` (first moment) and `sqrt8`
 (second moment), whose codes and values have closed forms, and
 bitsandbytes' `dynamic8` (either moment) and `dynamic8u` (second
 moment), whose codes it finds in the same tables the XLA path reads
-(`CodeMap.tables()`, passed to the kernel whole); and float8 e4m3
-codes under power-of-two or amax block scales (torchao's AdamWFp8 is
-`"float8_e4m3fn:nearest:block256:amax"` for both), rounded as
-`lowprec.grids.rounding` rounds, on bit patterns. Blocks of 32 or any
-power of two, nearest rounding; either moment may take either kind.
+(`CodeMap.tables()`, passed to the kernel whole); Li, Chen and Zhu's
+4-bit `dynamic4` (either moment) and `uint4nz` (second moment), whose
+codes it packs two to a byte as `store_state` stores them, reading a
+tile's even and odd entries apart (the low and the high nibbles); and
+float8 e4m3 codes under power-of-two or amax block scales (torchao's
+AdamWFp8 is `"float8_e4m3fn:nearest:block256:amax"` for both), rounded
+as `lowprec.grids.rounding` rounds, on bit patterns. Blocks of 32 or
+any power of two, nearest rounding; either moment may take any of
+these its role allows.
 Its arithmetic is the XLA path's, operation for operation (the same
 float32 expressions, the same selects that keep a product from being
 contracted into an FMA, the same correctly rounded divisions and roots:
@@ -27,7 +31,7 @@ for Triton, PTX's `div.rn.f32` and `sqrt.rn.f32`, which XLA's compile
 to, where Triton's own `/` is the approximate `div.full.f32`;
 `lowprec.grids._ieee`), so its codes, scales and updates are the XLA
 path's bit for bit (tests/fused_adam_test.py, on this CPU in Pallas's
-interpret mode, for six pairs of formats; on a GPU the write-back
+interpret mode, for eight pairs of formats; on a GPU the write-back
 benchmark compares the two). Not e5m2: XLA:CPU converts a NaN to an e5m2
 NaN of one payload or another depending on the program around it. A
 leaf the kernel does not take (a last axis that is not a whole number
@@ -67,8 +71,8 @@ __all__ = ["KERNELS", "scale_by_stored_adam"]
 KERNELS = ("auto", "pallas", "xla")
 # The code maps the kernel holds, by moment.
 _MAPS = {
-  "mu": ("companded8", "dynamic8"),
-  "nu": ("sqrt8", "dynamic8u", "dynamic8"),
+  "mu": ("companded8", "dynamic8", "dynamic4"),
+  "nu": ("sqrt8", "dynamic8u", "dynamic8", "uint4nz", "dynamic4"),
 }
 # The float formats it holds, for either moment, under power-of-two or
 # amax block scales. (Not e5m2: XLA:CPU converts a NaN to an e5m2 NaN of
@@ -109,11 +113,12 @@ def scale_by_stored_adam(
     eps: added to the root of the second moment.
     eps_root: added to the second moment inside the root.
     mu: the first moment's spec, `"companded8:block<N>"`,
-      `"dynamic8:block<N>"` or `"float8_e4m3fn:nearest:block<N>"` (with
-      `:amax`, and `:float16`, for amax scales), N a power of two, with
-      nearest rounding.
+      `"dynamic8:block<N>"`, `"dynamic4:block<N>"` or
+      `"float8_e4m3fn:nearest:block<N>"` (with `:amax`, and `:float16`,
+      for amax scales), N a power of two, with nearest rounding.
     nu: the second moment's, `"sqrt8:block<N>"`, `"dynamic8u:block<N>"`,
-      `"dynamic8:block<N>"` or an e4m3 spec as for `mu`.
+      `"dynamic8:block<N>"`, `"uint4nz:block<N>"`, `"dynamic4:block<N>"`
+      or an e4m3 spec as for `mu`.
     kernel: "auto", "pallas" or "xla" (module docstring).
 
   Raises:
@@ -128,8 +133,9 @@ def scale_by_stored_adam(
   if reason and kernel == "pallas":
     raise ValueError(
       f"scale_by_stored_adam: the kernel does not hold {reason}; it holds "
-      "mu 'companded8' or 'dynamic8' and nu 'sqrt8', 'dynamic8u' or "
-      "'dynamic8', as ':block<N>', or 'float8_e4m3fn:nearest:block<N>' "
+      "mu 'companded8', 'dynamic8' or 'dynamic4' and nu 'sqrt8', "
+      "'dynamic8u', 'dynamic8', 'uint4nz' or 'dynamic4', as "
+      "':block<N>', or 'float8_e4m3fn:nearest:block<N>' "
       "(':amax' allowed) for either (N a power of two, nearest "
       "rounding): use those, or kernel='xla', or "
       "lowprec.store_state(optax.scale_by_adam(...), rules) for any "
@@ -213,7 +219,7 @@ def _unheld(formats) -> str | None:
     if f.rounding != "nearest":
       return f"{name} {str(f)!r} (its rounding)"
     block = f.scale
-    if not isinstance(block, int) or block & (block - 1):
+    if not isinstance(block, int) or block < 2 or block & (block - 1):
       return f"{name} {str(f)!r} (its blocks)"
   if formats["mu"].scale != formats["nu"].scale:
     return "moments in blocks of two sizes"
@@ -254,19 +260,24 @@ def _moments(hyper, corrections, g, mu, nu, compiled=False):
 def _reference_step(codecs, hyper, corrections, g, m, ms, v, vs):
   """One leaf by XLA's ops (`store_state`'s arithmetic)."""
   g = jnp.asarray(g, jnp.float32)
-  mu = codec_lib.decode(codecs["mu"], m, ms)
-  nu = codec_lib.decode(codecs["nu"], v, vs)
+  shape, cm, cv = jnp.shape(g), codecs["mu"], codecs["nu"]
+  mu = codec_lib.decode(cm, codec_lib.unpack(cm, m, shape), ms)
+  nu = codec_lib.decode(cv, codec_lib.unpack(cv, v, shape), vs)
   mu, nu, u = _moments(hyper, corrections, g, mu, nu)
-  em = codec_lib.encode(codecs["mu"], mu)
-  en = codec_lib.encode(codecs["nu"], nu)
-  return u, em.code, em.scales, en.code, en.scales
+  em, en = codec_lib.encode(cm, mu), codec_lib.encode(cv, nu)
+  m2, v2 = codec_lib.pack(cm, em.code), codec_lib.pack(cv, en.code)
+  return u, m2, em.scales, v2, en.scales
 
 
 def _leaf_step(codecs, hyper, corrections, g, m, ms, v, vs):
   """One leaf by the kernel: the leaf as rows of one block each, in
   tiles of `_tile` rows; compiled by Triton for CUDA, and run by
-  Pallas's interpreter on any other platform."""
+  Pallas's interpreter on any other platform. Where a moment's codes
+  are packed two to a byte, the rows are read and written as their even
+  and odd entries apart (`_lanes`), the low and the high nibbles."""
   block = codecs["mu"].scale
+  width = {n: block // 2 if c.packed else block for n, c in codecs.items()}
+  lanes = _lanes(block, any(c.packed for c in codecs.values()))
   shape = jnp.shape(g)
   rows = int(np.prod(shape)) // block
   tile = _tile(rows, block)
@@ -283,27 +294,33 @@ def _leaf_step(codecs, hyper, corrections, g, m, ms, v, vs):
   whole = [pl.BlockSpec(a.shape, lambda i: (0,)) for a in arrays]
   out_shape = (
     jax.ShapeDtypeStruct((rows, block), jnp.float32),
-    jax.ShapeDtypeStruct((rows, block), codecs["mu"].dtype()),
+    jax.ShapeDtypeStruct((rows, width["mu"]), m.dtype),
     jax.ShapeDtypeStruct((rows, 1), ms.dtype),
-    jax.ShapeDtypeStruct((rows, block), codecs["nu"].dtype()),
+    jax.ShapeDtypeStruct((rows, width["nu"]), v.dtype),
     jax.ShapeDtypeStruct((rows, 1), vs.dtype),
   )
 
   def call(interpret, *args):
     return pl.pallas_call(
-      functools.partial(_kernel, codecs, hyper, names, not interpret),
+      functools.partial(_kernel, codecs, hyper, names, lanes, not interpret),
       out_shape=out_shape,
       grid=(pl.cdiv(rows, tile),),
       in_specs=[
         pl.BlockSpec(consts.shape, lambda i: (0,)),
         spec(block),
-        spec(block),
+        spec(width["mu"]),
         spec(1),
-        spec(block),
+        spec(width["nu"]),
         spec(1),
         *whole,
       ],
-      out_specs=[spec(block), spec(block), spec(1), spec(block), spec(1)],
+      out_specs=[
+        spec(block),
+        spec(width["mu"]),
+        spec(1),
+        spec(width["nu"]),
+        spec(1),
+      ],
       interpret=interpret,
       # Triton: elementwise arithmetic, row reductions and reads of a
       # table by index on tiles of any power-of-two shape (Mosaic GPU
@@ -315,22 +332,20 @@ def _leaf_step(codecs, hyper, corrections, g, m, ms, v, vs):
   u, m2, ms2, v2, vs2 = jax.lax.platform_dependent(
     consts,
     flat(jnp.asarray(g, jnp.float32), block),
-    flat(m, block),
+    flat(m, width["mu"]),
     flat(ms, 1),
-    flat(v, block),
+    flat(v, width["nu"]),
     flat(vs, 1),
     *arrays,
     cuda=functools.partial(call, False),
     default=functools.partial(call, True),
   )
-  back = lambda a: jnp.reshape(a, shape)  # noqa: E731
-  scales_shape = jnp.shape(ms)
   return (
-    back(u),
-    back(m2),
-    jnp.reshape(ms2, scales_shape),
-    back(v2),
-    jnp.reshape(vs2, scales_shape),
+    jnp.reshape(u, shape),
+    jnp.reshape(m2, jnp.shape(m)),
+    jnp.reshape(ms2, jnp.shape(ms)),
+    jnp.reshape(v2, jnp.shape(v)),
+    jnp.reshape(vs2, jnp.shape(vs)),
   )
 
 
@@ -365,39 +380,74 @@ def _padded(tables: dict) -> dict:
 _CONSTANTS = np.array([127.0, 255.0, 2.0, 1.0, 0.0, 0.0], np.float32)
 
 
-def _kernel(codecs, hyper, names, ptx, *refs):
+def _lanes(block: int, split: bool) -> tuple:
+  """How a tile's rows are read: whole, or (`split`) as their even and
+  odd entries apart, each a strided index into a ref."""
+  if not split:
+    return ((slice(None), slice(None)),)
+  return tuple((slice(None), pl.ds(k, block // 2, stride=2)) for k in (0, 1))
+
+
+def _kernel(codecs, hyper, names, lanes, ptx, *refs):
   """The kernel's body; `ptx`: traced for Triton, so divisions and roots
   are PTX's correctly rounded ones (`lowprec.grids._ieee`), as XLA's
   are."""
   with _ieee.ptx(ptx):
-    _body(codecs, hyper, names, *refs)
+    _body(codecs, hyper, names, lanes, *refs)
 
 
-def _body(codecs, hyper, names, c_ref, g_ref, m_ref, ms_ref, v_ref, *refs):
-  vs_ref, *refs = refs
+def _body(codecs, hyper, names, lanes, c_ref, g_ref, m_ref, ms_ref, *refs):
+  v_ref, vs_ref, *refs = refs
   tables = {}
   for moment in ("mu", "nu"):
     tables[moment] = dict(zip(names[moment], refs, strict=False))
     refs = refs[len(names[moment]) :]
   u_ref, m_out, ms_out, v_out, vs_out = refs
-  g, m_code, v_code = g_ref[...], m_ref[...], v_ref[...]
-  # The scalars the kernel divides by, spread to every element by adding
-  # a zero made of the codes (finite, so the sum is exact): a division by
-  # a broadcast scalar XLA compiles as a product with the rounded
-  # reciprocal, which is not the IEEE quotient that the tables and the
-  # XLA path's divisions hold.
-  zero = _bits_of(m_code).astype(jnp.float32) * np.float32(0)
+  m_codes = _codes_in(codecs["mu"], m_ref, lanes)
+  v_codes = _codes_in(codecs["nu"], v_ref, lanes)
+  mus, nus = [], []
+  for lane, m_code, v_code in zip(lanes, m_codes, v_codes, strict=True):
+    # The scalars the kernel divides by, spread to every element by
+    # adding a zero made of the codes (finite, so the sum is exact): a
+    # division by a broadcast scalar XLA compiles as a product with the
+    # rounded reciprocal, which is not the IEEE quotient that the tables
+    # and the XLA path's divisions hold.
+    zero = _bits_of(m_code).astype(jnp.float32) * np.float32(0)
 
-  def spread(i):
-    return c_ref[i] + zero
+    def spread(i, zero=zero):
+      return c_ref[i] + zero
 
-  divisors = {"companded8": spread(2), "sqrt8": spread(3), "two": spread(4)}
-  mu = _read(codecs["mu"], m_code, ms_ref[...], divisors, tables["mu"])
-  nu = _read(codecs["nu"], v_code, vs_ref[...], divisors, tables["nu"])
-  mu, nu, u = _moments(hyper, (spread(0), spread(1)), g, mu, nu, True)
-  u_ref[...] = u
-  m_out[...], ms_out[...] = _write(codecs["mu"], mu, tables["mu"])
-  v_out[...], vs_out[...] = _write(codecs["nu"], nu, tables["nu"])
+    divisors = {"companded8": spread(2), "sqrt8": spread(3), "two": spread(4)}
+    mu = _read(codecs["mu"], m_code, ms_ref[...], divisors, tables["mu"])
+    nu = _read(codecs["nu"], v_code, vs_ref[...], divisors, tables["nu"])
+    mu, nu, u = _moments(
+      hyper, (spread(0), spread(1)), g_ref[lane], mu, nu, True
+    )
+    u_ref[lane] = u
+    mus.append(mu)
+    nus.append(nu)
+  m_new, ms_out[...] = _write(codecs["mu"], mus, tables["mu"])
+  v_new, vs_out[...] = _write(codecs["nu"], nus, tables["nu"])
+  _codes_out(codecs["mu"], m_out, lanes, m_new)
+  _codes_out(codecs["nu"], v_out, lanes, v_new)
+
+
+def _codes_in(codec, ref, lanes) -> list:
+  """A tile's codes by lane: a packed byte's low nibble is the even
+  entry, its high one the odd (`codec_lib.pack`)."""
+  if not codec.packed:
+    return [ref[lane] for lane in lanes]
+  b = ref[...]
+  return [b & np.uint8(0xF), b >> np.uint8(4)]
+
+
+def _codes_out(codec, ref, lanes, codes) -> None:
+  if not codec.packed:
+    for lane, code in zip(lanes, codes, strict=True):
+      ref[lane] = code
+    return
+  lo, hi = (c.astype(jnp.uint8) & np.uint8(0xF) for c in codes)
+  ref[...] = lo | (hi << np.uint8(4))
 
 
 def _bits_of(code):
@@ -430,28 +480,41 @@ def _read(codec, code, scale, divisors, tables):
   return codec_lib._kept(v)
 
 
-def _write(codec, x, tables):
-  """`encode(codec, x)`'s code and scales for rows of one block each."""
+def _row_max(xs):
+  """The largest entry of each row over the lanes `xs`, at least 0."""
+  each = [jnp.max(x, axis=-1, keepdims=True, initial=0.0) for x in xs]
+  return functools.reduce(jnp.maximum, each)
+
+
+def _write(codec, xs, tables):
+  """`encode(codec, x)`'s codes (by lane) and scales for rows of one
+  block each, given as the lanes `xs`."""
   m = codec.fmt
   if not codec.mapped:
-    finite = jnp.where(jnp.isfinite(x), jnp.abs(x), 0.0)
-    amax = jnp.max(finite, axis=-1, keepdims=True, initial=0.0)
+    amax = _row_max([jnp.where(jnp.isfinite(x), jnp.abs(x), 0.0) for x in xs])
     pow2 = codec.scale_rule == "pow2"
     scales = (codec_lib._pow2_of if pow2 else codec_lib._scales_of)(codec)
     scales = scales(amax, None)
-    y = codec_lib._quotient(codec, x, scales.astype(jnp.float32))
-    q, _ = rounding._round_and_flag(y, m, None, codec.overflow)
-    return q.astype(codec.dtype()), scales
+    per = scales.astype(jnp.float32)
+    codes = []
+    for x in xs:
+      y = codec_lib._quotient(codec, x, per)
+      q, _ = rounding._round_and_flag(y, m, None, codec.overflow)
+      codes.append(q.astype(codec.dtype()))
+    return codes, scales
   pre = None if m.signed else m.pre
-  finite = jnp.where(jnp.isfinite(x), x if pre else jnp.abs(x), 0.0)
-  amax = jnp.max(finite, axis=-1, keepdims=True, initial=0.0)
+  amax = _row_max(
+    [jnp.where(jnp.isfinite(x), x if pre else jnp.abs(x), 0.0) for x in xs]
+  )
   if pre is not None:
     amax = jnp.abs(pre(amax))
-  bad = jnp.max(jnp.isnan(x).astype(jnp.float32), axis=-1, keepdims=True) > 0
+  bad = _row_max([jnp.isnan(x).astype(jnp.float32) for x in xs]) > 0
   scales = codec_lib._scales_of(codec)(amax, bad)
   per = scales.astype(jnp.float32)
-  u = m.pre(x)
-  raw = jnp.where(per > 0, codec_lib._divide(u, per), 0.0)
   lo = -1.0 if m.signed else 0.0
-  index = m.nearest_index(jnp.clip(raw, lo, 1.0), tables or None)
-  return m.code_of(index).astype(codec.dtype()), scales
+  codes = []
+  for x in xs:
+    raw = jnp.where(per > 0, codec_lib._divide(m.pre(x), per), 0.0)
+    index = m.nearest_index(jnp.clip(raw, lo, 1.0), tables or None)
+    codes.append(m.code_of(index).astype(codec.dtype()))
+  return codes, scales
