@@ -270,25 +270,22 @@ def test_nnx_optimizer_loop_same_params():
   _assert_same(train("xla"), train("pallas"))
 
 
-def test_refusals_name_the_fix():
-  with pytest.raises(ValueError, match="kernel='xla'"):
-    lowprec.scale_by_stored_adam(
-      mu="int4:nearest:block128:amax", kernel="pallas"
-    )
-  with pytest.raises(ValueError, match="rounding"):
-    lowprec.scale_by_stored_adam(
-      mu="companded8:stochastic:block32", kernel="pallas"
-    )
-  with pytest.raises(ValueError, match="two sizes"):
-    lowprec.scale_by_stored_adam(nu="sqrt8:block64", kernel="pallas")
-  with pytest.raises(ValueError, match="its format"):
-    lowprec.scale_by_stored_adam(
-      nu="float8_e5m2:nearest:block32", kernel="pallas"
-    )
-  with pytest.raises(ValueError, match="its blocks"):
-    lowprec.scale_by_stored_adam(
-      mu="float8_e4m3fn:nearest:tensor", kernel="pallas"
-    )
+@pytest.mark.parametrize(
+  "specs, match",
+  [
+    ({"mu": "int4:nearest:block128:amax"}, "kernel='xla'"),
+    ({"mu": "companded8:stochastic:block32"}, "rounding"),
+    ({"nu": "sqrt8:block64"}, "two sizes"),
+    ({"nu": "float8_e5m2:nearest:block32"}, "its format"),
+    ({"mu": "float8_e4m3fn:nearest:tensor"}, "its blocks"),
+  ],
+)
+def test_specs_the_kernel_does_not_hold_are_refused(specs, match):
+  with pytest.raises(ValueError, match=match):
+    lowprec.scale_by_stored_adam(**specs, kernel="pallas")
+
+
+def test_an_unknown_kernel_is_refused_and_other_specs_take_xla():
   with pytest.raises(ValueError, match="valid: auto, pallas, xla"):
     lowprec.scale_by_stored_adam(kernel="triton")
   # Any other spec runs on the XLA path under "auto".
