@@ -160,6 +160,31 @@ def test_the_kernel_runs_once_a_leaf_it_takes():
   assert calls("auto") == 0
 
 
+def test_auto_off_cuda_takes_the_xla_path_leaf_by_leaf(monkeypatch):
+  """Where "auto" would take the kernel but the platform is not CUDA
+  (another GPU; here the CPU standing in for one): one call per leaf
+  for CUDA, and elsewhere the XLA path, not Pallas's interpreter (whose
+  grid loop is a `while` in the program): the same bits as
+  `store_state`."""
+  monkeypatch.setattr(fused_adam, "_kernel_here", lambda kernel: True)
+  params = {n: jnp.zeros(s) for n, s in SHAPES.items()}
+  g = _grads(SHAPES, 0, np.random.default_rng(0))
+  ref = lowprec.store_state(optax.scale_by_adam(), RULES, telemetry=False)
+
+  def program(kernel):
+    tx = lowprec.scale_by_stored_adam(kernel=kernel)
+    state = tx.init(params)
+    jaxpr = str(jax.make_jaxpr(tx.update)(g, state))
+    compiled = jax.jit(tx.update).lower(g, state).compile().as_text()
+    return jaxpr.count("pallas_call"), compiled, jax.jit(tx.update)(g, state)
+
+  calls, compiled, out = program("auto")
+  assert calls == 5  # the CUDA branch of each leaf the kernel takes
+  assert "while" not in compiled
+  assert "while" in program("pallas")[1]
+  _assert_same(out, jax.jit(ref.update)(g, ref.init(params)))
+
+
 @pytest.mark.parametrize(
   "pair", ["flashoptim", "bitsandbytes", "amax_e4m3", "4bit"]
 )

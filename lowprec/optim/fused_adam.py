@@ -37,10 +37,11 @@ NaN of one payload or another depending on the program around it. A
 leaf the kernel does not take (a last axis that is not a whole number
 of blocks, a scalar) takes the XLA path, leaf by leaf.
 
-Where it runs (`kernel`): "auto" runs the kernel on a GPU (Pallas's
-Triton backend) when one device is in use, and the XLA path elsewhere: on
-a CPU the XLA path is the faster one (the kernel runs there only in
-Pallas's interpreter), and on several devices XLA cannot split the
+Where it runs (`kernel`): "auto" runs the kernel on an NVIDIA GPU
+(Pallas's Triton backend) when one device is in use, and the XLA path
+elsewhere, another GPU included: on a CPU the XLA path is the faster
+one (the kernel runs there only in Pallas's interpreter), and on
+several devices XLA cannot split the
 kernel's call along a sharded leaf (it would gather the leaf whole onto
 every device; run the transform under `jax.shard_map(...,
 check_vma=False)` with `kernel="pallas"` to have each device step its
@@ -165,7 +166,9 @@ def scale_by_stored_adam(
       name = path_name(path)
       mu_s = state.scales[f"mu/{name}"]
       nu_s = state.scales[f"nu/{name}"]
-      step = _leaf_step if _held(g, codecs) else _reference_step
+      step = _reference_step
+      if _held(g, codecs):
+        step = functools.partial(_leaf_step, interpret=kernel == "pallas")
       u, m2, ms, v2, vs = step(codecs, hyper, corrections, g, m, mu_s, v, nu_s)
       out_u.append(u)
       out_mu.append(m2)
@@ -269,10 +272,12 @@ def _reference_step(codecs, hyper, corrections, g, m, ms, v, vs):
   return u, m2, em.scales, v2, en.scales
 
 
-def _leaf_step(codecs, hyper, corrections, g, m, ms, v, vs):
+def _leaf_step(codecs, hyper, corrections, g, m, ms, v, vs, *, interpret):
   """One leaf by the kernel: the leaf as rows of one block each, in
-  tiles of `_tile` rows; compiled by Triton for CUDA, and run by
-  Pallas's interpreter on any other platform. Where a moment's codes
+  tiles of `_tile` rows; compiled by Triton for CUDA, and on any other
+  platform run by Pallas's interpreter (`interpret`) or else by the XLA
+  path (`_reference_step`: "auto" on a GPU that is not NVIDIA's, whose
+  kernels Triton-on-CUDA does not compile). Where a moment's codes
   are packed two to a byte, the rows are read and written as their even
   and odd entries apart (`_lanes`), the low and the high nibbles."""
   block = codecs["mu"].scale
@@ -329,6 +334,11 @@ def _leaf_step(codecs, hyper, corrections, g, m, ms, v, vs):
       name="stored_adam",
     )(*args)
 
+  def xla(*_):
+    out = _reference_step(codecs, hyper, corrections, g, m, ms, v, vs)
+    widths = (block, width["mu"], 1, width["nu"], 1)
+    return tuple(flat(a, w) for a, w in zip(out, widths, strict=True))
+
   u, m2, ms2, v2, vs2 = jax.lax.platform_dependent(
     consts,
     flat(jnp.asarray(g, jnp.float32), block),
@@ -338,7 +348,7 @@ def _leaf_step(codecs, hyper, corrections, g, m, ms, v, vs):
     flat(vs, 1),
     *arrays,
     cuda=functools.partial(call, False),
-    default=functools.partial(call, True),
+    default=functools.partial(call, True) if interpret else xla,
   )
   return (
     jnp.reshape(u, shape),
