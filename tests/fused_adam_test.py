@@ -166,7 +166,7 @@ def test_auto_off_cuda_takes_the_xla_path_leaf_by_leaf(monkeypatch):
   for CUDA, and elsewhere the XLA path, not Pallas's interpreter (whose
   grid loop is a `while` in the program): the same bits as
   `store_state`."""
-  monkeypatch.setattr(fused_adam, "_kernel_here", lambda kernel: True)
+  monkeypatch.setattr(fused_adam, "_kernel_here", lambda *_: True)
   params = {n: jnp.zeros(s) for n, s in SHAPES.items()}
   g = _grads(SHAPES, 0, np.random.default_rng(0))
   ref = lowprec.store_state(optax.scale_by_adam(), RULES, telemetry=False)
@@ -183,6 +183,35 @@ def test_auto_off_cuda_takes_the_xla_path_leaf_by_leaf(monkeypatch):
   assert "while" not in compiled
   assert "while" in program("pallas")[1]
   _assert_same(out, jax.jit(ref.update)(g, ref.init(params)))
+
+
+def test_auto_takes_e4m3_to_the_kernel_only_where_triton_converts_it(
+  monkeypatch,
+):
+  """On one GPU, "auto" runs the kernel for the code maps on any compute
+  capability, and for e4m3 codes on 8.9 or more (Triton has no float8
+  conversion below), taking the XLA path on an older GPU."""
+
+  class Device:
+    def __init__(self, capability):
+      self.compute_capability = capability
+
+  codecs = {
+    pair: {
+      n: stored_state.parse_state_format(s).codec()
+      for n, s in PAIRS[pair].items()
+    }
+    for pair in ("flashoptim", "amax_e4m3")
+  }
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(jax, "device_count", lambda: 1)
+  for capability, fp8 in (("8.0", False), ("8.9", True), ("9.0", True)):
+    monkeypatch.setattr(jax, "devices", lambda c=capability: [Device(c)])
+    assert fused_adam._kernel_here("auto", codecs["flashoptim"])
+    assert fused_adam._kernel_here("auto", codecs["amax_e4m3"]) is fp8
+  monkeypatch.setattr(jax, "device_count", lambda: 2)
+  assert not fused_adam._kernel_here("auto", codecs["flashoptim"])
+  assert fused_adam._kernel_here("pallas", codecs["amax_e4m3"])
 
 
 @pytest.mark.parametrize(

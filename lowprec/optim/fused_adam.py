@@ -21,7 +21,9 @@ codes it packs two to a byte as `store_state` stores them, reading a
 tile's even and odd entries apart (the low and the high nibbles); and
 float8 e4m3 codes under power-of-two or amax block scales (torchao's
 AdamWFp8 is `"float8_e4m3fn:nearest:block256:amax"` for both), rounded
-as `lowprec.grids.rounding` rounds, on bit patterns. Blocks of 32 or
+as `lowprec.grids.rounding` rounds, on bit patterns (on a GPU of
+compute capability 8.9 or more, whose Triton converts to float8; "auto"
+takes the XLA path on an older one). Blocks of 32 or
 any power of two, nearest rounding; either moment may take any of
 these its role allows.
 Its arithmetic is the XLA path's, operation for operation (the same
@@ -151,7 +153,7 @@ def scale_by_stored_adam(
   hyper = (b1, b2, eps, eps_root)
 
   def update_fn(updates, state, params=None):
-    if not _kernel_here(kernel):
+    if not _kernel_here(kernel, codecs):
       return reference.update(updates, state, params)
     inner = state.inner
     count = optax.safe_increment(inner.count)
@@ -202,13 +204,30 @@ def _checked(reference, update_fn):
   return update
 
 
-def _kernel_here(kernel: str) -> bool:
-  """Whether the kernel runs: "pallas" everywhere; "auto" on one GPU.
-  On several devices XLA cannot split a kernel's call across them: it
-  would gather each sharded leaf whole onto every device."""
+def _kernel_here(kernel: str, codecs) -> bool:
+  """Whether the kernel runs: "pallas" everywhere; "auto" on one GPU
+  (on one that is not NVIDIA's, `_leaf_step` takes the XLA path), and
+  with e4m3 codes only on one whose Triton converts to float8 (compute
+  capability 8.9 or more). On several devices XLA cannot split a
+  kernel's call across them: it would gather each sharded leaf whole
+  onto every device."""
   if kernel == "pallas":
     return True
-  return jax.default_backend() == "gpu" and jax.device_count() == 1
+  if jax.default_backend() != "gpu" or jax.device_count() != 1:
+    return False
+  if all(c.mapped for c in codecs.values()):
+    return True
+  return _capability(jax.devices()[0]) >= (8, 9)
+
+
+def _capability(device) -> tuple[int, int]:
+  """An NVIDIA device's compute capability; (0, 0) where it has none."""
+  text = str(getattr(device, "compute_capability", "0.0"))
+  major, _, minor = text.partition(".")
+  try:
+    return int(major), int(minor or 0)
+  except ValueError:
+    return 0, 0
 
 
 def _unheld(formats) -> str | None:
