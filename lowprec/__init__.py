@@ -5,7 +5,7 @@ write-back without master weights (`writeback`, `in_float32`, `to_grid`,
 `apply_updates`, `telemetry`, `telemetry_arrays`, `reseed`), compensated
 write-back (`kahan_writeback`, `two_component_writeback`,
 `remainder_writeback`), optimizer state in low precision (`store_state`;
-Adam with 8-bit moments in one kernel per leaf, `scale_by_stored_adam`),
+Adam with 8- or 4-bit moments in one kernel per leaf, `scale_by_stored_adam`),
 memory (`bytes_per_param`), block- and tensor-scaled formats (`scaled`:
 MX, NVFP4, per-tensor fp8; `get_scaled_format`), freeze
 prediction and per-group advice (`freeze`), named recipes per tensor

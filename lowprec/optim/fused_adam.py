@@ -1,4 +1,4 @@
-"""Adam with 8-bit moments in one pass: a Pallas kernel per leaf.
+"""Adam with 8- and 4-bit moments in one pass: a Pallas kernel per leaf.
 
 `scale_by_stored_adam` is `store_state(optax.scale_by_adam(...), {"mu":
 mu, "nu": nu}, telemetry=False)`, the same state and the same bits, with
@@ -95,8 +95,8 @@ def scale_by_stored_adam(
   nu: str = "sqrt8:block32",
   kernel: str = "auto",
 ) -> optax.GradientTransformation:
-  """`optax.scale_by_adam` with both moments stored as 8-bit codes, each
-  leaf's step one kernel (module docstring).
+  """`optax.scale_by_adam` with both moments stored as 8- or 4-bit codes,
+  each leaf's step one kernel (module docstring).
 
   The same transform, state and bits as `lowprec.store_state(optax.
   scale_by_adam(b1, b2, eps, eps_root), {"mu": mu, "nu": nu},
