@@ -393,7 +393,7 @@ def run(
   grads = jax.tree.map(lambda p: 1e-3 * jnp.sign(p) + 1e-4, params)
   count = sum(p.size for p in jax.tree.leaves(params))
   chosen = _rows(quick, cases)
-  calls, accessed = {}, {}
+  calls, accessed, failed = {}, {}, {}
   for name, opt in chosen.items():
     if name in EVERY_K:
       *calls[name], accessed[name] = _k_updates(
@@ -404,9 +404,17 @@ def run(
     stays = name in (EVERY, BRANCHES)  # timed on an update it does not count
     if stays:
       state = _uncounted(state)
-    step, accessed[name] = _compiled(
-      opt, donate, params, state, grads, _options(name, options)
-    )
+    try:
+      step, accessed[name] = _compiled(
+        opt, donate, params, state, grads, _options(name, options)
+      )
+    except Exception as e:  # noqa: BLE001 (reported; the others timed)
+      if name not in SAME_BITS:
+        raise
+      # A kernel row whose kernel does not compile here: said in the
+      # notes, and every other row still timed.
+      failed[name] = f"{type(e).__name__}: {str(e).strip().splitlines()[0]}"
+      continue
     if not donate:
       calls[name] = step, (params, state, grads)
       continue
@@ -435,8 +443,12 @@ def run(
   baselines = ("adamw", "+ nearest")
   if WITHOUT in times and any("every" in name for name in times):
     baselines += (WITHOUT,)
-  same = same_bits(chosen, params, grads)
+  timed = {n: o for n, o in chosen.items() if n not in failed}
+  same = same_bits(timed, params, grads)
   notes = tuple(
+    f"{name}: not timed, its step did not compile ({error[:300]})"
+    for name, error in failed.items()
+  ) + tuple(
     f"{name}: params after {SAME_STEPS} steps "
     + (
       "equal to"
@@ -451,7 +463,10 @@ def run(
     times,
     baselines,
     notes=notes,
-    extra={"same_bits": same} if same else {},
+    extra={
+      **({"same_bits": same} if same else {}),
+      **({"failed": failed} if failed else {}),
+    },
     columns=columns,
   )
 

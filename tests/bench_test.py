@@ -426,3 +426,38 @@ def test_same_bits_compares_a_kernel_row_with_its_reference(monkeypatch):
   monkeypatch.setattr(bw, "SAME_BITS", {"+ nearest": "adamw"})
   (other,) = bw.same_bits(bw._rows(False, None), params, grads).values()
   assert 0 < other["differing"] <= other["of"] == n
+
+
+def test_a_kernel_row_that_does_not_compile_is_reported_not_fatal(
+  monkeypatch,
+):
+  # A kernel row whose step fails to compile (as a Triton kernel might on
+  # a GPU it was never run on): the section still times every other row,
+  # and its notes and JSON say which row failed and why. Any other row's
+  # failure still stops the run.
+  from scripts import bench_writeback as bw
+
+  compiled = bw._compiled
+
+  def fails_for_kernels(opt, *args, **kwargs):
+    if opt is chosen[bw.KERNEL]:
+      raise RuntimeError("triton: no such instruction\nmore")
+    return compiled(opt, *args, **kwargs)
+
+  chosen = bw._rows(True, "companded")
+  monkeypatch.setattr(bw, "_rows", lambda quick, cases: chosen)
+  monkeypatch.setattr(bw, "_compiled", fails_for_kernels)
+  monkeypatch.setattr(bw, "sizes", lambda quick, platform: (64 * 64, 1, 1))
+  result = bw.run(True, "companded")
+  assert bw.KERNEL not in result.times
+  assert "adamw, companded8/sqrt8 block32 moments" in result.times
+  assert result.extra["failed"] == {
+    bw.KERNEL: "RuntimeError: triton: no such instruction"
+  }
+  assert result.notes == (
+    f"{bw.KERNEL}: not timed, its step did not compile (RuntimeError: "
+    "triton: no such instruction)",
+  )
+  monkeypatch.setattr(bw, "SAME_BITS", {})
+  with pytest.raises(RuntimeError, match="no such instruction"):
+    bw.run(True, "companded")
