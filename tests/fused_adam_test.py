@@ -238,7 +238,7 @@ def test_kernel_lowers_to_triton(pair):
   # Each call's Triton IR (bytecode, its strings legible) once.
   assert module.count("div.rn.f32") == 5
   assert module.count("sqrt.rn.f32") == 5
-  assert "divf" not in module
+  assert "divf" not in module and "__nv_sqrtf" not in module
 
 
 def _mlp(key):
@@ -408,3 +408,30 @@ def test_under_shard_map_each_device_steps_its_own_shard():
     u_ref, s_ref = jax.jit(ref.update)(g, s_ref)
     u_tx, s_tx = step(put(g, {n: P("d") for n in shapes}), s_tx)
     _assert_same((u_ref, s_ref), (u_tx, s_tx))
+
+
+def test_ieee_ops_are_the_plain_ones_except_under_ptx():
+  """`_ieee.div` and `sqrt` trace to `/` and `jnp.sqrt` (so XLA's
+  programs, and the goldens, do not move); under `ptx()` to one PTX
+  instruction each, correctly rounded, with their operands broadcast."""
+  from lowprec.grids import _ieee
+
+  a, b = jnp.ones((4, 8)), jnp.ones((4, 1))
+  plain = str(jax.make_jaxpr(lambda a, b: a / b)(a, b))
+  assert str(jax.make_jaxpr(_ieee.div)(a, b)) == plain
+  root = str(jax.make_jaxpr(jnp.sqrt)(a))
+  assert str(jax.make_jaxpr(_ieee.sqrt)(a)) == root
+  assert not _ieee.active()
+  # Fresh functions: JAX reuses a trace of a function it has seen with
+  # the same shapes, whatever the context (the kernel's body is a fresh
+  # partial, `ptx` among its arguments, each time it is traced).
+  with _ieee.ptx():
+    assert _ieee.active()
+    div = str(jax.make_jaxpr(lambda a, b: _ieee.div(a, b))(a, b))
+    sqrt = str(jax.make_jaxpr(lambda a: _ieee.sqrt(a))(a))
+    with _ieee.ptx(False):
+      again = jax.make_jaxpr(lambda a, b: _ieee.div(a, b))(a, b)
+      assert str(again) == plain
+  assert not _ieee.active()
+  assert "div.rn.f32" in div and "f32[4,8]" in div and "div " not in div
+  assert "sqrt.rn.f32" in sqrt and "sqrt " not in sqrt

@@ -9,6 +9,10 @@ bits an XLA program gives. Code shared by both divides with `div` and
 takes roots with `sqrt`: the plain operations (the same jaxpr as `/` and
 `jnp.sqrt`), except while a kernel is traced for CUDA inside `ptx()`,
 where they are PTX's correctly rounded `div.rn.f32` and `sqrt.rn.f32`.
+JAX reuses the trace of a function it has traced before with the same
+shapes whatever the context, so `ptx()` must be open while a function
+is traced for the first time: the kernel's body is a fresh partial
+each time, with whether it is traced for Triton among its arguments.
 """
 
 from __future__ import annotations
