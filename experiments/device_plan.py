@@ -67,14 +67,14 @@ PLAN = (
   Part(
     "step_attention_reuse",
     95,
-    120,
+    115,
     "estimated: build 20 s, compile 25 s, 10 steps of about 0.8 s, the "
     "lean probe's three programs about 35 s",
   ),
   Part(
     "families",
     75,
-    95,
+    90,
     "estimated: 7 recipes of 2 scanned layers at the 124M width, about "
     "10 s each (build, compile, 4 steps)",
   ),
@@ -86,12 +86,13 @@ PLAN = (
   ),
   Part(
     "bench_writeback",
-    36,
-    40,
+    44,
+    50,
     "estimated: 18 optimizer steps compiled on 4 leaves of 64M parameters "
-    "in all (20 leaves and 17 steps did not finish in 55 s; a leaf's size "
-    "does not lengthen its compile); four of them one Triton kernel a "
-    "leaf, whose compile is not yet measured",
+    "in all, about 2 s each (20 leaves and 17 steps did not finish in 55 "
+    "s; a leaf's size does not lengthen its compile), and 2 s more for "
+    "each of the four kernel rows, whose two distinct Triton kernels (a "
+    "matrix's, a bias's) Triton compiles (unmeasured)",
   ),
   Part(
     "frontier",
