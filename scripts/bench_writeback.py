@@ -24,7 +24,7 @@ a scale per 256 (and the same blocks with power-of-two scales,
 lowprec's default), FlashOptim's companded and square-root maps per 32, and
 torchao's 4-bit maps per 128, and the bfloat16 moments again compiled
 with XLA:CPU's region-analysis copy placement (`ROW_OPTIONS`); and
-FlashOptim's and bitsandbytes' moments again by
+the companded, dynamic, amax e4m3 and 4-bit moments again by
 `lowprec.scale_by_stored_adam` (one kernel a leaf on one GPU, the XLA
 path elsewhere), each checked bit for bit against its `store_state` row
 after the timing (`SAME_BITS`). Ratios are
@@ -97,7 +97,7 @@ EVERY_K = {PROGRAMS: 10, PROGRAMS_20: 20}
 # without telemetry (the target: at most 1.1x it).
 WITHOUT = "+ stochastic"
 
-# AdamW with FlashOptim's and bitsandbytes' moments as
+# AdamW with the companded, dynamic, amax e4m3 and 4-bit moments as
 # `lowprec.scale_by_stored_adam` chains it: one kernel a leaf on one GPU,
 # the XLA path elsewhere (on a CPU the same arithmetic as the row of
 # `store_state` around adamw).

@@ -23,9 +23,8 @@ float8 e4m3 codes under power-of-two or amax block scales (torchao's
 AdamWFp8 is `"float8_e4m3fn:nearest:block256:amax"` for both), rounded
 as `lowprec.grids.rounding` rounds, on bit patterns (on a GPU of
 compute capability 8.9 or more, whose Triton converts to float8; "auto"
-takes the XLA path on an older one). Blocks of 32 or
-any power of two, nearest rounding; either moment may take any of
-these its role allows.
+takes the XLA path on an older one). Blocks of 32 or any power of two,
+nearest rounding; either moment may take any of these its role allows.
 Its arithmetic is the XLA path's, operation for operation (the same
 float32 expressions, the same selects that keep a product from being
 contracted into an FMA, the same correctly rounded divisions and roots:
@@ -434,6 +433,7 @@ def _body(codecs, hyper, names, lanes, c_ref, g_ref, m_ref, ms_ref, *refs):
   u_ref, m_out, ms_out, v_out, vs_out = refs
   m_codes = _codes_in(codecs["mu"], m_ref, lanes)
   v_codes = _codes_in(codecs["nu"], v_ref, lanes)
+  ms, vs = ms_ref[...], vs_ref[...]
   mus, nus = [], []
   for lane, m_code, v_code in zip(lanes, m_codes, v_codes, strict=True):
     # The scalars the kernel divides by, spread to every element by
@@ -447,8 +447,8 @@ def _body(codecs, hyper, names, lanes, c_ref, g_ref, m_ref, ms_ref, *refs):
       return c_ref[i] + zero
 
     divisors = {"companded8": spread(2), "sqrt8": spread(3), "two": spread(4)}
-    mu = _read(codecs["mu"], m_code, ms_ref[...], divisors, tables["mu"])
-    nu = _read(codecs["nu"], v_code, vs_ref[...], divisors, tables["nu"])
+    mu = _read(codecs["mu"], m_code, ms, divisors, tables["mu"])
+    nu = _read(codecs["nu"], v_code, vs, divisors, tables["nu"])
     mu, nu, u = _moments(
       hyper, (spread(0), spread(1)), g_ref[lane], mu, nu, True
     )
