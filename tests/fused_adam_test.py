@@ -46,6 +46,25 @@ PAIRS = {
   # packed moment beside an unpacked one.
   "4bit": {"mu": "dynamic4:block128", "nu": "uint4nz:block128"},
   "dynamic8_uint4nz": {"mu": "dynamic8:block64", "nu": "uint4nz:block64"},
+  # Stochastic rounding: the q8 state recipe (bitsandbytes' maps), each
+  # other kind of code with random bits, and a random moment beside a
+  # nearest one.
+  "q8": {
+    "mu": "dynamic8:stochastic:block256",
+    "nu": "dynamic8u:stochastic:block256",
+  },
+  "flashoptim_stochastic": {
+    "mu": "companded8:stochastic:block32",
+    "nu": "sqrt8:stochastic:block32",
+  },
+  "e4m3_stochastic_beside_nearest": {
+    "mu": "float8_e4m3fn:stochastic:block64:amax",
+    "nu": "float8_e4m3fn:nearest:block64",
+  },
+  "4bit_stochastic": {
+    "mu": "dynamic4:stochastic:block128",
+    "nu": "uint4nz:stochastic:block128",
+  },
 }
 
 
@@ -112,17 +131,25 @@ def _assert_same(a, b):
     ({}, "companded8_e4m3"),
     ({}, "4bit"),
     ({"b2": 0.95}, "dynamic8_uint4nz"),
+    ({"b2": 0.95}, "q8"),
+    ({}, "flashoptim_stochastic"),
+    ({"b1": 0.8, "eps_root": 1e-12}, "e4m3_stochastic_beside_nearest"),
+    ({}, "4bit_stochastic"),
   ],
   ids=lambda v: v if isinstance(v, str) else None,
 )
 def test_kernel_bits_equal_store_state(hyper, pair):
-  """Six steps (seed 0): updates, codes, scales and counts equal the
-  XLA path's bit for bit, leaf by leaf, a NaN and an inf included."""
+  """Six steps (seed 0): updates, codes, scales, counts and keys equal
+  the XLA path's bit for bit, leaf by leaf, a NaN and an inf included;
+  stochastic rounding draws `store_state`'s bits from the same key."""
   rules = PAIRS[pair]
+  key = jax.random.key(7)
   ref = lowprec.store_state(
-    optax.scale_by_adam(**hyper), rules, telemetry=False
+    optax.scale_by_adam(**hyper), rules, telemetry=False, key=key
   )
-  fused = lowprec.scale_by_stored_adam(**hyper, **rules, kernel="pallas")
+  fused = lowprec.scale_by_stored_adam(
+    **hyper, **rules, kernel="pallas", key=key
+  )
   block = stored_state.parse_state_format(rules["mu"]).scale
   shapes = _shapes(block)
   params = {n: jnp.zeros(s) for n, s in shapes.items()}
@@ -215,7 +242,7 @@ def test_auto_takes_e4m3_to_the_kernel_only_where_triton_converts_it(
 
 
 @pytest.mark.parametrize(
-  "pair", ["flashoptim", "bitsandbytes", "amax_e4m3", "4bit"]
+  "pair", ["flashoptim", "bitsandbytes", "amax_e4m3", "4bit", "q8"]
 )
 def test_kernel_lowers_to_triton(pair):
   """Exported for CUDA (no GPU needed): each leaf the kernel takes is one
@@ -224,7 +251,9 @@ def test_kernel_lowers_to_triton(pair):
   correctly rounded ones, as XLA's are, not Triton's `/` (`arith.divf`,
   which Triton compiles to the approximate `div.full.f32`)."""
   params = {n: jnp.zeros(s) for n, s in _shapes(256).items()}
-  tx = lowprec.scale_by_stored_adam(**PAIRS[pair], kernel="pallas")
+  tx = lowprec.scale_by_stored_adam(
+    **PAIRS[pair], kernel="pallas", key=jax.random.key(0)
+  )
   state = tx.init(params)
   exported = export.export(
     jax.jit(tx.update),
@@ -328,7 +357,7 @@ def test_nnx_optimizer_loop_same_params():
   "specs, match",
   [
     ({"mu": "int4:nearest:block128:amax"}, "kernel='xla'"),
-    ({"mu": "companded8:stochastic:block32"}, "rounding"),
+    ({"mu": "companded8:deadzone:block32"}, "rounding"),
     ({"nu": "sqrt8:block64"}, "two sizes"),
     ({"nu": "float8_e5m2:nearest:block32"}, "its format"),
     ({"mu": "float8_e4m3fn:nearest:tensor"}, "its blocks"),
@@ -349,6 +378,11 @@ def test_an_unknown_kernel_is_refused_and_other_specs_take_xla():
   params = {"w": jnp.zeros((4, 256)), "v": jnp.zeros((256,))}
   updates, _ = tx.update(params, tx.init(params))
   assert updates["w"].dtype == jnp.float32
+
+
+def test_a_random_rounding_without_a_key_is_refused():
+  with pytest.raises(ValueError, match=r"key=jax.random.key\(seed\)"):
+    lowprec.scale_by_stored_adam(**PAIRS["q8"])
 
 
 def test_a_state_of_other_specs_is_refused():

@@ -635,7 +635,8 @@ def _encode_mapped(codec: Codec, x, old, bits) -> Encoded:
   index = m.nearest_index(jnp.clip(raw, lo, 1.0))
   v = _kept(m.value(index, per))
   if codec.random and bits is not None:
-    sr, v_sr = _map_stochastic(m, x, index, v, per, bits)
+    value = lambda i: _kept(m.value(i, per))  # noqa: E731
+    sr, v_sr = map_stochastic(m, x, index, v, value, bits)
     if codec.rounding == "stochastic":
       index, v = sr, v_sr
     elif old is not None:  # deadzone: stochastic where nearest gives old
@@ -645,16 +646,19 @@ def _encode_mapped(codec: Codec, x, old, bits) -> Encoded:
   return Encoded(code, scales, v, over & ~jnp.isnan(per))
 
 
-def _map_stochastic(m, x, index, v, per, bits):
+def map_stochastic(m, x, index, v, value, bits):
   """Between the two map values around `x`, up with probability `(x -
   lo) / (hi - lo)` (24 of the 32 random bits): unbiased in the value
-  `x`, not in the code."""
+  `x`, not in the code. `index` and `v` are the nearest code's index and
+  value; `value(i)` reads an index back under the block's scale (as
+  `decode` does), which a kernel computes its own way."""
   top = len(m.table()) - 1
   lo = jnp.clip(jnp.where(v > x, index - 1, index), 0, top)
   hi = jnp.minimum(lo + 1, top)
-  v_lo, v_hi = _kept(m.value(lo, per)), _kept(m.value(hi, per))
+  v_lo, v_hi = value(lo), value(hi)
   width = v_hi - v_lo
-  p = jnp.where(width > 0, (x - v_lo) / jnp.where(width > 0, width, 1), 0.0)
+  p = _ieee.div(x - v_lo, jnp.where(width > 0, width, 1))
+  p = jnp.where(width > 0, p, 0.0)
   u = (bits >> 8).astype(jnp.float32) * np.float32(2.0**-24)
   up = u < jnp.clip(p, 0.0, 1.0)
   return jnp.where(up, hi, lo), jnp.where(up, v_hi, v_lo)

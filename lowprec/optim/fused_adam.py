@@ -21,22 +21,31 @@ codes it packs two to a byte as `store_state` stores them, reading a
 tile's even and odd entries apart (the low and the high nibbles); and
 float8 e4m3 codes under power-of-two or amax block scales (torchao's
 AdamWFp8 is `"float8_e4m3fn:nearest:block256:amax"` for both), rounded
-as `lowprec.grids.rounding` rounds, on bit patterns (on a GPU of
-compute capability 8.9 or more, whose Triton converts to float8; "auto"
-takes the XLA path on an older one). Blocks of 32 or any power of two,
-nearest rounding; either moment may take any of these its role allows.
-Its arithmetic is the XLA path's, operation for operation (the same
-float32 expressions, the same selects that keep a product from being
-contracted into an FMA, the same correctly rounded divisions and roots:
-for Triton, PTX's `div.rn.f32` and `sqrt.rn.f32`, which XLA's compile
-to, where Triton's own `/` is the approximate `div.full.f32`;
-`lowprec.grids._ieee`), so its codes, scales and updates are the XLA
-path's bit for bit (tests/fused_adam_test.py, on this CPU in Pallas's
-interpret mode, for eight pairs of formats; on a GPU the write-back
-benchmark compares the two). Not e5m2: XLA:CPU converts a NaN to an e5m2
-NaN of one payload or another depending on the program around it. A
-leaf the kernel does not take (a last axis that is not a whole number
-of blocks, a scalar) takes the XLA path, leaf by leaf.
+as `lowprec.grids.rounding` rounds, on bit patterns (on a GPU of compute
+capability 8.9 or more, whose Triton converts to float8; "auto" takes
+the XLA path on an older one). Blocks of 32 or any power of two, nearest
+or stochastic rounding (not dead zone); either moment may take any of
+these its role allows. Stochastic rounding draws the bits `store_state`
+draws, from the same key (one split a step, folded by the leaf's path)
+and each element's index in its leaf, which the kernel computes from its
+place in the grid: the codes are the same bit for bit. (Under
+`jax.shard_map` a kernel sees its shard as the whole leaf, so its random
+bits follow the shard's indices, not the leaf's: still unbiased, but not
+the bits of one device.) Its arithmetic is the XLA path's, operation for
+operation (the same float32 expressions, the same selects that keep a
+product from being contracted into an FMA, the same correctly rounded
+divisions and roots: for Triton, PTX's `div.rn.f32` and `sqrt.rn.f32`,
+which XLA's compile to, where Triton's own `/` is the approximate
+`div.full.f32`; `lowprec.grids._ieee`), so its codes, scales and updates
+are the XLA path's bit for bit (tests/fused_adam_test.py, on this CPU in
+Pallas's interpret mode, for eight pairs of formats; on a GPU the
+write-back benchmark compares the two). Not e5m2: XLA:CPU converts a NaN
+to an e5m2 NaN of one payload or another depending on the program around
+it. Not dead zone: in the interpreted kernel, reading the old value a
+second time changed where XLA:CPU contracts Adam's update into FMAs, so
+its moments left the XLA path's in the last bit. A leaf the kernel does
+not take (a last axis that is not a whole
+number of blocks, a scalar) takes the XLA path, leaf by leaf.
 
 Where it runs (`kernel`): "auto" runs the kernel on an NVIDIA GPU
 (Pallas's Triton backend) when one device is in use, and the XLA path
@@ -55,6 +64,7 @@ multiple of the block: tests/fused_adam_test.py does so on 8 devices).
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -66,6 +76,7 @@ from jax.experimental.pallas import triton
 from lowprec.engine import codec as codec_lib
 from lowprec.engine.weights import path_name
 from lowprec.grids import _ieee, choices, rounding
+from lowprec.grids import rng as rng_lib
 from lowprec.optim import stored_state as stored_lib
 
 __all__ = ["KERNELS", "scale_by_stored_adam"]
@@ -93,6 +104,7 @@ def scale_by_stored_adam(
   mu: str = "companded8:block32",
   nu: str = "sqrt8:block32",
   kernel: str = "auto",
+  key: jax.Array | None = None,
 ) -> optax.GradientTransformation:
   """`optax.scale_by_adam` with both moments stored as 8- or 4-bit codes,
   each leaf's step one kernel (module docstring).
@@ -117,11 +129,16 @@ def scale_by_stored_adam(
     mu: the first moment's spec, `"companded8:block<N>"`,
       `"dynamic8:block<N>"`, `"dynamic4:block<N>"` or
       `"float8_e4m3fn:nearest:block<N>"` (with `:amax`, and `:float16`,
-      for amax scales), N a power of two, with nearest rounding.
+      for amax scales), N a power of two; `":stochastic"` after the
+      format rounds stochastically (e.g. `"dynamic8:stochastic:block256"`,
+      the `q8` state recipe's).
     nu: the second moment's, `"sqrt8:block<N>"`, `"dynamic8u:block<N>"`,
       `"dynamic8:block<N>"`, `"uint4nz:block<N>"`, `"dynamic4:block<N>"`
       or an e4m3 spec as for `mu`.
     kernel: "auto", "pallas" or "xla" (module docstring).
+    key: a JAX PRNG key, required where a moment rounds stochastically
+      (or by dead zone, which only the XLA path holds), as `store_state`
+      takes it: the same key gives `store_state`'s bits.
 
   Raises:
     ValueError: an unknown `kernel`; with `kernel="pallas"`, a spec the
@@ -131,6 +148,12 @@ def scale_by_stored_adam(
   choices.check_choice("kernel", kernel, KERNELS)
   specs = {"mu": mu, "nu": nu}
   formats = {n: stored_lib.parse_state_format(s) for n, s in specs.items()}
+  random = [n for n, f in formats.items() if f.rounding != "nearest"]
+  impl = None
+  if random:
+    impl = rng_lib.state_key(
+      key, "scale_by_stored_adam with a random rounding"
+    )[1]
   reason = _unheld(formats)
   if reason and kernel == "pallas":
     raise ValueError(
@@ -138,13 +161,13 @@ def scale_by_stored_adam(
       "mu 'companded8', 'dynamic8' or 'dynamic4' and nu 'sqrt8', "
       "'dynamic8u', 'dynamic8', 'uint4nz' or 'dynamic4', as "
       "':block<N>', or 'float8_e4m3fn:nearest:block<N>' "
-      "(':amax' allowed) for either (N a power of two, nearest "
-      "rounding): use those, or kernel='xla', or "
+      "(':amax' allowed) for either (N a power of two, nearest or "
+      "stochastic rounding): use those, or kernel='xla', or "
       "lowprec.store_state(optax.scale_by_adam(...), rules) for any "
       "other spec"
     )
   reference = stored_lib.store_state(
-    optax.scale_by_adam(b1, b2, eps, eps_root), specs, telemetry=False
+    optax.scale_by_adam(b1, b2, eps, eps_root), specs, telemetry=False, key=key
   )
   if reason or kernel == "xla":
     return reference
@@ -162,15 +185,26 @@ def scale_by_stored_adam(
     flat_g, treedef = jax.tree_util.tree_flatten_with_path(updates)
     mus = treedef.flatten_up_to(inner.mu)
     nus = treedef.flatten_up_to(inner.nu)
+    names = [path_name(path) for path, _ in flat_g]
+    # store_state's keys: one split a step, folded by each stored leaf's
+    # path (`lowprec.grids.rng`).
+    new_key, keys = state.counts.key, {}
+    if random:
+      new_key, step_key = rng_lib.next_step(state.counts.key, impl)
+      keys = rng_lib.leaf_keys(
+        step_key, [f"{m}/{n}" for n in names for m in random]
+      )
     out_u, out_mu, out_nu, scales = [], [], [], {}
-    for (path, g), m, v in zip(flat_g, mus, nus, strict=True):
-      name = path_name(path)
+    for name, (_, g), m, v in zip(names, flat_g, mus, nus, strict=True):
       mu_s = state.scales[f"mu/{name}"]
       nu_s = state.scales[f"nu/{name}"]
+      seeds = _seeds([keys.get(f"{n}/{name}") for n in ("mu", "nu")])
       step = _reference_step
       if _held(g, codecs):
         step = functools.partial(_leaf_step, interpret=kernel == "pallas")
-      u, m2, ms, v2, vs = step(codecs, hyper, corrections, g, m, mu_s, v, nu_s)
+      u, m2, ms, v2, vs = step(
+        codecs, hyper, corrections, seeds, g, m, mu_s, v, nu_s
+      )
       out_u.append(u)
       out_mu.append(m2)
       out_nu.append(v2)
@@ -182,7 +216,7 @@ def scale_by_stored_adam(
       jax.tree_util.tree_unflatten(treedef, out_nu),
     )
     counts = state.counts._replace(
-      count=optax.safe_increment(state.counts.count)
+      count=optax.safe_increment(state.counts.count), key=new_key
     )
     new = stored_lib.StoredState(new_inner, scales, counts, state.recipe)
     return jax.tree_util.tree_unflatten(treedef, out_u), new
@@ -237,7 +271,7 @@ def _unheld(formats) -> str | None:
       return f"{name} {str(f)!r} (its map)"
     if not f.mapped and getattr(f.fmt, "name", None) not in _FLOATS:
       return f"{name} {str(f)!r} (its format)"
-    if f.rounding != "nearest":
+    if f.rounding == "deadzone":
       return f"{name} {str(f)!r} (its rounding)"
     block = f.scale
     if not isinstance(block, int) or block < 2 or block & (block - 1):
@@ -278,19 +312,46 @@ def _moments(hyper, corrections, g, mu, nu, compiled=False):
   return mu, nu, _ieee.div(mu, corrections[0] * (_ieee.sqrt(nu_hat) + eps))
 
 
-def _reference_step(codecs, hyper, corrections, g, m, ms, v, vs):
+def _seeds(keys) -> jax.Array:
+  """uint32 [4]: the hash's two key words (`rng_lib.hash_bits`) of the
+  first moment's key, then the second's (zeros for a moment rounded to
+  nearest, whose key is None)."""
+  words = []
+  for key in keys:
+    pair = (
+      (jnp.uint32(0), jnp.uint32(0)) if key is None else rng_lib._seeds(key)
+    )
+    words.extend(pair)
+  return jnp.stack(words)
+
+
+def _bits_at(seeds, i, index):
+  """`rng_lib.hash_bits`'s bits at the global element indices `index`
+  (uint32), under the key words `seeds[i], seeds[i + 1]`."""
+  return rng_lib._mix(rng_lib._mix(index ^ seeds[i]) + seeds[i + 1])
+
+
+def _reference_step(codecs, hyper, corrections, seeds, g, m, ms, v, vs):
   """One leaf by XLA's ops (`store_state`'s arithmetic)."""
   g = jnp.asarray(g, jnp.float32)
   shape, cm, cv = jnp.shape(g), codecs["mu"], codecs["nu"]
-  mu = codec_lib.decode(cm, codec_lib.unpack(cm, m, shape), ms)
-  nu = codec_lib.decode(cv, codec_lib.unpack(cv, v, shape), vs)
-  mu, nu, u = _moments(hyper, corrections, g, mu, nu)
-  em, en = codec_lib.encode(cm, mu), codec_lib.encode(cv, nu)
+  mu0 = codec_lib.decode(cm, codec_lib.unpack(cm, m, shape), ms)
+  nu0 = codec_lib.decode(cv, codec_lib.unpack(cv, v, shape), vs)
+  mu, nu, u = _moments(hyper, corrections, g, mu0, nu0)
+  index = rng_lib.global_index(shape)
+  bits = [
+    _bits_at(seeds, i, index) if c.random else None
+    for i, c in ((0, cm), (2, cv))
+  ]
+  em = codec_lib.encode(cm, mu, mu0, bits[0])
+  en = codec_lib.encode(cv, nu, nu0, bits[1])
   m2, v2 = codec_lib.pack(cm, em.code), codec_lib.pack(cv, en.code)
   return u, m2, em.scales, v2, en.scales
 
 
-def _leaf_step(codecs, hyper, corrections, g, m, ms, v, vs, *, interpret):
+def _leaf_step(
+  codecs, hyper, corrections, seeds, g, m, ms, v, vs, *, interpret
+):
   """One leaf by the kernel: the leaf as rows of one block each, in
   tiles of `_tile` rows; compiled by Triton for CUDA, and on any other
   platform run by Pallas's interpreter (`interpret`) or else by the XLA
@@ -324,12 +385,14 @@ def _leaf_step(codecs, hyper, corrections, g, m, ms, v, vs, *, interpret):
   )
 
   def call(interpret, *args):
+    layout = (tile, block, lanes)
     return pl.pallas_call(
-      functools.partial(_kernel, codecs, hyper, names, lanes, not interpret),
+      functools.partial(_kernel, codecs, hyper, names, layout, not interpret),
       out_shape=out_shape,
       grid=(pl.cdiv(rows, tile),),
       in_specs=[
         pl.BlockSpec(consts.shape, lambda i: (0,)),
+        pl.BlockSpec(seeds.shape, lambda i: (0,)),
         spec(block),
         spec(width["mu"]),
         spec(1),
@@ -353,12 +416,13 @@ def _leaf_step(codecs, hyper, corrections, g, m, ms, v, vs, *, interpret):
     )(*args)
 
   def xla(*_):
-    out = _reference_step(codecs, hyper, corrections, g, m, ms, v, vs)
+    out = _reference_step(codecs, hyper, corrections, seeds, g, m, ms, v, vs)
     widths = (block, width["mu"], 1, width["nu"], 1)
     return tuple(flat(a, w) for a, w in zip(out, widths, strict=True))
 
   u, m2, ms2, v2, vs2 = jax.lax.platform_dependent(
     consts,
+    seeds,
     flat(jnp.asarray(g, jnp.float32), block),
     flat(m, width["mu"]),
     flat(ms, 1),
@@ -416,16 +480,17 @@ def _lanes(block: int, split: bool) -> tuple:
   return tuple((slice(None), pl.ds(k, block // 2, stride=2)) for k in (0, 1))
 
 
-def _kernel(codecs, hyper, names, lanes, ptx, *refs):
+def _kernel(codecs, hyper, names, layout, ptx, *refs):
   """The kernel's body; `ptx`: traced for Triton, so divisions and roots
   are PTX's correctly rounded ones (`lowprec.grids._ieee`), as XLA's
   are."""
   with _ieee.ptx(ptx):
-    _body(codecs, hyper, names, lanes, *refs)
+    _body(codecs, hyper, names, layout, *refs)
 
 
-def _body(codecs, hyper, names, lanes, c_ref, g_ref, m_ref, ms_ref, *refs):
-  v_ref, vs_ref, *refs = refs
+def _body(codecs, hyper, names, layout, c_ref, s_ref, g_ref, m_ref, *refs):
+  ms_ref, v_ref, vs_ref, *refs = refs
+  tile, block, lanes = layout
   tables = {}
   for moment in ("mu", "nu"):
     tables[moment] = dict(zip(names[moment], refs, strict=False))
@@ -434,7 +499,8 @@ def _body(codecs, hyper, names, lanes, c_ref, g_ref, m_ref, ms_ref, *refs):
   m_codes = _codes_in(codecs["mu"], m_ref, lanes)
   v_codes = _codes_in(codecs["nu"], v_ref, lanes)
   ms, vs = ms_ref[...], vs_ref[...]
-  mus, nus = [], []
+  indices = _indices(tile, block, len(lanes), m_codes[0].shape)
+  mus, nus, divs = [], [], []
   for lane, m_code, v_code in zip(lanes, m_codes, v_codes, strict=True):
     # The scalars the kernel divides by, spread to every element by
     # adding a zero made of the codes (finite, so the sum is exact): a
@@ -455,10 +521,41 @@ def _body(codecs, hyper, names, lanes, c_ref, g_ref, m_ref, ms_ref, *refs):
     u_ref[lane] = u
     mus.append(mu)
     nus.append(nu)
-  m_new, ms_out[...] = _write(codecs["mu"], mus, tables["mu"])
-  v_new, vs_out[...] = _write(codecs["nu"], nus, tables["nu"])
-  _codes_out(codecs["mu"], m_out, lanes, m_new)
-  _codes_out(codecs["nu"], v_out, lanes, v_new)
+    divs.append(divisors)
+  for i, (moment, xs, out, s_out) in enumerate(
+    (("mu", mus, m_out, ms_out), ("nu", nus, v_out, vs_out))
+  ):
+    codec = codecs[moment]
+    bits = [None] * len(lanes)
+    if codec.random:
+      bits = [_bits_at(s_ref, 2 * i, index) for index in indices]
+    lanes_in = [_Lane(*z) for z in zip(xs, bits, divs, strict=True)]
+    codes, s_out[...] = _write(codec, lanes_in, tables[moment])
+    _codes_out(codec, out, lanes, codes)
+
+
+class _Lane(NamedTuple):
+  """What `_write` encodes of one lane of a tile: the new moment `x`,
+  its random bits (None: nearest) and the lane's spread divisors
+  (`_read`)."""
+
+  x: jax.Array
+  bits: jax.Array | None
+  divisors: dict
+
+
+def _indices(tile, block, n_lanes, shape) -> list:
+  """Each lane's global element indices in its leaf (uint32, row-major,
+  as `rng_lib.global_index` numbers them): this program's rows are
+  `tile` rows from `program_id * tile`, each a block; a split row's
+  lanes are its even and odd entries."""
+  row0 = pl.program_id(0).astype(jnp.uint32) * np.uint32(tile)
+  r = jax.lax.broadcasted_iota(jnp.uint32, shape, 0) + row0
+  c = jax.lax.broadcasted_iota(jnp.uint32, shape, 1)
+  base = r * np.uint32(block)
+  if n_lanes == 1:
+    return [base + c]
+  return [base + c * np.uint32(2) + np.uint32(k) for k in range(n_lanes)]
 
 
 def _codes_in(codec, ref, lanes) -> list:
@@ -515,10 +612,11 @@ def _row_max(xs):
   return functools.reduce(jnp.maximum, each)
 
 
-def _write(codec, xs, tables):
-  """`encode(codec, x)`'s codes (by lane) and scales for rows of one
-  block each, given as the lanes `xs`."""
+def _write(codec, lanes, tables):
+  """`encode(codec, x, bits=bits)`'s codes (by lane) and scales for rows
+  of one block each, given as `_Lane`s."""
   m = codec.fmt
+  xs = [lane.x for lane in lanes]
   if not codec.mapped:
     amax = _row_max([jnp.where(jnp.isfinite(x), jnp.abs(x), 0.0) for x in xs])
     pow2 = codec.scale_rule == "pow2"
@@ -526,9 +624,9 @@ def _write(codec, xs, tables):
     scales = scales(amax, None)
     per = scales.astype(jnp.float32)
     codes = []
-    for x in xs:
-      y = codec_lib._quotient(codec, x, per)
-      q, _ = rounding._round_and_flag(y, m, None, codec.overflow)
+    for lane in lanes:
+      y = codec_lib._quotient(codec, lane.x, per)
+      q, _ = rounding._round_and_flag(y, m, lane.bits, codec.overflow)
       codes.append(q.astype(codec.dtype()))
     return codes, scales
   pre = None if m.signed else m.pre
@@ -542,8 +640,17 @@ def _write(codec, xs, tables):
   per = scales.astype(jnp.float32)
   lo = -1.0 if m.signed else 0.0
   codes = []
-  for x in xs:
+  for lane in lanes:
+    x = lane.x
     raw = jnp.where(per > 0, codec_lib._divide(m.pre(x), per), 0.0)
     index = m.nearest_index(jnp.clip(raw, lo, 1.0), tables or None)
+    if codec.random:
+
+      def value(i, lane=lane):
+        return _read(codec, m.code_of(i), scales, lane.divisors, tables)
+
+      index, _ = codec_lib.map_stochastic(
+        m, x, index, value(index), value, lane.bits
+      )
     codes.append(m.code_of(index).astype(codec.dtype()))
   return codes, scales
