@@ -174,6 +174,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # 8- and 4-bit states of docs/state.md too, e.g. ("mu=dynamic8:block256",
   # "nu=dynamic8u:block256") or "float8_e4m3fn:nearest:block256:amax"
   c.lowprec.state = ()
+  # With lowprec.state one 'mu=<spec>' and one 'nu=<spec>' under AdamW:
+  # "auto" (one kernel a leaf on one GPU, XLA elsewhere), "pallas" or
+  # "xla" stores them by lowprec.scale_by_stored_adam in AdamW's chain
+  # (its own random stream, no state telemetry); "" by store_state
+  # around the optimizer.
+  c.lowprec.state_kernel = ""
   # Predicted stored-state erasures in a float32-state run
   # (lowprec.freeze.state_trace): "name: regex=spec; regex=spec" entries.
   c.lowprec.state_targets = ()

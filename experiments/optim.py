@@ -201,6 +201,10 @@ WRAPPERS = {"eco": _eco}
 # Every lowprec.compensation.
 COMPENSATIONS = {**WRITEBACKS, **WRAPPERS}
 
+# lowprec.state_kernel: "" (store_state around the optimizer) or a
+# `lowprec.scale_by_stored_adam` kernel choice (`stored_adamw`).
+STATE_KERNELS = ("", "auto", "pallas", "xla")
+
 
 def build(config, key: jax.Array, params=None) -> optax.GradientTransformation:
   """clip -> AdamW/SGD -> write-back (low precision) or traces (float32).
@@ -329,7 +333,10 @@ def _optimizer(config, lr, target, write_key, key) -> tuple:
     # those of runs without stored state.
     state_key = jax.random.fold_in(key, 3)
     rules = lowprec_config.state_rules(lp)
-    optimizer = lowprec.store_state(optimizer, rules, key=state_key)
+    if lp.get("state_kernel", ""):
+      optimizer = stored_adamw(config, lr, rules, state_key)
+    else:
+      optimizer = lowprec.store_state(optimizer, rules, key=state_key)
     where = "lowprec.state"
   if lp.get("state_targets", ()):
     optimizer = lowprec.freeze.state_trace(
@@ -337,6 +344,57 @@ def _optimizer(config, lr, target, write_key, key) -> tuple:
     )
     where = "lowprec.state_targets"
   return where, optimizer
+
+
+def stored_adamw(config, lr, rules, key) -> optax.GradientTransformation:
+  """AdamW with its moments stored by `lowprec.scale_by_stored_adam`
+  (`lowprec.state_kernel`: "auto" runs one kernel a leaf on one GPU),
+  chained as `optax.adamw` chains `scale_by_adam`: the state's paths are
+  `0/mu/...` as under `store_state`, the stored moments' random bits
+  come from the same key folded by their paths within the store
+  (`mu/...`, not `0/mu/...`), so a stochastic store draws other bits
+  than `store_state` around `optax.adamw` does, and the store keeps no
+  telemetry.
+
+  Raises:
+    ValueError: an optimizer other than AdamW, an ECO write-back (which
+      wraps the optimizer), or rules other than one for `mu` and one for
+      `nu`, each naming the fix.
+  """
+  opt, lp = config.opt, config.lowprec
+  fix = "or set lowprec.state_kernel='' (store_state around the optimizer)"
+  if opt.name != "adamw":
+    raise ValueError(
+      f"lowprec.state_kernel runs AdamW's step; opt.name is {opt.name!r}: "
+      f"set opt.name='adamw', {fix}"
+    )
+  if lowprec_config.compensation(lp) in WRAPPERS:
+    raise ValueError(
+      "lowprec.state_kernel stores AdamW's moments in its own step, and "
+      f"lowprec.compensation={lp.compensation!r} wraps the optimizer: "
+      f"pick another compensation, {fix}"
+    )
+  specs = dict(rules)
+  if sorted(specs) != ["mu", "nu"] or len(rules) != 2:
+    raise ValueError(
+      "lowprec.state_kernel stores both of AdamW's moments: give "
+      "lowprec.state as one 'mu=<spec>' and one 'nu=<spec>' entry (e.g. "
+      f"'mu=dynamic8:stochastic:block256'), {fix}; got {lp.state!r}"
+    )
+  random = any(sf.rounding != "nearest" for sf in specs.values())
+  return optax.chain(
+    lowprec.scale_by_stored_adam(
+      opt.b1,
+      opt.b2,
+      opt.eps,
+      mu=str(specs["mu"]),
+      nu=str(specs["nu"]),
+      kernel=lp.state_kernel,
+      key=key if random else None,
+    ),
+    optax.add_decayed_weights(opt.weight_decay),
+    optax.scale_by_learning_rate(lr),
+  )
 
 
 def _decay_erasure(config, lr, target):

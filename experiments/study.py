@@ -70,6 +70,7 @@ def choices() -> dict:
     "lowprec.bwd_rounding": op_rounding.MODES,
     "lowprec.attn_fresh_out": lowprec.ops.FRESH_OUT,
     "lowprec.int_scale_scope": lowprec_config.INT_SCOPES,
+    "lowprec.state_kernel": optim.STATE_KERNELS,
   }
 
 
@@ -383,6 +384,13 @@ def _check_float32_predictions(lp) -> None:
   and in a run whose weights, or state, they predict from float32."""
   lowprec_config.trace_remedies(lp)  # raises for a bad entry, naming the form
   lowprec_config.state_targets(lp)
+  if lp.get("state_kernel", "") and not lp.state:
+    raise ValueError(
+      f"lowprec.state_kernel={lp.state_kernel!r} stores AdamW's moments "
+      "by lowprec.state's rules, and lowprec.state is empty: give it one "
+      "'mu=<spec>' and one 'nu=<spec>' entry, or set "
+      "lowprec.state_kernel=''"
+    )
   if lp.state and lp.state_targets:
     raise ValueError(
       "lowprec.state_targets predicts stored-state erasures from a run "

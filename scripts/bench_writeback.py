@@ -5,7 +5,7 @@ One jitted optimizer step (update and `optax.apply_updates`) on a pytree of
 --quick, 2M parameters in two matrices and the rows of `QUICK` only: each
 row is a program to compile, longer with every leaf, and the full set on
 ten matrices did not finish in 55 s on an H200. On an accelerator the
-trees are larger (`sizes`: 88M, and 64M with --quick), so that a step
+trees are larger (`sizes`: 80M, and 64M with --quick), so that a step
 times memory rather than kernel launches. Write-back params are
 float32 holding bfloat16 grid values. Rows: nearest, stochastic and
 dead-zone write-back, each with telemetry on and off, and stochastic
@@ -27,7 +27,9 @@ with XLA:CPU's region-analysis copy placement (`ROW_OPTIONS`); and
 the companded, dynamic, amax e4m3 and 4-bit moments again by
 `lowprec.scale_by_stored_adam` (one kernel a leaf on one GPU, the XLA
 path elsewhere), each checked bit for bit against its `store_state` row
-after the timing (`SAME_BITS`). Ratios are
+after the timing (`SAME_BITS`); and the q8 state recipe (the frontier
+study's: dynamic maps per 256, stochastic rounding) by that transform
+with and without the kernel, the two checked against each other. Ratios are
 to plain adamw and to nearest
 write-back without telemetry (`+ nearest`), the row ECO and the
 compensated write-backs replace. Targets: stochastic with telemetry at
@@ -105,6 +107,14 @@ KERNEL = "adamw, companded8/sqrt8 block32 moments, scale_by_stored_adam"
 KERNEL_8BIT = "adamw, dynamic8/dynamic8u block256 moments, scale_by_stored_adam"
 KERNEL_FP8 = "adamw, amax e4m3 block256 moments, scale_by_stored_adam"
 KERNEL_4BIT = "adamw, 4-bit moments, scale_by_stored_adam"
+# The q8 state recipe (the frontier study's 8-bit moments: dynamic8 and
+# dynamic8u, blocks of 256, stochastic rounding) by the kernel, and by
+# the same transform on the XLA path: a store inside AdamW's chain folds
+# its key by other paths than `store_state` around adamw, so its bits are
+# checked against its own XLA twin.
+Q8 = ("dynamic8:stochastic:block256", "dynamic8u:stochastic:block256")
+KERNEL_Q8 = "adamw, q8 moments (stochastic dynamic8), scale_by_stored_adam"
+XLA_Q8 = "adamw, q8 moments (stochastic dynamic8), XLA path"
 # row -> the row whose params it must equal bit for bit after `SAME_STEPS`
 # steps from the same inputs (checked after the timing, reported in the
 # notes and the JSON's `same_bits`).
@@ -113,6 +123,7 @@ SAME_BITS = {
   KERNEL_8BIT: "adamw, dynamic8/dynamic8u block256 moments",
   KERNEL_FP8: "adamw, amax e4m3 block256 moments",
   KERNEL_4BIT: "adamw, 4-bit moments",
+  KERNEL_Q8: XLA_Q8,
 }
 SAME_STEPS = 2
 
@@ -145,7 +156,9 @@ RATE = "GB/s"
 # telemetry and with it every 10th update as two programs, a compensated
 # write-back of each kind of state, ECO, and the moments stored in 16
 # bits (also with the copies placed by region analysis) and in each kind
-# of 8- and 4-bit map (each a target of its own on an accelerator).
+# of 8- and 4-bit map (each a target of its own on an accelerator; the
+# dynamic maps as the q8 recipe rounds them, stochastically), each by
+# the XLA path and by the kernel.
 QUICK = (
   "adamw",
   "+ nearest",
@@ -157,8 +170,8 @@ QUICK = (
   "+ eco (nearest)",
   "adamw, bf16 stochastic moments",
   REGION,
-  "adamw, dynamic8/dynamic8u block256 moments",
-  KERNEL_8BIT,
+  XLA_Q8,
+  KERNEL_Q8,
   "adamw, amax e4m3 block256 moments",
   KERNEL_FP8,
   "adamw, companded8/sqrt8 block32 moments",
@@ -168,20 +181,30 @@ QUICK = (
 )
 
 
+def _stored_adamw(mu, nu, kernel="auto", key=None):
+  """adamw (its defaults) with `scale_by_stored_adam` in place of
+  `scale_by_adam`."""
+  return optax.chain(
+    lowprec.scale_by_stored_adam(mu=mu, nu=nu, kernel=kernel, key=key),
+    optax.add_decayed_weights(1e-4),  # adamw's default decay
+    optax.scale_by_learning_rate(1e-3),
+  )
+
+
 def sizes(quick: bool, platform: str) -> tuple[int, int, int]:
   """`(parameters, square matrices, rounds)` of a run on `platform`.
 
   On a CPU, 20M parameters in ten matrices (2M in two with `quick`). On
-  an accelerator, 88M in ten (64M in two): a step of 20M parameters
+  an accelerator, 80M in ten (64M in two): a step of 20M parameters
   there moves 800 MB, a quarter of a millisecond at 3.35 TB/s, and would
   time kernel launches rather than memory, while the time to compile a
   step does not grow with its leaves' size. Every row holds its own
-  params and state, so 88M (about 1.4 GB a row, 27 rows) is what an
+  params and state, so 80M (about 1.3 GB a row, 29 rows) is what an
   80 GB card holds with room for the steps' temporaries.
   """
   if platform == "cpu":
     return (2_000_000, 2, 3) if quick else (20_000_000, 10, 9)
-  return (64_000_000, 2, 3) if quick else (88_000_000, 10, 9)
+  return (64_000_000, 2, 3) if quick else (80_000_000, 10, 9)
 
 
 def _params(n_params: int, layers: int) -> dict:
@@ -350,11 +373,9 @@ def _rows(quick: bool, cases: str | None) -> dict:
     (KERNEL_FP8, MOMENTS["amax e4m3 block256"]),
     (KERNEL_4BIT, MOMENTS["4-bit"]),
   ):
-    chosen[name] = optax.chain(
-      lowprec.scale_by_stored_adam(mu=mu, nu=nu),  # adamw's b1, b2, eps
-      optax.add_decayed_weights(1e-4),  # adamw's default decay
-      optax.scale_by_learning_rate(1e-3),
-    )
+    chosen[name] = _stored_adamw(mu, nu)
+  for name, kernel in ((KERNEL_Q8, "auto"), (XLA_Q8, "xla")):
+    chosen[name] = _stored_adamw(*Q8, kernel=kernel, key=key)
   if quick:
     chosen = {name: chosen[name] for name in QUICK}
   if cases is not None:
