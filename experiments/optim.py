@@ -201,9 +201,9 @@ WRAPPERS = {"eco": _eco}
 # Every lowprec.compensation.
 COMPENSATIONS = {**WRITEBACKS, **WRAPPERS}
 
-# lowprec.state_kernel: "" (store_state around the optimizer) or a
+# lowprec.state_kernel: "none" (store_state around the optimizer) or a
 # `lowprec.scale_by_stored_adam` kernel choice (`stored_adamw`).
-STATE_KERNELS = ("", "auto", "pallas", "xla")
+STATE_KERNELS = ("none", "auto", "pallas", "xla")
 
 
 def build(config, key: jax.Array, params=None) -> optax.GradientTransformation:
@@ -333,7 +333,7 @@ def _optimizer(config, lr, target, write_key, key) -> tuple:
     # those of runs without stored state.
     state_key = jax.random.fold_in(key, 3)
     rules = lowprec_config.state_rules(lp)
-    if lp.get("state_kernel", ""):
+    if lp.get("state_kernel", "none") != "none":
       optimizer = stored_adamw(config, lr, rules, state_key)
     else:
       optimizer = lowprec.store_state(optimizer, rules, key=state_key)
@@ -362,7 +362,7 @@ def stored_adamw(config, lr, rules, key) -> optax.GradientTransformation:
       `nu`, each naming the fix.
   """
   opt, lp = config.opt, config.lowprec
-  fix = "or set lowprec.state_kernel='' (store_state around the optimizer)"
+  fix = "or set lowprec.state_kernel='none' (store_state around the optimizer)"
   if opt.name != "adamw":
     raise ValueError(
       f"lowprec.state_kernel runs AdamW's step; opt.name is {opt.name!r}: "

@@ -652,7 +652,7 @@ def test_state_kernel_builds_adamw_around_the_stored_moments_kernel():
     ({"state": ()}, "lowprec.state is empty"),
     ({"state": ("mu=dynamic8:stochastic:block64",)}, "one 'mu=<spec>'"),
     ({"compensation": "eco"}, "wraps the optimizer"),
-    ({"state_kernel": "triton"}, "valid: , auto, pallas, xla"),
+    ({"state_kernel": "triton"}, "valid: none, auto, pallas, xla"),
   ],
 )
 def test_state_kernel_refuses_what_it_cannot_run_naming_the_fix(lp, match):

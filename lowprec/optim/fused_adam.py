@@ -38,7 +38,7 @@ divisions and roots: for Triton, PTX's `div.rn.f32` and `sqrt.rn.f32`,
 which XLA's compile to, where Triton's own `/` is the approximate
 `div.full.f32`; `lowprec.grids._ieee`), so its codes, scales and updates
 are the XLA path's bit for bit (tests/fused_adam_test.py, on this CPU in
-Pallas's interpret mode, for eight pairs of formats; on a GPU the
+Pallas's interpret mode, for twelve pairs of formats; on a GPU the
 write-back benchmark compares the two). Not e5m2: XLA:CPU converts a NaN
 to an e5m2 NaN of one payload or another depending on the program around
 it. Not dead zone: in the interpreted kernel, reading the old value a
