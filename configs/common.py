@@ -177,8 +177,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # With lowprec.state one 'mu=<spec>' and one 'nu=<spec>' under AdamW:
   # "auto" (one kernel a leaf on one GPU, XLA elsewhere), "pallas" or
   # "xla" stores them by lowprec.scale_by_stored_adam in AdamW's chain
-  # (its own random stream, no state telemetry); "none" by store_state
-  # around the optimizer.
+  # (its own random stream); "none" by store_state around the optimizer.
   c.lowprec.state_kernel = "none"
   # Predicted stored-state erasures in a float32-state run
   # (lowprec.freeze.state_trace): "name: regex=spec; regex=spec" entries.

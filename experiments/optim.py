@@ -353,8 +353,8 @@ def stored_adamw(config, lr, rules, key) -> optax.GradientTransformation:
   `0/mu/...` as under `store_state`, the stored moments' random bits
   come from the same key folded by their paths within the store
   (`mu/...`, not `0/mu/...`), so a stochastic store draws other bits
-  than `store_state` around `optax.adamw` does, and the store keeps no
-  telemetry.
+  than `store_state` around `optax.adamw` does. The store counts its
+  telemetry as `store_state` does (`state/changed/mu/...`).
 
   Raises:
     ValueError: an optimizer other than AdamW, an ECO write-back (which
@@ -391,6 +391,7 @@ def stored_adamw(config, lr, rules, key) -> optax.GradientTransformation:
       nu=str(specs["nu"]),
       kernel=lp.state_kernel,
       key=key if random else None,
+      telemetry=True,
     ),
     optax.add_decayed_weights(opt.weight_decay),
     optax.scale_by_learning_rate(lr),

@@ -8,6 +8,11 @@ compiles optax's bias corrections differently: see `_moments`). The
 Triton lowering is checked by exporting for CUDA, which needs no GPU.
 """
 
+import os
+import platform
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -187,19 +192,20 @@ def test_the_kernel_runs_once_a_leaf_it_takes():
   assert calls("auto") == 0
 
 
-def test_auto_off_cuda_takes_the_xla_path_leaf_by_leaf(monkeypatch):
+@pytest.mark.parametrize("telemetry", [False, True])
+def test_auto_off_cuda_takes_the_xla_path_leaf_by_leaf(monkeypatch, telemetry):
   """Where "auto" would take the kernel but the platform is not CUDA
   (another GPU; here the CPU standing in for one): one call per leaf
   for CUDA, and elsewhere the XLA path, not Pallas's interpreter (whose
   grid loop is a `while` in the program): the same bits as
-  `store_state`."""
+  `store_state`, counts included."""
   monkeypatch.setattr(fused_adam, "_kernel_here", lambda *_: True)
   params = {n: jnp.zeros(s) for n, s in SHAPES.items()}
   g = _grads(SHAPES, 0, np.random.default_rng(0))
-  ref = lowprec.store_state(optax.scale_by_adam(), RULES, telemetry=False)
+  ref = lowprec.store_state(optax.scale_by_adam(), RULES, telemetry=telemetry)
 
   def program(kernel):
-    tx = lowprec.scale_by_stored_adam(kernel=kernel)
+    tx = lowprec.scale_by_stored_adam(kernel=kernel, telemetry=telemetry)
     state = tx.init(params)
     jaxpr = str(jax.make_jaxpr(tx.update)(g, state))
     compiled = jax.jit(tx.update).lower(g, state).compile().as_text()
@@ -242,17 +248,27 @@ def test_auto_takes_e4m3_to_the_kernel_only_where_triton_converts_it(
 
 
 @pytest.mark.parametrize(
-  "pair", ["flashoptim", "bitsandbytes", "amax_e4m3", "4bit", "q8"]
+  "pair, telemetry",
+  [
+    ("flashoptim", False),
+    ("bitsandbytes", False),
+    ("amax_e4m3", False),
+    ("4bit", False),
+    ("q8", False),
+    ("q8", True),
+    ("flashoptim", True),
+  ],
 )
-def test_kernel_lowers_to_triton(pair):
+def test_kernel_lowers_to_triton(pair, telemetry):
   """Exported for CUDA (no GPU needed): each leaf the kernel takes is one
-  Triton call, so every operation in it (the table maps' reads by index
-  included) has a Triton lowering; and its divisions and roots are PTX's
-  correctly rounded ones, as XLA's are, not Triton's `/` (`arith.divf`,
-  which Triton compiles to the approximate `div.full.f32`)."""
+  Triton call, so every operation in it (the table maps' reads by index,
+  the random bits and the counts included) has a Triton lowering; and
+  its divisions and roots are PTX's correctly rounded ones, as XLA's
+  are, not Triton's `/` (`arith.divf`, which Triton compiles to the
+  approximate `div.full.f32`)."""
   params = {n: jnp.zeros(s) for n, s in _shapes(256).items()}
   tx = lowprec.scale_by_stored_adam(
-    **PAIRS[pair], kernel="pallas", key=jax.random.key(0)
+    **PAIRS[pair], kernel="pallas", key=jax.random.key(0), telemetry=telemetry
   )
   state = tx.init(params)
   exported = export.export(
@@ -469,3 +485,111 @@ def test_ieee_ops_are_the_plain_ones_except_under_ptx():
   assert not _ieee.active()
   assert "div.rn.f32" in div and "f32[4,8]" in div and "div " not in div
   assert "sqrt.rn.f32" in sqrt and "sqrt " not in sqrt
+
+
+# ---- telemetry: the counts in the kernel ------------------------------------
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _telemetry_check(pairs, steps):
+  """Prints one line per pair: whether `scale_by_stored_adam(...,
+  telemetry=True)` (the kernel, interpreted) gave `store_state(...,
+  telemetry=True)`'s updates, codes, scales and counts bit for bit over
+  `steps` steps (seed 0), and its total of changed entries."""
+  for pair in pairs:
+    rules = PAIRS[pair]
+    key = jax.random.key(7)
+    ref = lowprec.store_state(optax.scale_by_adam(), rules, key=key)
+    fused = lowprec.scale_by_stored_adam(
+      **rules, kernel="pallas", key=key, telemetry=True
+    )
+    shapes = _shapes(stored_state.parse_state_format(rules["mu"]).scale)
+    params = {n: jnp.zeros(s) for n, s in shapes.items()}
+    s_ref, s_fused = ref.init(params), fused.init(params)
+    rng = np.random.default_rng(0)
+    same = True
+    for t in range(steps):
+      g = _grads(shapes, t, rng)
+      u_ref, s_ref = jax.jit(ref.update)(g, s_ref)
+      u_fused, s_fused = jax.jit(fused.update)(g, s_fused)
+      same &= jax.tree.structure(s_ref) == jax.tree.structure(s_fused)
+      same &= _bits((u_ref, s_ref)) == _bits((u_fused, s_fused))
+    changed = sum(int(c) for c in s_fused.counts.changed.values())
+    print(f"{pair} {'same' if same else 'differs'} {changed}", flush=True)
+
+
+def _run_telemetry_check(pairs, steps=4):
+  """`_telemetry_check` in a process whose XLA:CPU emits no FMA
+  instructions (`--xla_cpu_max_isa=AVX`): where XLA contracts Adam's
+  `b * m + (1 - b) * g` into an FMA, and which of its two products it
+  contracts, depends on how it fuses the program around it, and counting
+  reads the old moments a second time. So with FMAs, `store_state`'s own
+  updates differ in the last bit between telemetry on and off (about
+  one in 2,000 to 10,000 here), and the interpreted kernel's from the
+  XLA path's in some pairs; without them the arithmetic is the same
+  rounding for rounding."""
+  if platform.machine().lower() not in ("x86_64", "amd64"):
+    pytest.skip("--xla_cpu_max_isa=AVX names an x86 instruction set")
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = (
+    env.get("XLA_FLAGS", "") + " --xla_cpu_max_isa=AVX"
+  ).strip()
+  env["JAX_PLATFORMS"] = "cpu"
+  env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])
+  code = (
+    "import experiments.xla_flags, fused_adam_test as t; "
+    f"t._telemetry_check({list(pairs)!r}, {steps})"
+  )
+  out = subprocess.run(
+    [sys.executable, "-c", code],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=900,
+  )
+  assert out.returncode == 0, out.stderr[-3000:]
+  lines = dict(line.split(" ", 1) for line in out.stdout.splitlines())
+  assert sorted(lines) == sorted(pairs)
+  for pair, result in lines.items():
+    verdict, changed = result.split()
+    assert verdict == "same", pair
+    assert int(changed) > 0, pair  # the counts count something
+
+
+def test_kernel_telemetry_equals_store_state_without_fmas():
+  """The kernel's counts (changed, erased, flushed, saturated,
+  non-finite, stalled, per leaf and moment) and everything else equal
+  `store_state`'s with telemetry on, bit for bit, for a stochastic map,
+  FlashOptim's pair, a map beside e4m3 and the 4-bit pair (4 steps,
+  seed 0, a NaN and an inf at step 3; about 50 s)."""
+  _run_telemetry_check(
+    ["q8", "flashoptim_stochastic", "companded8_e4m3", "4bit"]
+  )
+
+
+@pytest.mark.slow  # about 2 minutes: every pair, six steps
+def test_kernel_telemetry_equals_store_state_every_pair():
+  _run_telemetry_check(list(PAIRS), steps=6)
+
+
+def test_kernel_telemetry_is_what_lowprec_telemetry_reads():
+  """With FMAs (this process): the counts the kernel writes are the
+  state's `StateCounts`, read by `lowprec.telemetry` under the same
+  names as `store_state`'s, and equal to them on this tree (the counts
+  do not depend on the last bit of an update here)."""
+  rules = PAIRS["q8"]
+  key = jax.random.key(7)
+  ref = lowprec.store_state(optax.scale_by_adam(), rules, key=key)
+  fused = lowprec.scale_by_stored_adam(
+    **rules, kernel="pallas", key=key, telemetry=True
+  )
+  params = {n: jnp.zeros(s) for n, s in _shapes(256).items()}
+  g = _grads(_shapes(256), 0, np.random.default_rng(0))
+  _, s_ref = jax.jit(ref.update)(g, ref.init(params))
+  _, s_fused = jax.jit(fused.update)(g, fused.init(params))
+  got, want = lowprec.telemetry(s_fused), lowprec.telemetry(s_ref)
+  assert sorted(got) == sorted(want) and any("state" in k for k in got)
+  for k in want:
+    np.testing.assert_equal(got[k], want[k], err_msg=k)

@@ -680,7 +680,8 @@ def test_state_kernel_trains_through_the_entry_point_as_the_xla_path(
   """The smoke arm with q8-style moments, stored by the kernel (Pallas's
   interpreter here) and by the XLA path: 4 steps each through
   `experiments.run`, the same losses and the same final parameters (their
-  digest); about 30 s on 2 CPU cores."""
+  digest), and the store's telemetry logged; about 30 s on 2 CPU
+  cores."""
   runs = {}
   for kernel in ("pallas", "xla"):
     out = _run(
@@ -695,10 +696,12 @@ def test_state_kernel_trains_through_the_entry_point_as_the_xla_path(
     summary = json.loads((d / "summary.json").read_text())
     config = json.loads((d / "config.json").read_text())
     assert config["lowprec"]["state_kernel"] == kernel
-    losses = [
-      json.loads(line).get("loss")
+    lines = [
+      json.loads(line)
       for line in (d / "metrics.jsonl").read_text().splitlines()
     ]
-    runs[kernel] = (summary["param_digest"], losses)
+    # The store's telemetry, as store_state logs it.
+    assert lines[-1]["state/changed"] > 0 and "state/erased" in lines[-1]
+    runs[kernel] = (summary["param_digest"], [r.get("loss") for r in lines])
   assert runs["pallas"] == runs["xla"]
   assert runs["xla"][1][-1] is not None

@@ -74,10 +74,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton
 
 from lowprec.engine import codec as codec_lib
+from lowprec.engine import counting
 from lowprec.engine.weights import path_name
 from lowprec.grids import _ieee, choices, rounding
 from lowprec.grids import rng as rng_lib
 from lowprec.optim import stored_state as stored_lib
+from lowprec.optim.stored_state import _FIELDS
 
 __all__ = ["KERNELS", "scale_by_stored_adam"]
 
@@ -105,13 +107,15 @@ def scale_by_stored_adam(
   nu: str = "sqrt8:block32",
   kernel: str = "auto",
   key: jax.Array | None = None,
+  telemetry: bool = False,
 ) -> optax.GradientTransformation:
   """`optax.scale_by_adam` with both moments stored as 8- or 4-bit codes,
   each leaf's step one kernel (module docstring).
 
   The same transform, state and bits as `lowprec.store_state(optax.
   scale_by_adam(b1, b2, eps, eps_root), {"mu": mu, "nu": nu},
-  telemetry=False)`: a state of either continues in the other. Chain it
+  telemetry=telemetry, key=key)`: a state of either continues in the
+  other. Chain it
   as `optax.scale_by_adam` is chained, e.g. AdamW:
 
   ```python
@@ -139,6 +143,10 @@ def scale_by_stored_adam(
     key: a JAX PRNG key, required where a moment rounds stochastically
       (or by dead zone, which only the XLA path holds), as `store_state`
       takes it: the same key gives `store_state`'s bits.
+    telemetry: count each moment leaf's changed, erased, flushed,
+      saturated, non-finite and stalled entries as `store_state` does
+      (`lowprec.telemetry` reads them); the kernel counts each row as it
+      writes it, so the counts cost no pass of their own.
 
   Raises:
     ValueError: an unknown `kernel`; with `kernel="pallas"`, a spec the
@@ -167,7 +175,10 @@ def scale_by_stored_adam(
       "other spec"
     )
   reference = stored_lib.store_state(
-    optax.scale_by_adam(b1, b2, eps, eps_root), specs, telemetry=False, key=key
+    optax.scale_by_adam(b1, b2, eps, eps_root),
+    specs,
+    telemetry=telemetry,
+    key=key,
   )
   if reason or kernel == "xla":
     return reference
@@ -194,17 +205,22 @@ def scale_by_stored_adam(
       keys = rng_lib.leaf_keys(
         step_key, [f"{m}/{n}" for n in names for m in random]
       )
-    out_u, out_mu, out_nu, scales = [], [], [], {}
+    out_u, out_mu, out_nu, scales, per = [], [], [], {}, {}
     for name, (_, g), m, v in zip(names, flat_g, mus, nus, strict=True):
       mu_s = state.scales[f"mu/{name}"]
       nu_s = state.scales[f"nu/{name}"]
       seeds = _seeds([keys.get(f"{n}/{name}") for n in ("mu", "nu")])
-      step = _reference_step
+      step = functools.partial(_reference_step, telemetry=telemetry)
       if _held(g, codecs):
-        step = functools.partial(_leaf_step, interpret=kernel == "pallas")
-      u, m2, ms, v2, vs = step(
+        step = functools.partial(
+          _leaf_step, telemetry=telemetry, interpret=kernel == "pallas"
+        )
+      u, m2, ms, v2, vs, *counts = step(
         codecs, hyper, corrections, seeds, g, m, mu_s, v, nu_s
       )
+      if telemetry:
+        per[f"mu/{name}"] = counts[: len(_FIELDS)]
+        per[f"nu/{name}"] = counts[len(_FIELDS) :]
       out_u.append(u)
       out_mu.append(m2)
       out_nu.append(v2)
@@ -216,7 +232,9 @@ def scale_by_stored_adam(
       jax.tree_util.tree_unflatten(treedef, out_nu),
     )
     counts = state.counts._replace(
-      count=optax.safe_increment(state.counts.count), key=new_key
+      count=optax.safe_increment(state.counts.count),
+      key=new_key,
+      **counting.by_field(per, _FIELDS, telemetry),
     )
     new = stored_lib.StoredState(new_inner, scales, counts, state.recipe)
     return jax.tree_util.tree_unflatten(treedef, out_u), new
@@ -331,12 +349,19 @@ def _bits_at(seeds, i, index):
   return rng_lib._mix(rng_lib._mix(index ^ seeds[i]) + seeds[i + 1])
 
 
-def _reference_step(codecs, hyper, corrections, seeds, g, m, ms, v, vs):
-  """One leaf by XLA's ops (`store_state`'s arithmetic)."""
+def _reference_step(
+  codecs, hyper, corrections, seeds, g, m, ms, v, vs, *, telemetry
+):
+  """One leaf by XLA's ops (`store_state`'s arithmetic): the direction,
+  each moment's codes and scales, and (`telemetry`) each moment's
+  counts (`stored_state._FIELDS`, int32 scalars, the first moment's
+  then the second's; none without)."""
   g = jnp.asarray(g, jnp.float32)
   shape, cm, cv = jnp.shape(g), codecs["mu"], codecs["nu"]
-  mu0 = codec_lib.decode(cm, codec_lib.unpack(cm, m, shape), ms)
-  nu0 = codec_lib.decode(cv, codec_lib.unpack(cv, v, shape), vs)
+  m_old = codec_lib.unpack(cm, m, shape)
+  v_old = codec_lib.unpack(cv, v, shape)
+  mu0 = codec_lib.decode(cm, m_old, ms)
+  nu0 = codec_lib.decode(cv, v_old, vs)
   mu, nu, u = _moments(hyper, corrections, g, mu0, nu0)
   index = rng_lib.global_index(shape)
   bits = [
@@ -346,11 +371,17 @@ def _reference_step(codecs, hyper, corrections, seeds, g, m, ms, v, vs):
   em = codec_lib.encode(cm, mu, mu0, bits[0])
   en = codec_lib.encode(cv, nu, nu0, bits[1])
   m2, v2 = codec_lib.pack(cm, em.code), codec_lib.pack(cv, en.code)
-  return u, m2, em.scales, v2, en.scales
+  counts = ()
+  if telemetry:
+    counts = (
+      *stored_lib._state_counts(mu, mu0, em, m_old),
+      *stored_lib._state_counts(nu, nu0, en, v_old),
+    )
+  return (u, m2, em.scales, v2, en.scales, *counts)
 
 
 def _leaf_step(
-  codecs, hyper, corrections, seeds, g, m, ms, v, vs, *, interpret
+  codecs, hyper, corrections, seeds, g, m, ms, v, vs, *, telemetry, interpret
 ):
   """One leaf by the kernel: the leaf as rows of one block each, in
   tiles of `_tile` rows; compiled by Triton for CUDA, and on any other
@@ -376,18 +407,24 @@ def _leaf_step(
   names = {n: tuple(t) for n, t in tables.items()}
   arrays = [a for t in tables.values() for a in t.values()]
   whole = [pl.BlockSpec(a.shape, lambda i: (0,)) for a in arrays]
+  # With telemetry, each row's counts of each field, each moment.
+  n_counts = 2 * len(_FIELDS) if telemetry else 0
   out_shape = (
     jax.ShapeDtypeStruct((rows, block), jnp.float32),
     jax.ShapeDtypeStruct((rows, width["mu"]), m.dtype),
     jax.ShapeDtypeStruct((rows, 1), ms.dtype),
     jax.ShapeDtypeStruct((rows, width["nu"]), v.dtype),
     jax.ShapeDtypeStruct((rows, 1), vs.dtype),
+    *[jax.ShapeDtypeStruct((rows, 1), jnp.int32)] * n_counts,
   )
 
   def call(interpret, *args):
     layout = (tile, block, lanes)
-    return pl.pallas_call(
-      functools.partial(_kernel, codecs, hyper, names, layout, not interpret),
+    body = functools.partial(
+      _kernel, codecs, hyper, names, layout, telemetry, not interpret
+    )
+    out = pl.pallas_call(
+      body,
       out_shape=out_shape,
       grid=(pl.cdiv(rows, tile),),
       in_specs=[
@@ -406,6 +443,7 @@ def _leaf_step(
         spec(1),
         spec(width["nu"]),
         spec(1),
+        *[spec(1)] * n_counts,
       ],
       interpret=interpret,
       # Triton: elementwise arithmetic, row reductions and reads of a
@@ -414,13 +452,29 @@ def _leaf_step(
       compiler_params=None if interpret else triton.CompilerParams(),
       name="stored_adam",
     )(*args)
+    # The rows' counts summed (int32: in any order, the same count).
+    return (*out[:5], *(jnp.sum(c, dtype=jnp.int32) for c in out[5:]))
 
   def xla(*_):
-    out = _reference_step(codecs, hyper, corrections, seeds, g, m, ms, v, vs)
+    out = _reference_step(
+      codecs,
+      hyper,
+      corrections,
+      seeds,
+      g,
+      m,
+      ms,
+      v,
+      vs,
+      telemetry=telemetry,
+    )
     widths = (block, width["mu"], 1, width["nu"], 1)
-    return tuple(flat(a, w) for a, w in zip(out, widths, strict=True))
+    return (
+      *(flat(a, w) for a, w in zip(out[:5], widths, strict=True)),
+      *out[5:],
+    )
 
-  u, m2, ms2, v2, vs2 = jax.lax.platform_dependent(
+  u, m2, ms2, v2, vs2, *counts = jax.lax.platform_dependent(
     consts,
     seeds,
     flat(jnp.asarray(g, jnp.float32), block),
@@ -438,6 +492,7 @@ def _leaf_step(
     jnp.reshape(ms2, jnp.shape(ms)),
     jnp.reshape(v2, jnp.shape(v)),
     jnp.reshape(vs2, jnp.shape(vs)),
+    *counts,
   )
 
 
@@ -480,27 +535,27 @@ def _lanes(block: int, split: bool) -> tuple:
   return tuple((slice(None), pl.ds(k, block // 2, stride=2)) for k in (0, 1))
 
 
-def _kernel(codecs, hyper, names, layout, ptx, *refs):
+def _kernel(codecs, hyper, names, layout, telemetry, ptx, *refs):
   """The kernel's body; `ptx`: traced for Triton, so divisions and roots
   are PTX's correctly rounded ones (`lowprec.grids._ieee`), as XLA's
   are."""
   with _ieee.ptx(ptx):
-    _body(codecs, hyper, names, layout, *refs)
+    _body(codecs, hyper, names, layout, telemetry, *refs)
 
 
-def _body(codecs, hyper, names, layout, c_ref, s_ref, g_ref, m_ref, *refs):
-  ms_ref, v_ref, vs_ref, *refs = refs
+def _body(codecs, hyper, names, layout, telemetry, c_ref, s_ref, *refs):
+  g_ref, m_ref, ms_ref, v_ref, vs_ref, *refs = refs
   tile, block, lanes = layout
   tables = {}
   for moment in ("mu", "nu"):
     tables[moment] = dict(zip(names[moment], refs, strict=False))
     refs = refs[len(names[moment]) :]
-  u_ref, m_out, ms_out, v_out, vs_out = refs
+  u_ref, m_out, ms_out, v_out, vs_out, *count_refs = refs
   m_codes = _codes_in(codecs["mu"], m_ref, lanes)
   v_codes = _codes_in(codecs["nu"], v_ref, lanes)
   ms, vs = ms_ref[...], vs_ref[...]
   indices = _indices(tile, block, len(lanes), m_codes[0].shape)
-  mus, nus, divs = [], [], []
+  mus, nus, divs, olds = [], [], [], []
   for lane, m_code, v_code in zip(lanes, m_codes, v_codes, strict=True):
     # The scalars the kernel divides by, spread to every element by
     # adding a zero made of the codes (finite, so the sum is exact): a
@@ -513,15 +568,16 @@ def _body(codecs, hyper, names, layout, c_ref, s_ref, g_ref, m_ref, *refs):
       return c_ref[i] + zero
 
     divisors = {"companded8": spread(2), "sqrt8": spread(3), "two": spread(4)}
-    mu = _read(codecs["mu"], m_code, ms, divisors, tables["mu"])
-    nu = _read(codecs["nu"], v_code, vs, divisors, tables["nu"])
+    mu0 = _read(codecs["mu"], m_code, ms, divisors, tables["mu"])
+    nu0 = _read(codecs["nu"], v_code, vs, divisors, tables["nu"])
     mu, nu, u = _moments(
-      hyper, (spread(0), spread(1)), g_ref[lane], mu, nu, True
+      hyper, (spread(0), spread(1)), g_ref[lane], mu0, nu0, True
     )
     u_ref[lane] = u
     mus.append(mu)
     nus.append(nu)
     divs.append(divisors)
+    olds.append((mu0, nu0))
   for i, (moment, xs, out, s_out) in enumerate(
     (("mu", mus, m_out, ms_out), ("nu", nus, v_out, vs_out))
   ):
@@ -530,8 +586,18 @@ def _body(codecs, hyper, names, layout, c_ref, s_ref, g_ref, m_ref, *refs):
     if codec.random:
       bits = [_bits_at(s_ref, 2 * i, index) for index in indices]
     lanes_in = [_Lane(*z) for z in zip(xs, bits, divs, strict=True)]
-    codes, s_out[...] = _write(codec, lanes_in, tables[moment])
+    codes, s_out[...], read = _write(codec, lanes_in, tables[moment], telemetry)
     _codes_out(codec, out, lanes, codes)
+    if telemetry:
+      old_codes = m_codes if moment == "mu" else v_codes
+      fields = _FIELDS
+      refs_i = count_refs[i * len(fields) : (i + 1) * len(fields)]
+      for ref, c in zip(
+        refs_i,
+        _row_counts(xs, [o[i] for o in olds], read, codes, old_codes),
+        strict=True,
+      ):
+        ref[...] = c
 
 
 class _Lane(NamedTuple):
@@ -612,9 +678,12 @@ def _row_max(xs):
   return functools.reduce(jnp.maximum, each)
 
 
-def _write(codec, lanes, tables):
+def _write(codec, lanes, tables, telemetry=False):
   """`encode(codec, x, bits=bits)`'s codes (by lane) and scales for rows
-  of one block each, given as `_Lane`s."""
+  of one block each, given as `_Lane`s, and each lane's `(value read
+  back, overflow flag)` (`Encoded.value`, `.over`; a map's values only
+  where it rounds stochastically or `telemetry` counts them, else
+  None)."""
   m = codec.fmt
   xs = [lane.x for lane in lanes]
   if not codec.mapped:
@@ -623,12 +692,13 @@ def _write(codec, lanes, tables):
     scales = (codec_lib._pow2_of if pow2 else codec_lib._scales_of)(codec)
     scales = scales(amax, None)
     per = scales.astype(jnp.float32)
-    codes = []
+    codes, read = [], []
     for lane in lanes:
       y = codec_lib._quotient(codec, lane.x, per)
-      q, _ = rounding._round_and_flag(y, m, lane.bits, codec.overflow)
+      q, over = rounding._round_and_flag(y, m, lane.bits, codec.overflow)
       codes.append(q.astype(codec.dtype()))
-    return codes, scales
+      read.append((codec_lib._product(codec, q, per), over))
+    return codes, scales, read
   pre = None if m.signed else m.pre
   amax = _row_max(
     [jnp.where(jnp.isfinite(x), x if pre else jnp.abs(x), 0.0) for x in xs]
@@ -639,18 +709,47 @@ def _write(codec, lanes, tables):
   scales = codec_lib._scales_of(codec)(amax, bad)
   per = scales.astype(jnp.float32)
   lo = -1.0 if m.signed else 0.0
-  codes = []
+  codes, read = [], []
   for lane in lanes:
     x = lane.x
     raw = jnp.where(per > 0, codec_lib._divide(m.pre(x), per), 0.0)
     index = m.nearest_index(jnp.clip(raw, lo, 1.0), tables or None)
+
+    def value(i, lane=lane):
+      return _read(codec, m.code_of(i), scales, lane.divisors, tables)
+
+    v = value(index) if codec.random or telemetry else None
     if codec.random:
-
-      def value(i, lane=lane):
-        return _read(codec, m.code_of(i), scales, lane.divisors, tables)
-
-      index, _ = codec_lib.map_stochastic(
-        m, x, index, value(index), value, lane.bits
-      )
+      index, v = codec_lib.map_stochastic(m, x, index, v, value, lane.bits)
     codes.append(m.code_of(index).astype(codec.dtype()))
-  return codes, scales
+    over = (jnp.abs(raw) > 1) | ((x < 0) if not m.signed else False)
+    read.append((v, over & ~jnp.isnan(per)))
+  return codes, scales, read
+
+
+def _row_counts(xs, olds, read, codes, old_codes) -> list:
+  """Each row's `store_state` counts (`stored_state._FIELDS`, int32
+  (rows, 1)) over the lanes: `xs` the new float32 values, `olds` the
+  old ones read back, `read` each lane's new values read back and
+  overflow flags, `codes` and `old_codes` the codes (equal as numbers:
+  +0 and -0 are one code)."""
+  totals = None
+  for x, old, (v, over), code, code_old in zip(
+    xs, olds, read, codes, old_codes, strict=True
+  ):
+    finite = jnp.isfinite(x)
+    changed = finite & (x != old)
+    same = code.astype(jnp.float32) == code_old.astype(jnp.float32)
+    masks = (
+      changed,
+      changed & (v == old),
+      finite & (x != 0) & (v == 0),
+      over & finite,
+      ~finite,
+      changed & same,
+    )
+    rows = [jnp.sum(k.astype(jnp.int32), axis=-1, keepdims=True) for k in masks]
+    if totals is not None:
+      rows = [a + b for a, b in zip(totals, rows, strict=True)]
+    totals = rows
+  return totals
