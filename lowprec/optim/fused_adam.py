@@ -23,8 +23,8 @@ float8 e4m3 codes under power-of-two or amax block scales (torchao's
 AdamWFp8 is `"float8_e4m3fn:nearest:block256:amax"` for both), rounded
 as `lowprec.grids.rounding` rounds, on bit patterns (on a GPU of compute
 capability 8.9 or more, whose Triton converts to float8; "auto" takes
-the XLA path on an older one). Blocks of 32 or any power of two, nearest
-or stochastic rounding (not dead zone); either moment may take any of
+the XLA path on an older one). Blocks of 32 or any power of two,
+nearest, stochastic or dead-zone rounding; either moment may take any of
 these its role allows. Stochastic rounding draws the bits `store_state`
 draws, from the same key (one split a step, folded by the leaf's path)
 and each element's index in its leaf, which the kernel computes from its
@@ -41,11 +41,15 @@ are the XLA path's bit for bit (tests/fused_adam_test.py, on this CPU in
 Pallas's interpret mode, for twelve pairs of formats; on a GPU the
 write-back benchmark compares the two). Not e5m2: XLA:CPU converts a NaN
 to an e5m2 NaN of one payload or another depending on the program around
-it. Not dead zone: in the interpreted kernel, reading the old value a
-second time changed where XLA:CPU contracts Adam's update into FMAs, so
-its moments left the XLA path's in the last bit. A leaf the kernel does
-not take (a last axis that is not a whole
-number of blocks, a scalar) takes the XLA path, leaf by leaf.
+it. One caveat is XLA:CPU's, not the kernel's: where it contracts Adam's
+`b * m + (1 - b) * g` into an FMA, and which product it contracts,
+depends on how it fuses the program around it, so where dead-zone
+rounding or the counts read the old moments a second time, the
+interpreted kernel's last bits may leave the XLA path's (as
+`store_state`'s own do between telemetry on and off); without FMA
+instructions they agree, and the tests check them so. A leaf the kernel
+does not take (a last axis that is not a whole number of blocks, a
+scalar) takes the XLA path, leaf by leaf.
 
 Where it runs (`kernel`): "auto" runs the kernel on an NVIDIA GPU
 (Pallas's Triton backend) when one device is in use, and the XLA path
@@ -135,14 +139,14 @@ def scale_by_stored_adam(
       `"float8_e4m3fn:nearest:block<N>"` (with `:amax`, and `:float16`,
       for amax scales), N a power of two; `":stochastic"` after the
       format rounds stochastically (e.g. `"dynamic8:stochastic:block256"`,
-      the `q8` state recipe's).
+      the `q8` state recipe's), `":deadzone"` by dead zone.
     nu: the second moment's, `"sqrt8:block<N>"`, `"dynamic8u:block<N>"`,
       `"dynamic8:block<N>"`, `"uint4nz:block<N>"`, `"dynamic4:block<N>"`
       or an e4m3 spec as for `mu`.
     kernel: "auto", "pallas" or "xla" (module docstring).
     key: a JAX PRNG key, required where a moment rounds stochastically
-      (or by dead zone, which only the XLA path holds), as `store_state`
-      takes it: the same key gives `store_state`'s bits.
+      or by dead zone, as `store_state` takes it: the same key gives
+      `store_state`'s bits.
     telemetry: count each moment leaf's changed, erased, flushed,
       saturated, non-finite and stalled entries as `store_state` does
       (`lowprec.telemetry` reads them); the kernel counts each row as it
@@ -169,8 +173,8 @@ def scale_by_stored_adam(
       "mu 'companded8', 'dynamic8' or 'dynamic4' and nu 'sqrt8', "
       "'dynamic8u', 'dynamic8', 'uint4nz' or 'dynamic4', as "
       "':block<N>', or 'float8_e4m3fn:nearest:block<N>' "
-      "(':amax' allowed) for either (N a power of two, nearest or "
-      "stochastic rounding): use those, or kernel='xla', or "
+      "(':amax' allowed) for either (N a power of two, any "
+      "rounding): use those, or kernel='xla', or "
       "lowprec.store_state(optax.scale_by_adam(...), rules) for any "
       "other spec"
     )
@@ -289,8 +293,6 @@ def _unheld(formats) -> str | None:
       return f"{name} {str(f)!r} (its map)"
     if not f.mapped and getattr(f.fmt, "name", None) not in _FLOATS:
       return f"{name} {str(f)!r} (its format)"
-    if f.rounding == "deadzone":
-      return f"{name} {str(f)!r} (its rounding)"
     block = f.scale
     if not isinstance(block, int) or block < 2 or block & (block - 1):
       return f"{name} {str(f)!r} (its blocks)"
@@ -554,7 +556,9 @@ def _body(codecs, hyper, names, layout, telemetry, c_ref, s_ref, *refs):
   m_codes = _codes_in(codecs["mu"], m_ref, lanes)
   v_codes = _codes_in(codecs["nu"], v_ref, lanes)
   ms, vs = ms_ref[...], vs_ref[...]
-  indices = _indices(tile, block, len(lanes), m_codes[0].shape)
+  indices = None
+  if any(c.random for c in codecs.values()):
+    indices = _indices(tile, block, len(lanes), m_codes[0].shape)
   mus, nus, divs, olds = [], [], [], []
   for lane, m_code, v_code in zip(lanes, m_codes, v_codes, strict=True):
     # The scalars the kernel divides by, spread to every element by
@@ -585,7 +589,10 @@ def _body(codecs, hyper, names, layout, telemetry, c_ref, s_ref, *refs):
     bits = [None] * len(lanes)
     if codec.random:
       bits = [_bits_at(s_ref, 2 * i, index) for index in indices]
-    lanes_in = [_Lane(*z) for z in zip(xs, bits, divs, strict=True)]
+    lanes_in = [
+      _Lane(x, old[i], b, d)
+      for x, old, b, d in zip(xs, olds, bits, divs, strict=True)
+    ]
     codes, s_out[...], read = _write(codec, lanes_in, tables[moment], telemetry)
     _codes_out(codec, out, lanes, codes)
     if telemetry:
@@ -602,10 +609,11 @@ def _body(codecs, hyper, names, layout, telemetry, c_ref, s_ref, *refs):
 
 class _Lane(NamedTuple):
   """What `_write` encodes of one lane of a tile: the new moment `x`,
-  its random bits (None: nearest) and the lane's spread divisors
-  (`_read`)."""
+  the value its old code read back as (dead zone), its random bits
+  (None: nearest) and the lane's spread divisors (`_read`)."""
 
   x: jax.Array
+  old: jax.Array
   bits: jax.Array | None
   divisors: dict
 
@@ -679,7 +687,7 @@ def _row_max(xs):
 
 
 def _write(codec, lanes, tables, telemetry=False):
-  """`encode(codec, x, bits=bits)`'s codes (by lane) and scales for rows
+  """`encode(codec, x, old, bits)`'s codes (by lane) and scales for rows
   of one block each, given as `_Lane`s, and each lane's `(value read
   back, overflow flag)` (`Encoded.value`, `.over`; a map's values only
   where it rounds stochastically or `telemetry` counts them, else
@@ -695,9 +703,20 @@ def _write(codec, lanes, tables, telemetry=False):
     codes, read = [], []
     for lane in lanes:
       y = codec_lib._quotient(codec, lane.x, per)
-      q, over = rounding._round_and_flag(y, m, lane.bits, codec.overflow)
+      sr = lane.bits if codec.rounding == "stochastic" else None
+      q, over = rounding._round_and_flag(y, m, sr, codec.overflow)
+      v = codec_lib._product(codec, q, per)
+      if codec.rounding == "deadzone":
+        # Stochastic where nearest gives the old value back.
+        q_sr, over_sr = rounding._round_and_flag(
+          y, m, lane.bits, codec.overflow
+        )
+        stuck = (v == lane.old) & (lane.x != lane.old)
+        q = jnp.where(stuck, q_sr, q)
+        over = jnp.where(stuck, over_sr, over)
+        v = codec_lib._product(codec, q, per)
       codes.append(q.astype(codec.dtype()))
-      read.append((codec_lib._product(codec, q, per), over))
+      read.append((v, over))
     return codes, scales, read
   pre = None if m.signed else m.pre
   amax = _row_max(
@@ -720,7 +739,12 @@ def _write(codec, lanes, tables, telemetry=False):
 
     v = value(index) if codec.random or telemetry else None
     if codec.random:
-      index, v = codec_lib.map_stochastic(m, x, index, v, value, lane.bits)
+      sr, v_sr = codec_lib.map_stochastic(m, x, index, v, value, lane.bits)
+      if codec.rounding == "stochastic":
+        index, v = sr, v_sr
+      else:  # dead zone: stochastic where nearest gives the old value
+        stuck = (v == lane.old) & (x != lane.old)
+        index, v = jnp.where(stuck, sr, index), jnp.where(stuck, v_sr, v)
     codes.append(m.code_of(index).astype(codec.dtype()))
     over = (jnp.abs(raw) > 1) | ((x < 0) if not m.signed else False)
     read.append((v, over & ~jnp.isnan(per)))
