@@ -180,6 +180,13 @@ def validate(c) -> None:
   if lp.writeback:
     formats.append(("lowprec.writeback", lp.writeback))
   lowprec_config.state_rules(lp)  # raises for a bad lowprec.state entry
+  if lp.get("state_kernel", "none") != "none" and not lp.state:
+    raise ValueError(
+      f"lowprec.state_kernel={lp.state_kernel!r} stores AdamW's moments "
+      "by lowprec.state's rules, and lowprec.state is empty: give it one "
+      "'mu=<spec>' and one 'nu=<spec>' entry, or set "
+      "lowprec.state_kernel='none'"
+    )
   lowprec_config.group_recipes(
     lp
   )  # raises for a bad lowprec.group_recipes entry
@@ -384,13 +391,6 @@ def _check_float32_predictions(lp) -> None:
   and in a run whose weights, or state, they predict from float32."""
   lowprec_config.trace_remedies(lp)  # raises for a bad entry, naming the form
   lowprec_config.state_targets(lp)
-  if lp.get("state_kernel", "none") != "none" and not lp.state:
-    raise ValueError(
-      f"lowprec.state_kernel={lp.state_kernel!r} stores AdamW's moments "
-      "by lowprec.state's rules, and lowprec.state is empty: give it one "
-      "'mu=<spec>' and one 'nu=<spec>' entry, or set "
-      "lowprec.state_kernel='none'"
-    )
   if lp.state and lp.state_targets:
     raise ValueError(
       "lowprec.state_targets predicts stored-state erasures from a run "

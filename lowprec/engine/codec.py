@@ -251,6 +251,15 @@ def encode(codec: Codec, x, old=None, bits=None) -> Encoded:
   if codec.scale_rule == "amax":
     per = per.astype(jnp.float32)
   y = x if per is None else _quotient(codec, x, per)
+  q, over, v = rounded(codec, x, y, per, old, bits)
+  return Encoded(q.astype(codec.dtype()), scales, v, over)
+
+
+def rounded(codec: Codec, x, y, per, old, bits):
+  """`(q, over, v)`: `y = x / per` rounded onto the format by `codec`'s
+  rounding (dead zone: stochastic where nearest gives `old` back), its
+  overflow flag and its value under the scale `per` (None: none). Shared
+  with a kernel that computes `y` and `per` its own way."""
   sr = bits if codec.rounding == "stochastic" else None
   q, over = _round_and_flag(y, codec.fmt, sr, codec.overflow)
   v = q if per is None else _product(codec, q, per)
@@ -260,7 +269,7 @@ def encode(codec: Codec, x, old=None, bits=None) -> Encoded:
     q = jnp.where(stuck, q_sr, q)
     over = jnp.where(stuck, over_sr, over)
     v = q if per is None else _product(codec, q, per)
-  return Encoded(q.astype(codec.dtype()), scales, v, over)
+  return q, over, v
 
 
 def _quotient(codec: Codec, x, per):
@@ -634,24 +643,34 @@ def _encode_mapped(codec: Codec, x, old, bits) -> Encoded:
   over = (jnp.abs(raw) > 1) | ((x < 0) if not m.signed else False)
   index = m.nearest_index(jnp.clip(raw, lo, 1.0))
   v = _kept(m.value(index, per))
-  if codec.random and bits is not None:
-    value = lambda i: _kept(m.value(i, per))  # noqa: E731
-    sr, v_sr = map_stochastic(m, x, index, v, value, bits)
-    if codec.rounding == "stochastic":
-      index, v = sr, v_sr
-    elif old is not None:  # deadzone: stochastic where nearest gives old
-      stuck = (v == old) & (x != old)
-      index, v = jnp.where(stuck, sr, index), jnp.where(stuck, v_sr, v)
+  value = lambda i: _kept(m.value(i, per))  # noqa: E731
+  index, v = map_rounded(codec, x, index, v, value, old, bits)
   code = m.code_of(index).astype(codec.dtype())
   return Encoded(code, scales, v, over & ~jnp.isnan(per))
 
 
-def map_stochastic(m, x, index, v, value, bits):
+def map_rounded(codec: Codec, x, index, v, value, old, bits):
+  """`(index, v)` of a map's code for `x` by `codec`'s rounding, from
+  the nearest code's index and value: as they are for nearest rounding
+  (or without `bits`), else stochastic (dead zone: where nearest gives
+  `old` back). `value(i)` reads an index back under the block's scale
+  (as `decode` does), which a kernel computes its own way."""
+  if not (codec.random and bits is not None):
+    return index, v
+  sr, v_sr = _map_stochastic(codec.fmt, x, index, v, value, bits)
+  if codec.rounding == "stochastic":
+    return sr, v_sr
+  if old is None:
+    return index, v
+  stuck = (v == old) & (x != old)  # dead zone
+  return jnp.where(stuck, sr, index), jnp.where(stuck, v_sr, v)
+
+
+def _map_stochastic(m, x, index, v, value, bits):
   """Between the two map values around `x`, up with probability `(x -
   lo) / (hi - lo)` (24 of the 32 random bits): unbiased in the value
   `x`, not in the code. `index` and `v` are the nearest code's index and
-  value; `value(i)` reads an index back under the block's scale (as
-  `decode` does), which a kernel computes its own way."""
+  value; `value(i)` reads an index back (`map_rounded`)."""
   top = len(m.table()) - 1
   lo = jnp.clip(jnp.where(v > x, index - 1, index), 0, top)
   hi = jnp.minimum(lo + 1, top)

@@ -78,8 +78,14 @@ def global_index(shape) -> jax.Array:
 
 def hash_bits(key, shape) -> jax.Array:
   """uint32 bits for every element of `shape`, from (key, global index)."""
-  k0, k1 = _seeds(key)
-  return _mix(_mix(global_index(shape) ^ k0) + k1)
+  return hash_at(global_index(shape), *_seeds(key))
+
+
+def hash_at(index, k0, k1) -> jax.Array:
+  """`hash_bits`'s bits at the uint32 global indices `index`, under the
+  key words `k0, k1` (`_seeds`): for code that numbers its elements
+  itself (a kernel's tile)."""
+  return _mix(_mix(index ^ k0) + k1)
 
 
 def random_bits(key, shape, *, rng: str = "hash", width: int = 32):

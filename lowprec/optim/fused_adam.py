@@ -80,7 +80,7 @@ from jax.experimental.pallas import triton
 from lowprec.engine import codec as codec_lib
 from lowprec.engine import counting
 from lowprec.engine.weights import path_name
-from lowprec.grids import _ieee, choices, rounding
+from lowprec.grids import _ieee, choices
 from lowprec.grids import rng as rng_lib
 from lowprec.optim import stored_state as stored_lib
 from lowprec.optim.stored_state import _FIELDS
@@ -333,7 +333,7 @@ def _moments(hyper, corrections, g, mu, nu, compiled=False):
 
 
 def _seeds(keys) -> jax.Array:
-  """uint32 [4]: the hash's two key words (`rng_lib.hash_bits`) of the
+  """uint32 [4]: the hash's two key words (`rng_lib.hash_at`) of the
   first moment's key, then the second's (zeros for a moment rounded to
   nearest, whose key is None)."""
   words = []
@@ -343,12 +343,6 @@ def _seeds(keys) -> jax.Array:
     )
     words.extend(pair)
   return jnp.stack(words)
-
-
-def _bits_at(seeds, i, index):
-  """`rng_lib.hash_bits`'s bits at the global element indices `index`
-  (uint32), under the key words `seeds[i], seeds[i + 1]`."""
-  return rng_lib._mix(rng_lib._mix(index ^ seeds[i]) + seeds[i + 1])
 
 
 def _reference_step(
@@ -367,7 +361,7 @@ def _reference_step(
   mu, nu, u = _moments(hyper, corrections, g, mu0, nu0)
   index = rng_lib.global_index(shape)
   bits = [
-    _bits_at(seeds, i, index) if c.random else None
+    rng_lib.hash_at(index, seeds[i], seeds[i + 1]) if c.random else None
     for i, c in ((0, cm), (2, cv))
   ]
   em = codec_lib.encode(cm, mu, mu0, bits[0])
@@ -588,7 +582,8 @@ def _body(codecs, hyper, names, layout, telemetry, c_ref, s_ref, *refs):
     codec = codecs[moment]
     bits = [None] * len(lanes)
     if codec.random:
-      bits = [_bits_at(s_ref, 2 * i, index) for index in indices]
+      k0, k1 = s_ref[2 * i], s_ref[2 * i + 1]
+      bits = [rng_lib.hash_at(index, k0, k1) for index in indices]
     lanes_in = [
       _Lane(x, old[i], b, d)
       for x, old, b, d in zip(xs, olds, bits, divs, strict=True)
@@ -620,9 +615,9 @@ class _Lane(NamedTuple):
 
 def _indices(tile, block, n_lanes, shape) -> list:
   """Each lane's global element indices in its leaf (uint32, row-major,
-  as `rng_lib.global_index` numbers them): this program's rows are
-  `tile` rows from `program_id * tile`, each a block; a split row's
-  lanes are its even and odd entries."""
+  as `rng_lib.global_index` numbers them, for `rng_lib.hash_at`): this
+  program's rows are `tile` rows from `program_id * tile`, each a block;
+  a split row's lanes are its even and odd entries."""
   row0 = pl.program_id(0).astype(jnp.uint32) * np.uint32(tile)
   r = jax.lax.broadcasted_iota(jnp.uint32, shape, 0) + row0
   c = jax.lax.broadcasted_iota(jnp.uint32, shape, 1)
@@ -703,18 +698,7 @@ def _write(codec, lanes, tables, telemetry=False):
     codes, read = [], []
     for lane in lanes:
       y = codec_lib._quotient(codec, lane.x, per)
-      sr = lane.bits if codec.rounding == "stochastic" else None
-      q, over = rounding._round_and_flag(y, m, sr, codec.overflow)
-      v = codec_lib._product(codec, q, per)
-      if codec.rounding == "deadzone":
-        # Stochastic where nearest gives the old value back.
-        q_sr, over_sr = rounding._round_and_flag(
-          y, m, lane.bits, codec.overflow
-        )
-        stuck = (v == lane.old) & (lane.x != lane.old)
-        q = jnp.where(stuck, q_sr, q)
-        over = jnp.where(stuck, over_sr, over)
-        v = codec_lib._product(codec, q, per)
+      q, over, v = codec_lib.rounded(codec, lane.x, y, per, lane.old, lane.bits)
       codes.append(q.astype(codec.dtype()))
       read.append((v, over))
     return codes, scales, read
@@ -738,13 +722,9 @@ def _write(codec, lanes, tables, telemetry=False):
       return _read(codec, m.code_of(i), scales, lane.divisors, tables)
 
     v = value(index) if codec.random or telemetry else None
-    if codec.random:
-      sr, v_sr = codec_lib.map_stochastic(m, x, index, v, value, lane.bits)
-      if codec.rounding == "stochastic":
-        index, v = sr, v_sr
-      else:  # dead zone: stochastic where nearest gives the old value
-        stuck = (v == lane.old) & (x != lane.old)
-        index, v = jnp.where(stuck, sr, index), jnp.where(stuck, v_sr, v)
+    index, v = codec_lib.map_rounded(
+      codec, x, index, v, value, lane.old, lane.bits
+    )
     codes.append(m.code_of(index).astype(codec.dtype()))
     over = (jnp.abs(raw) > 1) | ((x < 0) if not m.signed else False)
     read.append((v, over & ~jnp.isnan(per)))
@@ -755,23 +735,12 @@ def _row_counts(xs, olds, read, codes, old_codes) -> list:
   """Each row's `store_state` counts (`stored_state._FIELDS`, int32
   (rows, 1)) over the lanes: `xs` the new float32 values, `olds` the
   old ones read back, `read` each lane's new values read back and
-  overflow flags, `codes` and `old_codes` the codes (equal as numbers:
-  +0 and -0 are one code)."""
+  overflow flags, `codes` and `old_codes` the codes."""
   totals = None
   for x, old, (v, over), code, code_old in zip(
     xs, olds, read, codes, old_codes, strict=True
   ):
-    finite = jnp.isfinite(x)
-    changed = finite & (x != old)
-    same = code.astype(jnp.float32) == code_old.astype(jnp.float32)
-    masks = (
-      changed,
-      changed & (v == old),
-      finite & (x != 0) & (v == 0),
-      over & finite,
-      ~finite,
-      changed & same,
-    )
+    masks = stored_lib._state_masks(x, old, v, over, code, code_old)
     rows = [jnp.sum(k.astype(jnp.int32), axis=-1, keepdims=True) for k in masks]
     if totals is not None:
       rows = [a + b for a, b in zip(totals, rows, strict=True)]

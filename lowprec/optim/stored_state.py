@@ -651,17 +651,23 @@ def _map_stored(plan, state, store):
 def _state_counts(s, s_old, enc, code_old):
   """`_FIELDS` of one stored leaf: new float32 values `s`, old `s_old`,
   the old stored code `code_old`."""
-  v = enc.value
+  return tally(*_state_masks(s, s_old, enc.value, enc.over, enc.code, code_old))
+
+
+def _state_masks(s, s_old, v, over, code, code_old) -> tuple:
+  """The entries each of `_FIELDS` counts: new float32 values `s`, old
+  `s_old`, the new stored value `v`, its overflow flag `over`, the new
+  and the old stored codes."""
   finite = jnp.isfinite(s)
   changed = finite & (s != s_old)
   # Codes as numbers (the grid value under the scale, or a map's code):
   # +0 and -0 are one code, as they are one value.
-  same_code = enc.code.astype(jnp.float32) == code_old.astype(jnp.float32)
-  return tally(
+  same_code = code.astype(jnp.float32) == code_old.astype(jnp.float32)
+  return (
     changed,
     changed & (v == s_old),
     finite & (s != 0) & (v == 0),
-    enc.over & finite,
+    over & finite,
     ~finite,
     changed & same_code,
   )
