@@ -179,6 +179,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # "xla" stores them by lowprec.scale_by_stored_adam in AdamW's chain
   # (its own random stream); "none" by store_state around the optimizer.
   c.lowprec.state_kernel = "none"
+  # The plain write-back's leaves: "xla" (XLA's ops), "auto" (one Pallas
+  # kernel a leaf on a plain float grid on one NVIDIA GPU, XLA elsewhere;
+  # the same bits) or "pallas" (the kernel everywhere, interpreted off a
+  # GPU): lowprec.writeback(kernel=).
+  c.lowprec.writeback_kernel = "xla"
   # Predicted stored-state erasures in a float32-state run
   # (lowprec.freeze.state_trace): "name: regex=spec; regex=spec" entries.
   c.lowprec.state_targets = ()

@@ -18,6 +18,7 @@ import optax
 import lowprec
 from experiments import lowprec_config
 from lowprec.engine import leafwise
+from lowprec.optim import writeback_kernel
 
 
 def _constant(opt, warmup: int, steps: int) -> optax.Schedule:
@@ -132,7 +133,12 @@ def _plain(lp, target, key):
   # A config.json written before the key existed reads "recompute".
   scales = lp.get("writeback_scales", "recompute")
   return lowprec.writeback(
-    target, lp.rounding, key=key, overflow=lp.overflow, scales=scales
+    target,
+    lp.rounding,
+    key=key,
+    overflow=lp.overflow,
+    scales=scales,
+    kernel=lp.get("writeback_kernel", "xla"),
   )
 
 
@@ -204,6 +210,9 @@ COMPENSATIONS = {**WRITEBACKS, **WRAPPERS}
 # lowprec.state_kernel: "none" (store_state around the optimizer) or a
 # `lowprec.scale_by_stored_adam` kernel choice (`stored_adamw`).
 STATE_KERNELS = ("none", "auto", "pallas", "xla")
+# lowprec.writeback_kernel: `lowprec.writeback(kernel=)` of the plain
+# write-back (lowprec.compensation="none").
+WRITEBACK_KERNELS = writeback_kernel.KERNELS
 
 
 def build(config, key: jax.Array, params=None) -> optax.GradientTransformation:

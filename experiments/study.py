@@ -71,6 +71,7 @@ def choices() -> dict:
     "lowprec.attn_fresh_out": lowprec.ops.FRESH_OUT,
     "lowprec.int_scale_scope": lowprec_config.INT_SCOPES,
     "lowprec.state_kernel": optim.STATE_KERNELS,
+    "lowprec.writeback_kernel": optim.WRITEBACK_KERNELS,
   }
 
 
@@ -242,8 +243,23 @@ def _check_compensation(lp) -> None:
   rounding, and the keys only one kind reads."""
   kind = lowprec_config.compensation(lp)
   _check_kind_keys(lp, kind)
+  on_kernel = lp.get("writeback_kernel", "xla") != "xla"
+  if on_kernel and not lp.writeback:
+    raise ValueError(
+      f"lowprec.writeback_kernel={lp.writeback_kernel!r} runs the "
+      "write-back, and lowprec.writeback is empty (a float32 run): set "
+      "lowprec.writeback to the weights' grid, or "
+      "--config.lowprec.writeback_kernel=xla"
+    )
   if kind == "none":
     return
+  if on_kernel:
+    raise ValueError(
+      f"lowprec.writeback_kernel={lp.writeback_kernel!r} runs the plain "
+      f"write-back, and lowprec.compensation={kind!r} is its own: set "
+      "--config.lowprec.writeback_kernel=xla, or "
+      "--config.lowprec.compensation=none"
+    )
   if not lp.writeback:
     raise ValueError(
       f"lowprec.compensation={kind!r} compensates a write-back: set "

@@ -29,7 +29,10 @@ the companded, dynamic, amax e4m3 and 4-bit moments again by
 path elsewhere), each checked bit for bit against its `store_state` row
 after the timing (`SAME_BITS`); and the q8 state recipe (the frontier
 study's: dynamic maps per 256, stochastic rounding) by that transform
-with and without the kernel, the two checked against each other. Ratios are
+with and without the kernel, the two checked against each other; and
+nearest and stochastic write-back with telemetry by
+`lowprec.writeback(kernel="auto")` (one kernel a leaf on one GPU),
+each checked against its row on the XLA path. Ratios are
 to plain adamw and to nearest
 write-back without telemetry (`+ nearest`), the row ECO and the
 compensated write-backs replace. Targets: stochastic with telemetry at
@@ -115,6 +118,11 @@ KERNEL_4BIT = "adamw, 4-bit moments, scale_by_stored_adam"
 Q8 = ("dynamic8:stochastic:block256", "dynamic8u:stochastic:block256")
 KERNEL_Q8 = "adamw, q8 moments (stochastic dynamic8), scale_by_stored_adam"
 XLA_Q8 = "adamw, q8 moments (stochastic dynamic8), XLA path"
+# The write-back with telemetry by `lowprec.writeback(kernel="auto")`: one
+# kernel a leaf on one GPU (the weights and proposals read once, the
+# counts taken as the deltas are written), the XLA path elsewhere.
+KERNEL_WB = "+ stochastic + telemetry, one kernel a leaf"
+KERNEL_WB_NEAREST = "+ nearest + telemetry, one kernel a leaf"
 # row -> the row whose params it must equal bit for bit after `SAME_STEPS`
 # steps from the same inputs (checked after the timing, reported in the
 # notes and the JSON's `same_bits`).
@@ -124,6 +132,8 @@ SAME_BITS = {
   KERNEL_FP8: "adamw, amax e4m3 block256 moments",
   KERNEL_4BIT: "adamw, 4-bit moments",
   KERNEL_Q8: XLA_Q8,
+  KERNEL_WB: "+ stochastic + telemetry",
+  KERNEL_WB_NEAREST: "+ nearest + telemetry",
 }
 SAME_STEPS = 2
 
@@ -158,12 +168,14 @@ RATE = "GB/s"
 # bits (also with the copies placed by region analysis) and in each kind
 # of 8- and 4-bit map (each a target of its own on an accelerator; the
 # dynamic maps as the q8 recipe rounds them, stochastically), each by
-# the XLA path and by the kernel.
+# the XLA path and by the kernel; and the write-back with telemetry by
+# its kernel.
 QUICK = (
   "adamw",
   "+ nearest",
   "+ stochastic",
   "+ stochastic + telemetry",
+  KERNEL_WB,
   PROGRAMS,
   "+ kahan (bf16 buffer)",
   "+ split (8-bit correction)",
@@ -341,6 +353,14 @@ def _rows(quick: bool, cases: str | None) -> dict:
       )
       name = f"+ {rounding}" + (" + telemetry" if on else "")
       chosen[name] = optax.chain(adamw, wb)
+  for name, rounding in (
+    (KERNEL_WB, "stochastic"),
+    (KERNEL_WB_NEAREST, "nearest"),
+  ):
+    wb = lowprec.writeback(
+      "bfloat16", rounding, key=jax.random.key(1), kernel="auto"
+    )
+    chosen[name] = optax.chain(adamw, wb)
   chosen[EVERY] = _every_k(10)
   chosen[BRANCHES] = lowprec.counted_in_branches(chosen[EVERY])
   for name, k in EVERY_K.items():

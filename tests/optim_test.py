@@ -705,3 +705,94 @@ def test_state_kernel_trains_through_the_entry_point_as_the_xla_path(
     runs[kernel] = (summary["param_digest"], [r.get("loss") for r in lines])
   assert runs["pallas"] == runs["xla"]
   assert runs["xla"][1][-1] is not None
+
+
+# ---- lowprec.writeback_kernel: the plain write-back by one kernel a leaf --
+
+
+def test_writeback_kernel_builds_the_write_back_with_its_kernel():
+  """`lowprec.writeback_kernel="pallas"`: the run's optimizer holds one
+  kernel a leaf on the weights' grid (a call for CUDA and one
+  interpreted, picked by platform; the bias of 96 is no whole number of
+  128-element rows and takes the XLA path), none with "xla"; the two
+  give the same updates and state bit for bit (2 steps)."""
+  import lowprec
+  from configs import smoke
+  from experiments import study
+
+  params = lowprec.to_grid(
+    {"w": jnp.linspace(-1, 1, 512).reshape(4, 128), "b": jnp.zeros((96,))},
+    "bfloat16",
+  )
+  grads = {"w": jnp.full((4, 128), 0.01), "b": jnp.full((96,), -0.02)}
+  out = {}
+  for kernel in ("pallas", "xla"):
+    c = smoke.get_config()
+    c.study.arm = "sr_bf16"
+    c.lowprec.writeback_kernel = kernel
+    (run,) = study.resolve_all(c)
+    tx = optim.build(run, jax.random.key(1), params)
+    state = tx.init(params)
+    jaxpr = str(jax.make_jaxpr(tx.update)(grads, state, params))
+    assert jaxpr.count("pallas_call") == (2 if kernel == "pallas" else 0)
+    step = jax.jit(tx.update)
+    for _ in range(2):
+      updates, state = step(grads, state, params)
+    out[kernel] = [np.asarray(x).tobytes() for x in jax.tree.leaves(state)]
+    out[kernel] += [np.asarray(x).tobytes() for x in jax.tree.leaves(updates)]
+  assert out["pallas"] == out["xla"]
+
+
+@pytest.mark.parametrize(
+  "lp, match",
+  [
+    ({"compensation": "kahan"}, "compensation=none"),
+    ({"arm": "fp32_reference"}, "lowprec.writeback is empty"),
+    ({"writeback_kernel": "triton"}, "valid: auto, pallas, xla"),
+  ],
+)
+def test_writeback_kernel_refuses_what_it_cannot_run_naming_the_fix(lp, match):
+  from configs import smoke
+  from experiments import study
+
+  c = smoke.get_config()
+  c.study.arm = "sr_bf16"
+  c.lowprec.writeback_kernel = "auto"
+  for k, v in lp.items():
+    if k == "arm":
+      c.study.arm = v
+    else:
+      c.lowprec[k] = v
+  with pytest.raises(study.ConfigError, match=match):
+    study.resolve_all(c)
+
+
+def test_writeback_kernel_trains_through_the_entry_point_as_the_xla_path(
+  tmp_path,
+):
+  """The smoke arm (bfloat16 weights, stochastic write-back) with its
+  write-back by the kernel (Pallas's interpreter here) and by the XLA
+  path: 4 steps each through `experiments.run`, the same losses, the
+  same final parameters (their digest) and the same telemetry."""
+  runs = {}
+  for kernel in ("pallas", "xla"):
+    out = _run(
+      tmp_path / kernel,
+      "--config=configs/smoke.py:arm=sr_bf16",
+      "--config.train.steps=4",
+      f"{LP}writeback_kernel={kernel}",
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    d = tmp_path / kernel / "smoke" / "sr_bf16" / "seed0"
+    summary = json.loads((d / "summary.json").read_text())
+    config = json.loads((d / "config.json").read_text())
+    assert config["lowprec"]["writeback_kernel"] == kernel
+    lines = [
+      json.loads(line)
+      for line in (d / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert lines[-1]["moved"] > 0 and "erased" in lines[-1]
+    counts = [(r.get("moved"), r.get("erased")) for r in lines]
+    runs[kernel] = (summary["param_digest"], [r.get("loss") for r in lines])
+    runs[kernel] += (counts,)
+  assert runs["pallas"] == runs["xla"]

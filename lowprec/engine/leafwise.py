@@ -109,11 +109,14 @@ def step(
   params,
   key_state: tuple | None,
   leaf: LeafStep,
+  kernel=None,
 ):
   """One write-back over the tree: `(deltas, new key words, {path:
   kept})`. `key_state` is `(key words, impl)` for a random rounding (None
   for nearest); each parameter draws 32 bits per element from
-  `fold_in(split(key)[1], leaf_seed(path))`."""
+  `fold_in(split(key)[1], leaf_seed(path))`. `kernel(leaf, fmt, w, u32,
+  key)`, where given, steps the leaves it takes (`(delta, kept)`, the
+  same as `leaf`'s) and returns None for the others."""
   if params is None:
     raise ValueError(
       f"{caller} rounds w + u and needs the current params: call "
@@ -140,16 +143,19 @@ def step(
     name = path_name(path)
     check_shape(caller, name, w, u)
     _check_proposal(name, u)
-    w32 = jnp.asarray(w).astype(jnp.float32)
     u32 = jnp.asarray(u).astype(jnp.float32)
-    rows.append((w32, u32, None if keys is None else keys[name]))
+    rows.append((jnp.asarray(w), u32, None if keys is None else keys[name]))
     statics.append((path, f))
     names.append(name)
 
-  def one(static, w32, u32, key):
+  def one(static, w, u32, key):
     path, f = static
-    bits = None if key is None else rng_lib.random_bits(key, jnp.shape(w32))
-    return leaf(path, w32, u32, f, bits)
+    if kernel is not None:
+      out = kernel(leaf, f, w, u32, key)
+      if out is not None:
+        return out
+    bits = None if key is None else rng_lib.random_bits(key, jnp.shape(w))
+    return leaf(path, w.astype(jnp.float32), u32, f, bits)
 
   # Leaf by leaf, not stacked: stacking same-shaped leaves (`grouped`)
   # builds a deep model's step a few seconds sooner but copies every
@@ -271,11 +277,32 @@ class Plain(NamedTuple):
     """Delta and, with telemetry, the counts of one tensor (then, for a
     scaled format, its block count and the blocks whose scale changed)."""
     del path
+    delta, masks, enc = self.elements(w, u, fmt, bits)
+    if not self.telemetry:
+      return delta, ()
+    counts = tally(*masks)
+    if not isinstance(fmt, scaled.ScaledFormat):
+      return delta, counts
+    new = enc.block_scales.block
+    if self.scales == "keep":  # rounded with w's scales, by construction
+      return delta, (*counts, jnp.int32(new.size), jnp.int32(0))
+    old = scaled.compute_scales(w, fmt).block
+    code = lambda s: jax.lax.bitcast_convert_type(s, jnp.uint8)  # noqa: E731
+    changed = jnp.sum(code(old) != code(new), dtype=jnp.int32)
+    return delta, (*counts, jnp.int32(old.size), changed)
+
+  def elements(self, w, u, fmt, bits):
+    """`(delta, masks, encoded)` of float32 `w`, `u`, elementwise: the
+    masks (with telemetry; else ()) are what `__call__` counts, in its
+    order. A kernel calls this on its tile and counts each row."""
     on_scaled = isinstance(fmt, scaled.ScaledFormat)
+    # Values only (no code in the format's dtype: a kernel converts no
+    # float8).
     codec = Codec(
       fmt,
       self.rounding,
       overflow=self.overflow,
+      carrier="float32",
       keep_scales=self.scales == "keep",
     )
     enc = encode(codec, w + u, w, bits)
@@ -291,22 +318,12 @@ class Plain(NamedTuple):
     q = jnp.where(written & (q != w), q, w)
     delta, lands = land(w, q, fmt)
     if not self.telemetry:
-      return delta, ()
+      return delta, (), enc
     # The delta is -0 exactly where the weight stays, nonzero where it moves.
     moved = proposed & (delta != 0)
     offgrid = jnp.isfinite(w) & ~_on_grid(w, fmt)
-    counts = tally(
-      proposed, moved, enc.over & proposed, ~lands, ~finite, offgrid
-    )
-    if not on_scaled:
-      return delta, counts
-    new = enc.block_scales.block
-    if self.scales == "keep":  # rounded with w's scales, by construction
-      return delta, (*counts, jnp.int32(new.size), jnp.int32(0))
-    old = scaled.compute_scales(w, fmt).block
-    code = lambda s: jax.lax.bitcast_convert_type(s, jnp.uint8)  # noqa: E731
-    changed = jnp.sum(code(old) != code(new), dtype=jnp.int32)
-    return delta, (*counts, jnp.int32(old.size), changed)
+    masks = (proposed, moved, enc.over & proposed, ~lands, ~finite, offgrid)
+    return delta, masks, enc
 
 
 def _on_grid(w, fmt):

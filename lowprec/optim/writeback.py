@@ -31,6 +31,7 @@ from lowprec.engine.weights import format_lookup
 from lowprec.grids import choices, scaled
 from lowprec.grids import rng as rng_lib
 from lowprec.grids.rounding import OVERFLOW_MODES, ROUNDINGS
+from lowprec.optim import writeback_kernel
 
 NONFINITE_MODES = ("keep", "propagate")
 SCALE_MODES = ("recompute", "keep")  # block scales of a scaled write-back
@@ -183,6 +184,7 @@ def writeback(
   nonfinite: str = "keep",
   telemetry: bool | int = True,
   scales: str = "recompute",
+  kernel: str = "xla",
 ) -> optax.GradientTransformation:
   """Rounds `w + u` onto the weights' grid and emits the exact deltas.
 
@@ -240,6 +242,12 @@ def writeback(
       binade below; doubled, 480 lies past 448) is off the grid of its
       own, halved, scale and is put there, which saturates it to
       `224 * scale`; so `w'` is always on its grid.
+    kernel: "xla" (default): XLA's ops; "auto": each leaf on a plain
+      float grid in one Pallas kernel on one NVIDIA GPU (the weights and
+      proposals read once, the counts taken as the deltas are written),
+      XLA's ops elsewhere; "pallas": the kernel everywhere (interpreted
+      off a GPU, for tests). The same deltas, counts and keys bit for
+      bit (`lowprec.optim.writeback_kernel`).
 
   Returns:
     An `optax.GradientTransformation` whose `update` needs `params`, stored
@@ -251,7 +259,7 @@ def writeback(
       take an unfiltered Equinox module as `params`.
 
   Raises:
-    ValueError: unknown rounding, overflow, nonfinite or scales mode or
+    ValueError: unknown rounding, overflow, nonfinite, scales or kernel mode or
       format; an NVFP4 or per-tensor scaled format (the message says why
       and what to use instead); a random rounding without `key`; at
       `init`, params off their grid (call
@@ -298,6 +306,7 @@ def writeback(
   if random:
     key_state = rng_lib.state_key(key, f"writeback(rounding={rounding!r})")
   leaf = leafwise.Plain(rounding, overflow, nonfinite, telemetry, scales)
+  on_kernel = writeback_kernel.leaf_kernel(kernel)
   # Under telemetry=k, the deltas of every update come from the step
   # without counts; a counted update runs the counting step in a branch.
   silent = leaf._replace(telemetry=False)
@@ -321,7 +330,7 @@ def writeback(
   def counted(updates, params, ks):
     """The deltas, the new key and the state's count fields."""
     deltas, new_key, kept = leafwise.step(
-      "writeback", lookup, updates, params, ks, leaf
+      "writeback", lookup, updates, params, ks, leaf, on_kernel
     )
     counts = counting.by_field(kept, _COUNTS, telemetry)
     n = len(_COUNTS)
@@ -343,7 +352,7 @@ def writeback(
       counts = jax.tree.map(lambda c, o: jnp.where(due, c, o), counts, last)
     else:
       deltas, new_key, _ = leafwise.step(
-        "writeback", lookup, updates, params, ks, silent
+        "writeback", lookup, updates, params, ks, silent, on_kernel
       )
       last = _last_counts(state)
       if branch is None:
