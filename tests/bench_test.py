@@ -122,6 +122,7 @@ def test_cases_selects_writeback_rows_beside_the_baselines(monkeypatch):
     "+ nearest",
     "+ stochastic",
     "+ stochastic + telemetry",
+    bench_writeback.KERNEL_WB,
     programs,
   ]
   assert result.baselines == ("adamw", "+ nearest", "+ stochastic")
