@@ -674,37 +674,47 @@ def test_state_kernel_refuses_sgd():
     study.resolve_all(c)
 
 
-def test_state_kernel_trains_through_the_entry_point_as_the_xla_path(
-  tmp_path,
-):
-  """The smoke arm with q8-style moments, stored by the kernel (Pallas's
-  interpreter here) and by the XLA path: 4 steps each through
-  `experiments.run`, the same losses and the same final parameters (their
-  digest), and the store's telemetry logged; about 30 s on 2 CPU
-  cores."""
+def _kernel_runs(tmp_path, key: str, *overrides) -> dict:
+  """The smoke arm `sr_bf16`, 4 steps through `experiments.run` with
+  `lowprec.<key>` "pallas" (Pallas's interpreter here) and "xla":
+  {kernel: (parameter digest, losses, last metrics line)}, each run's
+  config recording its kernel."""
   runs = {}
   for kernel in ("pallas", "xla"):
     out = _run(
       tmp_path / kernel,
       "--config=configs/smoke.py:arm=sr_bf16",
       "--config.train.steps=4",
-      f"{LP}state={Q8!r}",
-      f"{LP}state_kernel={kernel}",
+      *overrides,
+      f"{LP}{key}={kernel}",
     )
     assert out.returncode == 0, out.stdout + out.stderr
     d = tmp_path / kernel / "smoke" / "sr_bf16" / "seed0"
     summary = json.loads((d / "summary.json").read_text())
     config = json.loads((d / "config.json").read_text())
-    assert config["lowprec"]["state_kernel"] == kernel
+    assert config["lowprec"][key] == kernel
     lines = [
       json.loads(line)
       for line in (d / "metrics.jsonl").read_text().splitlines()
     ]
+    losses = [r.get("loss") for r in lines]
+    runs[kernel] = (summary["param_digest"], losses, lines[-1])
+  return runs
+
+
+def test_state_kernel_trains_through_the_entry_point_as_the_xla_path(
+  tmp_path,
+):
+  """The smoke arm with q8-style moments, stored by the kernel and by
+  the XLA path: the same losses and the same final parameters (their
+  digest), and the store's telemetry logged; about 30 s on 2 CPU
+  cores."""
+  runs = _kernel_runs(tmp_path, "state_kernel", f"{LP}state={Q8!r}")
+  for _, losses, last in runs.values():
     # The store's telemetry, as store_state logs it.
-    assert lines[-1]["state/changed"] > 0 and "state/erased" in lines[-1]
-    runs[kernel] = (summary["param_digest"], [r.get("loss") for r in lines])
-  assert runs["pallas"] == runs["xla"]
-  assert runs["xla"][1][-1] is not None
+    assert last["state/changed"] > 0 and "state/erased" in last
+    assert losses[-1] is not None
+  assert runs["pallas"][:2] == runs["xla"][:2]
 
 
 # ---- lowprec.writeback_kernel: the plain write-back by one kernel a leaf --
@@ -771,28 +781,8 @@ def test_writeback_kernel_trains_through_the_entry_point_as_the_xla_path(
   tmp_path,
 ):
   """The smoke arm (bfloat16 weights, stochastic write-back) with its
-  write-back by the kernel (Pallas's interpreter here) and by the XLA
-  path: 4 steps each through `experiments.run`, the same losses, the
+  write-back by the kernel and by the XLA path: the same losses, the
   same final parameters (their digest) and the same telemetry."""
-  runs = {}
-  for kernel in ("pallas", "xla"):
-    out = _run(
-      tmp_path / kernel,
-      "--config=configs/smoke.py:arm=sr_bf16",
-      "--config.train.steps=4",
-      f"{LP}writeback_kernel={kernel}",
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
-    d = tmp_path / kernel / "smoke" / "sr_bf16" / "seed0"
-    summary = json.loads((d / "summary.json").read_text())
-    config = json.loads((d / "config.json").read_text())
-    assert config["lowprec"]["writeback_kernel"] == kernel
-    lines = [
-      json.loads(line)
-      for line in (d / "metrics.jsonl").read_text().splitlines()
-    ]
-    assert lines[-1]["moved"] > 0 and "erased" in lines[-1]
-    counts = [(r.get("moved"), r.get("erased")) for r in lines]
-    runs[kernel] = (summary["param_digest"], [r.get("loss") for r in lines])
-    runs[kernel] += (counts,)
+  runs = _kernel_runs(tmp_path, "writeback_kernel")
+  assert runs["xla"][2]["moved"] > 0 and "erased" in runs["xla"][2]
   assert runs["pallas"] == runs["xla"]

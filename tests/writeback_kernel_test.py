@@ -20,6 +20,7 @@ from jax import export
 import lowprec
 from lowprec.engine.weights import Float8ParamsWarning
 from lowprec.optim import writeback_kernel
+from tests.fused_adam_test import _assert_same
 
 # Leaves the kernel takes (two whole tiles, a ragged last tile, three
 # axes) and one it leaves to XLA (a size that is no whole number of
@@ -57,19 +58,6 @@ def _proposals(t, rng, shapes=SHAPES):
       u.reshape(-1)[-1] = np.inf
     out[name] = jnp.asarray(u)
   return out
-
-
-def _bits(tree):
-  return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
-
-
-def _assert_same(a, b):
-  names = [
-    jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(a)
-  ]
-  assert jax.tree.structure(a) == jax.tree.structure(b)
-  for name, x, y in zip(names, _bits(a), _bits(b), strict=True):
-    assert x == y, f"{name} differs"
 
 
 def _run(fmt, rounding, dtype, kernel, steps=3, shapes=SHAPES, **options):
