@@ -5,7 +5,8 @@ write-back without master weights (`writeback`, `in_float32`, `to_grid`,
 `apply_updates`, `telemetry`, `telemetry_arrays`, `reseed`), compensated
 write-back (`kahan_writeback`, `two_component_writeback`,
 `remainder_writeback`), optimizer state in low precision (`store_state`;
-Adam with 8- or 4-bit moments in one kernel per leaf, `scale_by_stored_adam`),
+Adam with 8- or 4-bit moments in one kernel per leaf, `scale_by_stored_adam`,
+and with the write-back too, `stored_adamw_writeback`),
 memory (`bytes_per_param`), block- and tensor-scaled formats (`scaled`:
 MX, NVFP4, per-tensor fp8; `get_scaled_format`), freeze
 prediction and per-group advice (`freeze`), named recipes per tensor
@@ -55,6 +56,7 @@ from lowprec.optim.compensated import (  # noqa: E402
 from lowprec.optim.eco import EcoState, eco  # noqa: E402
 from lowprec.optim.float32_views import in_float32  # noqa: E402
 from lowprec.optim.fused_adam import scale_by_stored_adam  # noqa: E402
+from lowprec.optim.fused_adamw import stored_adamw_writeback  # noqa: E402
 from lowprec.optim.memory import BytesPerParam, bytes_per_param  # noqa: E402
 from lowprec.optim.split import SplitState, split_writeback  # noqa: E402
 from lowprec.optim.stored_state import (  # noqa: E402
@@ -119,6 +121,7 @@ __all__ = [
   "scale_by_stored_adam",
   "scaled",
   "split_writeback",
+  "stored_adamw_writeback",
   "store_state",
   "telemetry",
   "telemetry_arrays",

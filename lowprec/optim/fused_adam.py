@@ -68,7 +68,7 @@ multiple of the block: tests/fused_adam_test.py does so on 8 devices).
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -376,8 +376,61 @@ def _reference_step(
   return (u, m2, em.scales, v2, en.scales, *counts)
 
 
+class Apply(NamedTuple):
+  """What a kernel that also applies the step does after Adam's
+  direction `u`, as optax's AdamW chain and `lowprec.writeback` do:
+  `u + weight_decay * w` (skipped for a decay of 0, as optax skips it),
+  times the step size (a scalar given at run time), then the write-back
+  of the weights `w` on the grid `fmt` by `leaf`
+  (`leafwise.Plain`), whose deltas the kernel writes in place of `u`."""
+
+  leaf: Any
+  fmt: Any
+  weight_decay: float
+
+
+def _decayed(apply, u, w, step_size):
+  """optax's `add_decayed_weights` then `scale_by_learning_rate` of one
+  leaf: `(u + weight_decay * w) * step_size`, the product with the decay
+  in the weights' dtype, as optax's weakly typed constant gives it."""
+  if apply.weight_decay != 0:
+    u = u + (np.asarray(apply.weight_decay, w.dtype) * w).astype(jnp.float32)
+  return u * step_size
+
+
+def _reference_apply(apply, out, seeds, w, step_size, telemetry):
+  """`_reference_step`'s outputs with the direction replaced by the
+  write-back's deltas of `w`, and the write-back's counts appended."""
+  u, *rest = out
+  bits = None
+  if apply.leaf.rounding != "nearest":
+    bits = rng_lib.hash_at(rng_lib.global_index(u.shape), seeds[4], seeds[5])
+  delta, counts = apply.leaf(
+    None,
+    w.astype(jnp.float32),
+    _decayed(apply, u, w, step_size),
+    apply.fmt,
+    bits,
+  )
+  return (delta, *rest, *counts)
+
+
 def _leaf_step(
-  codecs, hyper, corrections, seeds, g, m, ms, v, vs, *, telemetry, interpret
+  codecs,
+  hyper,
+  corrections,
+  seeds,
+  g,
+  m,
+  ms,
+  v,
+  vs,
+  *,
+  telemetry,
+  interpret,
+  apply=None,
+  w=None,
+  step_size=None,
 ):
   """One leaf by the kernel: the leaf as rows of one block each, in
   tiles of `_tile` rows; compiled by Triton for CUDA, and on any other
@@ -385,7 +438,14 @@ def _leaf_step(
   path (`_reference_step`: "auto" on a GPU that is not NVIDIA's, whose
   kernels Triton-on-CUDA does not compile). Where a moment's codes
   are packed two to a byte, the rows are read and written as their even
-  and odd entries apart (`_lanes`), the low and the high nibbles."""
+  and odd entries apart (`_lanes`), the low and the high nibbles.
+
+  With `apply` (an `Apply`), the kernel also reads the weights `w` and
+  writes their write-back's deltas in place of the direction, and (with
+  the write-back's telemetry) its counts after the moments'; `seeds`
+  then holds the write-back's two key words after the moments' four,
+  and `step_size` is the float32 scalar the decayed direction is
+  multiplied by."""
   block = codecs["mu"].scale
   width = {n: block // 2 if c.packed else block for n, c in codecs.items()}
   lanes = _lanes(block, any(c.packed for c in codecs.values()))
@@ -397,6 +457,8 @@ def _leaf_step(
   consts = jnp.concatenate(
     [corrections, jax.lax.optimization_barrier(_CONSTANTS)]
   )
+  if apply is not None:
+    consts = jnp.concatenate([consts, jnp.reshape(step_size, [1])])
   tables = {
     n: _padded(c.fmt.tables() if c.mapped else {}) for n, c in codecs.items()
   }
@@ -405,6 +467,9 @@ def _leaf_step(
   whole = [pl.BlockSpec(a.shape, lambda i: (0,)) for a in arrays]
   # With telemetry, each row's counts of each field, each moment.
   n_counts = 2 * len(_FIELDS) if telemetry else 0
+  if apply is not None and apply.leaf.telemetry:
+    n_counts += _APPLY_COUNTS
+  weights = [] if apply is None else [flat(w, block)]
   out_shape = (
     jax.ShapeDtypeStruct((rows, block), jnp.float32),
     jax.ShapeDtypeStruct((rows, width["mu"]), m.dtype),
@@ -415,7 +480,7 @@ def _leaf_step(
   )
 
   def call(interpret, *args):
-    layout = (tile, block, lanes)
+    layout = (tile, block, lanes, apply)
     body = functools.partial(
       _kernel, codecs, hyper, names, layout, telemetry, not interpret
     )
@@ -431,6 +496,7 @@ def _leaf_step(
         spec(1),
         spec(width["nu"]),
         spec(1),
+        *[spec(block)] * len(weights),
         *whole,
       ],
       out_specs=[
@@ -446,7 +512,7 @@ def _leaf_step(
       # table by index on tiles of any power-of-two shape (Mosaic GPU
       # wants warpgroup-sized copies).
       compiler_params=None if interpret else triton.CompilerParams(),
-      name="stored_adam",
+      name="stored_adam" if apply is None else "stored_adamw_writeback",
     )(*args)
     # The rows' counts summed (int32: in any order, the same count).
     return (*out[:5], *(jnp.sum(c, dtype=jnp.int32) for c in out[5:]))
@@ -464,6 +530,8 @@ def _leaf_step(
       vs,
       telemetry=telemetry,
     )
+    if apply is not None:
+      out = _reference_apply(apply, out, seeds, w, step_size, telemetry)
     widths = (block, width["mu"], 1, width["nu"], 1)
     return (
       *(flat(a, w) for a, w in zip(out[:5], widths, strict=True)),
@@ -478,6 +546,7 @@ def _leaf_step(
     flat(ms, 1),
     flat(v, width["nu"]),
     flat(vs, 1),
+    *weights,
     *arrays,
     cuda=functools.partial(call, False),
     default=functools.partial(call, True) if interpret else xla,
@@ -541,7 +610,9 @@ def _kernel(codecs, hyper, names, layout, telemetry, ptx, *refs):
 
 def _body(codecs, hyper, names, layout, telemetry, c_ref, s_ref, *refs):
   g_ref, m_ref, ms_ref, v_ref, vs_ref, *refs = refs
-  tile, block, lanes = layout
+  tile, block, lanes, apply = layout
+  if apply is not None:
+    w_ref, *refs = refs
   tables = {}
   for moment in ("mu", "nu"):
     tables[moment] = dict(zip(names[moment], refs, strict=False))
@@ -551,10 +622,13 @@ def _body(codecs, hyper, names, layout, telemetry, c_ref, s_ref, *refs):
   v_codes = _codes_in(codecs["nu"], v_ref, lanes)
   ms, vs = ms_ref[...], vs_ref[...]
   indices = None
-  if any(c.random for c in codecs.values()):
+  random_apply = apply is not None and apply.leaf.rounding != "nearest"
+  if any(c.random for c in codecs.values()) or random_apply:
     indices = _indices(tile, block, len(lanes), m_codes[0].shape)
-  mus, nus, divs, olds = [], [], [], []
-  for lane, m_code, v_code in zip(lanes, m_codes, v_codes, strict=True):
+  mus, nus, divs, olds, applied = [], [], [], [], None
+  for k, (lane, m_code, v_code) in enumerate(
+    zip(lanes, m_codes, v_codes, strict=True)
+  ):
     # The scalars the kernel divides by, spread to every element by
     # adding a zero made of the codes (finite, so the sum is exact): a
     # division by a broadcast scalar XLA compiles as a product with the
@@ -571,6 +645,10 @@ def _body(codecs, hyper, names, layout, telemetry, c_ref, s_ref, *refs):
     mu, nu, u = _moments(
       hyper, (spread(0), spread(1)), g_ref[lane], mu0, nu0, True
     )
+    if apply is not None:
+      u, applied = _apply_lane(
+        apply, u, w_ref[lane], c_ref[8], s_ref, indices, k, applied
+      )
     u_ref[lane] = u
     mus.append(mu)
     nus.append(nu)
@@ -600,6 +678,30 @@ def _body(codecs, hyper, names, layout, telemetry, c_ref, s_ref, *refs):
         strict=True,
       ):
         ref[...] = c
+  if applied is not None:  # the write-back's counts, after the moments'
+    for ref, c in zip(count_refs[-len(applied) :], applied, strict=True):
+      ref[...] = c
+
+
+# The write-back's counts of a leaf (`leafwise.Plain`'s masks).
+_APPLY_COUNTS = 6
+
+
+def _apply_lane(apply, u, w, step_size, s_ref, indices, k, totals):
+  """The write-back's deltas of one lane of weights `w` under the
+  direction `u`, and (its telemetry) each row's counts added to
+  `totals`."""
+  bits = None
+  if apply.leaf.rounding != "nearest":
+    bits = rng_lib.hash_at(indices[k], s_ref[4], s_ref[5])
+  u = _decayed(apply, u, w, step_size)
+  delta, masks, _ = apply.leaf.elements(
+    w.astype(jnp.float32), u, apply.fmt, bits
+  )
+  rows = [jnp.sum(m.astype(jnp.int32), axis=-1, keepdims=True) for m in masks]
+  if totals is not None:
+    rows = [a + b for a, b in zip(totals, rows, strict=True)]
+  return delta, (rows if masks else None)
 
 
 class _Lane(NamedTuple):
