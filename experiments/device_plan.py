@@ -86,7 +86,7 @@ PLAN = (
   ),
   Part(
     "bench_writeback",
-    46,
+    48,
     50,
     "estimated: 19 optimizer steps compiled on 4 leaves of 64M parameters "
     "in all, about 2 s each (20 leaves and 17 steps did not finish in 55 "

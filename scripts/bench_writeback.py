@@ -5,7 +5,7 @@ One jitted optimizer step (update and `optax.apply_updates`) on a pytree of
 --quick, 2M parameters in two matrices and the rows of `QUICK` only: each
 row is a program to compile, longer with every leaf, and the full set on
 ten matrices did not finish in 55 s on an H200. On an accelerator the
-trees are larger (`sizes`: 80M, and 64M with --quick), so that a step
+trees are larger (`sizes`: 72M, and 64M with --quick), so that a step
 times memory rather than kernel launches. Write-back params are
 float32 holding bfloat16 grid values. Rows: nearest, stochastic and
 dead-zone write-back, each with telemetry on and off, and stochastic
@@ -32,7 +32,10 @@ study's: dynamic maps per 256, stochastic rounding) by that transform
 with and without the kernel, the two checked against each other; and
 nearest and stochastic write-back with telemetry by
 `lowprec.writeback(kernel="auto")` (one kernel a leaf on one GPU),
-each checked against its row on the XLA path. Ratios are
+each checked against its row on the XLA path; and the q8 moments with
+bf16 SR write-back and telemetry (the frontier study's recipe whole) by
+`lowprec.stored_adamw_writeback` with and without its one kernel a leaf,
+the two checked against each other. Ratios are
 to plain adamw and to nearest
 write-back without telemetry (`+ nearest`), the row ECO and the
 compensated write-backs replace. Targets: stochastic with telemetry at
@@ -123,6 +126,14 @@ XLA_Q8 = "adamw, q8 moments (stochastic dynamic8), XLA path"
 # counts taken as the deltas are written), the XLA path elsewhere.
 KERNEL_WB = "+ stochastic + telemetry, one kernel a leaf"
 KERNEL_WB_NEAREST = "+ nearest + telemetry, one kernel a leaf"
+# The frontier study's recipe whole: q8 moments and bf16 SR weights with
+# telemetry, as the chain on the XLA path and by
+# `lowprec.stored_adamw_writeback` (AdamW, the moments and the write-back
+# in one kernel a leaf on one GPU, the chain elsewhere).
+APPLY_XLA = "adamw, q8 moments + SR write-back + telemetry, XLA path"
+APPLY_KERNEL = (
+  "adamw, q8 moments + SR write-back + telemetry, one kernel a leaf"
+)
 # row -> the row whose params it must equal bit for bit after `SAME_STEPS`
 # steps from the same inputs (checked after the timing, reported in the
 # notes and the JSON's `same_bits`).
@@ -134,6 +145,7 @@ SAME_BITS = {
   KERNEL_Q8: XLA_Q8,
   KERNEL_WB: "+ stochastic + telemetry",
   KERNEL_WB_NEAREST: "+ nearest + telemetry",
+  APPLY_KERNEL: APPLY_XLA,
 }
 SAME_STEPS = 2
 
@@ -168,22 +180,22 @@ RATE = "GB/s"
 # bits (also with the copies placed by region analysis) and in each kind
 # of 8- and 4-bit map (each a target of its own on an accelerator; the
 # dynamic maps as the q8 recipe rounds them, stochastically), each by
-# the XLA path and by the kernel; and the write-back with telemetry by
-# its kernel.
+# the XLA path and by the kernel; and the q8 moments with bf16 SR
+# weights and telemetry, by the chain and by one kernel a leaf.
 QUICK = (
   "adamw",
   "+ nearest",
   "+ stochastic",
   "+ stochastic + telemetry",
-  KERNEL_WB,
   PROGRAMS,
   "+ kahan (bf16 buffer)",
   "+ split (8-bit correction)",
   "+ eco (nearest)",
   "adamw, bf16 stochastic moments",
-  REGION,
   XLA_Q8,
   KERNEL_Q8,
+  APPLY_XLA,
+  APPLY_KERNEL,
   "adamw, amax e4m3 block256 moments",
   KERNEL_FP8,
   "adamw, companded8/sqrt8 block32 moments",
@@ -207,16 +219,16 @@ def sizes(quick: bool, platform: str) -> tuple[int, int, int]:
   """`(parameters, square matrices, rounds)` of a run on `platform`.
 
   On a CPU, 20M parameters in ten matrices (2M in two with `quick`). On
-  an accelerator, 80M in ten (64M in two): a step of 20M parameters
+  an accelerator, 72M in ten (64M in two): a step of 20M parameters
   there moves 800 MB, a quarter of a millisecond at 3.35 TB/s, and would
   time kernel launches rather than memory, while the time to compile a
   step does not grow with its leaves' size. Every row holds its own
-  params and state, so 80M (about 1.3 GB a row, 29 rows) is what an
+  params and state, so 72M (about 1.2 GB a row, 33 rows) is what an
   80 GB card holds with room for the steps' temporaries.
   """
   if platform == "cpu":
     return (2_000_000, 2, 3) if quick else (20_000_000, 10, 9)
-  return (64_000_000, 2, 3) if quick else (80_000_000, 10, 9)
+  return (64_000_000, 2, 3) if quick else (72_000_000, 10, 9)
 
 
 def _params(n_params: int, layers: int) -> dict:
@@ -396,6 +408,17 @@ def _rows(quick: bool, cases: str | None) -> dict:
     chosen[name] = _stored_adamw(mu, nu)
   for name, kernel in ((KERNEL_Q8, "auto"), (XLA_Q8, "xla")):
     chosen[name] = _stored_adamw(*Q8, kernel=kernel, key=key)
+  for name, kernel in ((APPLY_KERNEL, "auto"), (APPLY_XLA, "xla")):
+    chosen[name] = lowprec.stored_adamw_writeback(
+      1e-3,
+      "bfloat16",
+      "stochastic",
+      mu=Q8[0],
+      nu=Q8[1],
+      weight_decay=1e-4,
+      key=key,
+      kernel=kernel,
+    )
   if quick:
     chosen = {name: chosen[name] for name in QUICK}
   if cases is not None:

@@ -122,8 +122,9 @@ def test_cases_selects_writeback_rows_beside_the_baselines(monkeypatch):
     "+ nearest",
     "+ stochastic",
     "+ stochastic + telemetry",
-    bench_writeback.KERNEL_WB,
     programs,
+    bench_writeback.APPLY_XLA,
+    bench_writeback.APPLY_KERNEL,
   ]
   assert result.baselines == ("adamw", "+ nearest", "+ stochastic")
   # The two programs' row times ten updates a call: a tenth per update.
