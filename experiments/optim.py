@@ -267,6 +267,11 @@ def parts(config, key: jax.Array, params=None) -> list:
   wb_key, trace_key = jax.random.split(key)
   write_key = wb_key if lp.rounding != "nearest" else None
   wrapped = target is not None and kind in WRAPPERS
+  if _one_kernel(lp, target, kind):
+    state_key = jax.random.fold_in(key, 3)  # `_optimizer`'s
+    rules = lowprec_config.state_rules(lp)
+    tx = stored_adamw(config, lr, rules, state_key, (target, write_key))
+    return [*out, ("lowprec.state", tx), *_traces(lp, trace_key)]
   out.append(_optimizer(config, lr, target, write_key, key))
   if lp.get("decay_erasure", False) and not wrapped:
     out.append(("lowprec.decay_erasure", _decay_erasure(config, lr, target)))
@@ -355,7 +360,26 @@ def _optimizer(config, lr, target, write_key, key) -> tuple:
   return where, optimizer
 
 
-def stored_adamw(config, lr, rules, key) -> optax.GradientTransformation:
+def _one_kernel(lp, target, kind) -> bool:
+  """Whether the run steps AdamW's stored moments and its write-back in
+  one kernel a leaf (`lowprec.stored_adamw_writeback`): both kernels
+  asked for alike ("auto" or "pallas"), a plain write-back, and nothing
+  chained between the optimizer and the write-back."""
+  state = lp.get("state_kernel", "none")
+  return (
+    target is not None
+    and kind == "none"
+    and state in ("auto", "pallas")
+    and lp.get("writeback_kernel", "xla") == state
+    and not lowprec.scaled.is_scaled(lp.writeback)
+    and not lp.get("decay_erasure", False)
+    and not lp.get("state_targets", ())
+  )
+
+
+def stored_adamw(
+  config, lr, rules, key, writeback=None
+) -> optax.GradientTransformation:
   """AdamW with its moments stored by `lowprec.scale_by_stored_adam`
   (`lowprec.state_kernel`: "auto" runs one kernel a leaf on one GPU),
   chained as `optax.adamw` chains `scale_by_adam`: the state's paths are
@@ -364,6 +388,11 @@ def stored_adamw(config, lr, rules, key) -> optax.GradientTransformation:
   (`mu/...`, not `0/mu/...`), so a stochastic store draws other bits
   than `store_state` around `optax.adamw` does. The store counts its
   telemetry as `store_state` does (`state/changed/mu/...`).
+
+  With `writeback` (`(target, key)`), the write-back as well, in the
+  same kernel (`lowprec.stored_adamw_writeback`, when both
+  `lowprec.state_kernel` and `lowprec.writeback_kernel` ask for it):
+  the chain's state flattened into one tuple, the same keys and bits.
 
   Raises:
     ValueError: an optimizer other than AdamW, an ECO write-back (which
@@ -391,6 +420,24 @@ def stored_adamw(config, lr, rules, key) -> optax.GradientTransformation:
       f"'mu=dynamic8:stochastic:block256'), {fix}; got {lp.state!r}"
     )
   random = any(sf.rounding != "nearest" for sf in specs.values())
+  if writeback is not None:
+    target, write_key = writeback
+    return lowprec.stored_adamw_writeback(
+      lr,
+      target,
+      lp.rounding,
+      b1=opt.b1,
+      b2=opt.b2,
+      eps=opt.eps,
+      weight_decay=opt.weight_decay,
+      mu=str(specs["mu"]),
+      nu=str(specs["nu"]),
+      key=key if random else None,
+      writeback_key=write_key,
+      telemetry=True,
+      overflow=lp.overflow,
+      kernel=lp.state_kernel,
+    )
   return optax.chain(
     lowprec.scale_by_stored_adam(
       opt.b1,

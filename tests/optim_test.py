@@ -4,6 +4,7 @@ among them) and their checks, and runs of them through the entry point."""
 
 import json
 import os
+import platform
 import re
 import subprocess
 import sys
@@ -543,9 +544,9 @@ def test_an_unsigned_map_on_the_first_moment_is_refused_by_the_dry_build():
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run(results_dir, *args):
+def _run(results_dir, *args, xla_flags=""):
   env = dict(os.environ)
-  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+  env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count=1 {xla_flags}"
   env["JAX_PLATFORMS"] = "cpu"
   cmd = [sys.executable, "-m", "experiments.run", *args]
   cmd.append(f"--config.log.results_dir={results_dir}")
@@ -674,7 +675,7 @@ def test_state_kernel_refuses_sgd():
     study.resolve_all(c)
 
 
-def _kernel_runs(tmp_path, key: str, *overrides) -> dict:
+def _kernel_runs(tmp_path, key: str, *overrides, xla_flags="") -> dict:
   """The smoke arm `sr_bf16`, 4 steps through `experiments.run` with
   `lowprec.<key>` "pallas" (Pallas's interpreter here) and "xla":
   {kernel: (parameter digest, losses, last metrics line)}, each run's
@@ -687,6 +688,7 @@ def _kernel_runs(tmp_path, key: str, *overrides) -> dict:
       "--config.train.steps=4",
       *overrides,
       f"{LP}{key}={kernel}",
+      xla_flags=xla_flags,
     )
     assert out.returncode == 0, out.stdout + out.stderr
     d = tmp_path / kernel / "smoke" / "sr_bf16" / "seed0"
@@ -785,4 +787,50 @@ def test_writeback_kernel_trains_through_the_entry_point_as_the_xla_path(
   same final parameters (their digest) and the same telemetry."""
   runs = _kernel_runs(tmp_path, "writeback_kernel")
   assert runs["xla"][2]["moved"] > 0 and "erased" in runs["xla"][2]
+  assert runs["pallas"] == runs["xla"]
+
+
+def test_both_kernels_step_as_one_kernel_a_leaf():
+  """`lowprec.state_kernel` and `lowprec.writeback_kernel` both "pallas":
+  AdamW, its stored moments and the write-back are one transform
+  (`lowprec.stored_adamw_writeback`), one kernel for the leaf it takes;
+  with the write-back on "xla", the chain of two."""
+  import lowprec
+  from experiments import study
+
+  params = lowprec.to_grid(
+    {"w": jnp.linspace(-1, 1, 512).reshape(4, 128), "b": jnp.zeros((96,))},
+    "bfloat16",
+  )
+  grads = {"w": jnp.full((4, 128), 0.01), "b": jnp.full((96,), -0.02)}
+  for wb, fused in (("pallas", 2), ("xla", 0)):
+    c = _kernel_config(state_kernel="pallas", writeback_kernel=wb)
+    (run,) = study.resolve_all(c)
+    names = [k for k, _ in optim.parts(run, jax.random.key(1), params)]
+    assert names.count("lowprec.writeback") == (0 if fused else 1)
+    tx = optim.build(run, jax.random.key(1), params)
+    jaxpr = str(jax.make_jaxpr(tx.update)(grads, tx.init(params), params))
+    assert jaxpr.count("name=stored_adamw_writeback\n") == fused
+
+
+@pytest.mark.skipif(
+  platform.machine().lower() not in ("x86_64", "amd64"),
+  reason="--xla_cpu_max_isa=AVX names an x86 instruction set",
+)
+def test_one_kernel_trains_through_the_entry_point_as_the_chain(tmp_path):
+  """The smoke arm with q8 moments and bf16 SR weights, both kernels on
+  (one kernel a leaf, interpreted) against the moments' kernel with the
+  write-back on XLA's ops: the same losses, final parameters (their
+  digest) and telemetry, in processes without FMA instructions (where
+  XLA:CPU contracts the decay's product and sum depends on the
+  program: docs/state.md)."""
+  runs = _kernel_runs(
+    tmp_path,
+    "writeback_kernel",
+    f"{LP}state={Q8!r}",
+    f"{LP}state_kernel=pallas",
+    xla_flags="--xla_cpu_max_isa=AVX",
+  )
+  last = runs["xla"][2]
+  assert last["moved"] > 0 and last["state/changed"] > 0
   assert runs["pallas"] == runs["xla"]

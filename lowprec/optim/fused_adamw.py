@@ -63,6 +63,7 @@ def stored_adamw_writeback(
   mu: str = "companded8:block32",
   nu: str = "sqrt8:block32",
   key: jax.Array | None = None,
+  writeback_key: jax.Array | None = None,
   telemetry: bool = True,
   overflow: str = "saturate",
   nonfinite: str = "keep",
@@ -85,7 +86,7 @@ def stored_adamw_writeback(
   )
   ```
 
-  (with `key=None` where nothing rounds at random). Its updates are the
+  (each key None where its transform rounds to nearest). Its updates are the
   write-back's deltas: land them with `optax.apply_updates` (or
   `lowprec.apply_updates`), and read its counts with `lowprec.telemetry`.
 
@@ -93,14 +94,23 @@ def stored_adamw_writeback(
     learning_rate: a float or an optax schedule, as `optax.adamw` takes it.
     fmt: the weights' grid, as `lowprec.writeback` takes it.
     rounding: the write-back's, "nearest", "stochastic" or "deadzone".
-    b1, b2, eps, eps_root: Adam's, as `optax.scale_by_adam` takes them.
+    b1: Adam's first-moment decay, as `optax.scale_by_adam` takes it.
+    b2: Adam's second-moment decay.
+    eps: added to the root of the second moment.
+    eps_root: added to the second moment inside the root.
     weight_decay: a float, decoupled as `optax.adamw` applies it.
-    mu, nu: the moments' specs, as `scale_by_stored_adam` takes them.
+    mu: the first moment's spec, as `scale_by_stored_adam` takes it.
+    nu: the second moment's spec, likewise.
     key: a JAX PRNG key, required where the write-back or a moment
-      rounds at random; split in two, the first for the moments.
+      rounds at random; split in two, the first for the moments and the
+      second for the write-back.
+    writeback_key: the write-back's own key, in place of `key`'s second
+      half: `key` is then the moments' whole (None where they round to
+      nearest), so that the chain's two transforms keep the keys a
+      training loop gave them before.
     telemetry: the moments' counts and the write-back's (a bool).
-    overflow, nonfinite: the write-back's, as `lowprec.writeback` takes
-      them.
+    overflow: the write-back's, as `lowprec.writeback` takes it.
+    nonfinite: the write-back's, as `lowprec.writeback` takes it.
     kernel: "auto", "pallas" or "xla", as `scale_by_stored_adam` takes it.
 
   Raises:
@@ -123,13 +133,19 @@ def stored_adamw_writeback(
     )
   specs = {"mu": mu, "nu": nu}
   formats = {n: stored_lib.parse_state_format(s) for n, s in specs.items()}
-  random = rounding != "nearest" or any(
-    f.rounding != "nearest" for f in formats.values()
-  )
+  random_mu = any(f.rounding != "nearest" for f in formats.values())
+  random_w = rounding != "nearest"
   key_mu = key_w = None
-  if random:
-    rng_lib.state_key(key, "stored_adamw_writeback with a random rounding")
+  what = "stored_adamw_writeback with a random rounding"
+  if writeback_key is not None:
+    key_mu, key_w = key, writeback_key
+    if random_mu:
+      rng_lib.state_key(key_mu, what)
+  elif random_mu or random_w:
+    rng_lib.state_key(key, what)
     key_mu, key_w = jax.random.split(key)
+  key_mu = key_mu if random_mu else None
+  key_w = key_w if random_w else None
   adam = fused_adam.scale_by_stored_adam(
     b1,
     b2,
