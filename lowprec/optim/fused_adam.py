@@ -192,23 +192,12 @@ def scale_by_stored_adam(
   def update_fn(updates, state, params=None):
     if not _kernel_here(kernel, codecs):
       return reference.update(updates, state, params)
-    inner = state.inner
-    count = optax.safe_increment(inner.count)
-    corrections = jnp.stack(
-      [(1 - b1**count).astype(jnp.float32), (1 - b2**count).astype(jnp.float32)]
-    )
+    count, corrections = _corrections(hyper, state)
     flat_g, treedef = jax.tree_util.tree_flatten_with_path(updates)
-    mus = treedef.flatten_up_to(inner.mu)
-    nus = treedef.flatten_up_to(inner.nu)
+    mus = treedef.flatten_up_to(state.inner.mu)
+    nus = treedef.flatten_up_to(state.inner.nu)
     names = [path_name(path) for path, _ in flat_g]
-    # store_state's keys: one split a step, folded by each stored leaf's
-    # path (`lowprec.grids.rng`).
-    new_key, keys = state.counts.key, {}
-    if random:
-      new_key, step_key = rng_lib.next_step(state.counts.key, impl)
-      keys = rng_lib.leaf_keys(
-        step_key, [f"{m}/{n}" for n in names for m in random]
-      )
+    new_key, keys = _step_keys(state, impl, random, names)
     out_u, out_mu, out_nu, scales, per = [], [], [], {}, {}
     for name, (_, g), m, v in zip(names, flat_g, mus, nus, strict=True):
       mu_s = state.scales[f"mu/{name}"]
@@ -230,22 +219,53 @@ def scale_by_stored_adam(
       out_nu.append(v2)
       scales[f"mu/{name}"] = ms
       scales[f"nu/{name}"] = vs
-    new_inner = optax.ScaleByAdamState(
-      count,
-      jax.tree_util.tree_unflatten(treedef, out_mu),
-      jax.tree_util.tree_unflatten(treedef, out_nu),
+    new = _new_state(
+      state, count, treedef, (out_mu, out_nu), scales, per, new_key, telemetry
     )
-    counts = state.counts._replace(
-      count=optax.safe_increment(state.counts.count),
-      key=new_key,
-      **counting.by_field(per, _FIELDS, telemetry),
-    )
-    new = stored_lib.StoredState(new_inner, scales, counts, state.recipe)
     return jax.tree_util.tree_unflatten(treedef, out_u), new
 
   return optax.GradientTransformation(
     reference.init, _checked(reference, update_fn)
   )
+
+
+def _corrections(hyper, state) -> tuple[jax.Array, jax.Array]:
+  """`(count, Adam's two bias corrections as float32 [2])` of this update
+  of the stored state `state`, as `optax.scale_by_adam` computes them."""
+  b1, b2 = hyper[:2]
+  count = optax.safe_increment(state.inner.count)
+  corrections = jnp.stack(
+    [(1 - b1**count).astype(jnp.float32), (1 - b2**count).astype(jnp.float32)]
+  )
+  return count, corrections
+
+
+def _step_keys(state, impl, random, names) -> tuple:
+  """`(new key words, {"mu/<leaf>": key})`: `store_state`'s keys, one
+  split a step, folded by each stored leaf's path (`lowprec.grids.rng`),
+  for the moments in `random`; none where it is empty."""
+  if not random:
+    return state.counts.key, {}
+  new_key, step_key = rng_lib.next_step(state.counts.key, impl)
+  paths = [f"{m}/{n}" for n in names for m in random]
+  return new_key, rng_lib.leaf_keys(step_key, paths)
+
+
+def _new_state(state, count, treedef, moments, scales, per, key, telemetry):
+  """The stored state after an update: the new codes `moments` (`(mus,
+  nus)`, flat in `treedef`'s order), scales, per-leaf counts and key."""
+  mus, nus = moments
+  inner = optax.ScaleByAdamState(
+    count,
+    jax.tree_util.tree_unflatten(treedef, mus),
+    jax.tree_util.tree_unflatten(treedef, nus),
+  )
+  counts = state.counts._replace(
+    count=optax.safe_increment(state.counts.count),
+    key=key,
+    **counting.by_field(per, _FIELDS, telemetry),
+  )
+  return stored_lib.StoredState(inner, scales, counts, state.recipe)
 
 
 def _checked(reference, update_fn):

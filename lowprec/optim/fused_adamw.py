@@ -199,14 +199,10 @@ def stored_adamw_writeback(
     if params is None or not fused_adam._kernel_here(kernel, codecs):
       return reference.update(updates, state, params)
     s_adam, s_decay, s_scale, s_wb = state
-    inner = s_adam.inner
-    count = optax.safe_increment(inner.count)
-    corrections = jnp.stack(
-      [(1 - b1**count).astype(jnp.float32), (1 - b2**count).astype(jnp.float32)]
-    )
+    count, corrections = fused_adam._corrections(hyper, s_adam)
     flat_g, treedef = jax.tree_util.tree_flatten_with_path(updates)
-    mus = treedef.flatten_up_to(inner.mu)
-    nus = treedef.flatten_up_to(inner.nu)
+    mus = treedef.flatten_up_to(s_adam.inner.mu)
+    nus = treedef.flatten_up_to(s_adam.inner.nu)
     ws = treedef.flatten_up_to(params)
     names = [path_name(path) for path, _ in flat_g]
     fmts = [
@@ -221,13 +217,10 @@ def stored_adamw_writeback(
     # The moments' keys as scale_by_stored_adam draws them, and the
     # write-back's of the leaves stepped here as writeback draws them
     # (each leaf's fold is its own, so the others' are as they were).
-    new_key, keys = s_adam.counts.key, {}
     moments_random = [n for n, f in formats.items() if f.rounding != "nearest"]
-    if moments_random:
-      new_key, step_key = rng_lib.next_step(s_adam.counts.key, impl["mu"])
-      keys = rng_lib.leaf_keys(
-        step_key, [f"{m}/{n}" for n in names for m in moments_random]
-      )
+    new_key, keys = fused_adam._step_keys(
+      s_adam, impl.get("mu"), moments_random, names
+    )
     wb_keys = {}
     if rounding != "nearest" and held:
       _, wb_step = rng_lib.next_step(s_wb.key, impl["w"])
@@ -294,17 +287,16 @@ def stored_adamw_writeback(
       out_nu.append(v2)
       scales[f"mu/{name}"] = ms
       scales[f"nu/{name}"] = vs
-    new_inner = optax.ScaleByAdamState(
+    s_adam = fused_adam._new_state(
+      s_adam,
       count,
-      jax.tree_util.tree_unflatten(treedef, out_mu),
-      jax.tree_util.tree_unflatten(treedef, out_nu),
+      treedef,
+      (out_mu, out_nu),
+      scales,
+      per,
+      new_key,
+      telemetry,
     )
-    counts = s_adam.counts._replace(
-      count=optax.safe_increment(s_adam.counts.count),
-      key=new_key,
-      **counting.by_field(per, _FIELDS, telemetry),
-    )
-    s_adam = stored_lib.StoredState(new_inner, scales, counts, s_adam.recipe)
     # The other leaves through the chain's other transforms; the leaves
     # stepped here pass through them as None.
     rest = jax.tree_util.tree_unflatten(treedef, directions)
