@@ -539,6 +539,30 @@ def _telemetry_check(pairs, steps):
     print(f"{pair} {'same' if same else 'differs'} {changed}", flush=True)
 
 
+def without_fmas(code: str) -> dict:
+  """Runs `code` (with tests/ importable) in a process whose XLA:CPU
+  emits no FMA instructions (`--xla_cpu_max_isa=AVX`; skips off x86):
+  its printed lines as `{first word: the rest}`."""
+  if platform.machine().lower() not in ("x86_64", "amd64"):
+    pytest.skip("--xla_cpu_max_isa=AVX names an x86 instruction set")
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = (
+    env.get("XLA_FLAGS", "") + " --xla_cpu_max_isa=AVX"
+  ).strip()
+  env["JAX_PLATFORMS"] = "cpu"
+  env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])
+  out = subprocess.run(
+    [sys.executable, "-c", f"import experiments.xla_flags; {code}"],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=900,
+  )
+  assert out.returncode == 0, out.stderr[-3000:]
+  return dict(line.split(" ", 1) for line in out.stdout.splitlines())
+
+
 def _run_telemetry_check(pairs, steps):
   """`_telemetry_check` in a process whose XLA:CPU emits no FMA
   instructions (`--xla_cpu_max_isa=AVX`): where XLA contracts Adam's
@@ -549,28 +573,9 @@ def _run_telemetry_check(pairs, steps):
   one in 2,000 to 10,000 here), and the interpreted kernel's from the
   XLA path's in some pairs; without them the arithmetic is the same
   rounding for rounding."""
-  if platform.machine().lower() not in ("x86_64", "amd64"):
-    pytest.skip("--xla_cpu_max_isa=AVX names an x86 instruction set")
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = (
-    env.get("XLA_FLAGS", "") + " --xla_cpu_max_isa=AVX"
-  ).strip()
-  env["JAX_PLATFORMS"] = "cpu"
-  env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])
-  code = (
-    "import experiments.xla_flags, fused_adam_test as t; "
-    f"t._telemetry_check({list(pairs)!r}, {steps})"
+  lines = without_fmas(
+    f"import fused_adam_test as t; t._telemetry_check({list(pairs)!r}, {steps})"
   )
-  out = subprocess.run(
-    [sys.executable, "-c", code],
-    cwd=ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=900,
-  )
-  assert out.returncode == 0, out.stderr[-3000:]
-  lines = dict(line.split(" ", 1) for line in out.stdout.splitlines())
   assert sorted(lines) == sorted(pairs)
   for pair, result in lines.items():
     verdict, changed = result.split()

@@ -12,10 +12,6 @@ compared in a process whose XLA:CPU emits no FMA instructions
 for CUDA, which needs no GPU.
 """
 
-import os
-import platform
-import subprocess
-import sys
 import warnings
 
 import jax
@@ -28,8 +24,7 @@ from jax import export
 import lowprec
 from lowprec.engine.weights import Float8ParamsWarning
 from lowprec.optim import fused_adam
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.fused_adam_test import without_fmas
 
 # Leaves the one kernel takes (rows a whole number of tiles, a ragged last
 # tile, a vector of one block), and one whose moments and weights take
@@ -164,29 +159,10 @@ def _bits_check(cases, steps):
 
 
 def _run_bits_check(cases, steps):
-  if platform.machine().lower() not in ("x86_64", "amd64"):
-    pytest.skip("--xla_cpu_max_isa=AVX names an x86 instruction set")
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = (
-    env.get("XLA_FLAGS", "") + " --xla_cpu_max_isa=AVX"
-  ).strip()
-  env["JAX_PLATFORMS"] = "cpu"
-  env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])
-  code = (
+  lines = without_fmas(
     "import warnings; warnings.simplefilter('ignore'); "
-    "import experiments.xla_flags, fused_adamw_test as t; "
-    f"t._bits_check({list(cases)!r}, {steps})"
+    f"import fused_adamw_test as t; t._bits_check({list(cases)!r}, {steps})"
   )
-  out = subprocess.run(
-    [sys.executable, "-c", code],
-    cwd=ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=900,
-  )
-  assert out.returncode == 0, out.stderr[-3000:]
-  lines = dict(line.split(" ", 1) for line in out.stdout.splitlines())
   assert sorted(lines) == sorted([*cases, "auto"])
   for case, result in lines.items():
     verdict, moved = result.rsplit(" ", 1)
