@@ -610,11 +610,13 @@ def test_an_mx_writeback_takes_its_scale_rule_from_the_config():
 Q8 = ("mu=dynamic8:stochastic:block64", "nu=dynamic8u:stochastic:block64")
 
 
-def _kernel_config(**lp):
+def _kernel_config(arm="sr_bf16", **lp):
+  """The smoke study's `arm` with q8-style moments (`lowprec.state`),
+  then the `lowprec` keys `lp`."""
   from configs import smoke
 
   c = smoke.get_config()
-  c.study.arm = "sr_bf16"
+  c.study.arm = arm
   c.lowprec.state = Q8
   for k, v in lp.items():
     c.lowprec[k] = v
@@ -729,7 +731,6 @@ def test_writeback_kernel_builds_the_write_back_with_its_kernel():
   128-element rows and takes the XLA path), none with "xla"; the two
   give the same updates and state bit for bit (2 steps)."""
   import lowprec
-  from configs import smoke
   from experiments import study
 
   params = lowprec.to_grid(
@@ -739,9 +740,7 @@ def test_writeback_kernel_builds_the_write_back_with_its_kernel():
   grads = {"w": jnp.full((4, 128), 0.01), "b": jnp.full((96,), -0.02)}
   out = {}
   for kernel in ("pallas", "xla"):
-    c = smoke.get_config()
-    c.study.arm = "sr_bf16"
-    c.lowprec.writeback_kernel = kernel
+    c = _kernel_config(state=(), writeback_kernel=kernel)
     (run,) = study.resolve_all(c)
     tx = optim.build(run, jax.random.key(1), params)
     state = tx.init(params)
@@ -764,17 +763,9 @@ def test_writeback_kernel_builds_the_write_back_with_its_kernel():
   ],
 )
 def test_writeback_kernel_refuses_what_it_cannot_run_naming_the_fix(lp, match):
-  from configs import smoke
   from experiments import study
 
-  c = smoke.get_config()
-  c.study.arm = "sr_bf16"
-  c.lowprec.writeback_kernel = "auto"
-  for k, v in lp.items():
-    if k == "arm":
-      c.study.arm = v
-    else:
-      c.lowprec[k] = v
+  c = _kernel_config(**{"state": (), "writeback_kernel": "auto", **lp})
   with pytest.raises(study.ConfigError, match=match):
     study.resolve_all(c)
 

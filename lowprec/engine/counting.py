@@ -36,6 +36,17 @@ def count(*masks) -> tuple[jax.Array, ...]:
   return tuple(jnp.sum(r, dtype=jnp.int32) for r in rows)
 
 
+def row_counts(masks, totals=None) -> list:
+  """int32 counts of the True entries of each mask along its last axis
+  (kept, shape (rows, 1)), added to `totals` (an earlier call's, for
+  another lane of the same rows) where given: what a kernel writes for
+  each row of its tile, summed over the rows after it."""
+  rows = [jnp.sum(m.astype(jnp.int32), axis=-1, keepdims=True) for m in masks]
+  if totals is not None:
+    rows = [a + b for a, b in zip(totals, rows, strict=True)]
+  return rows
+
+
 def mass(x) -> jax.Array:
   """float32 sum of `|x|`."""
   return jnp.sum(jnp.abs(x), dtype=jnp.float32)

@@ -256,6 +256,17 @@ def _concrete(tree) -> bool:
   return not any(isinstance(x, abstract) for x in jax.tree.leaves(tree))
 
 
+# The counts of `Plain`, in its masks' order.
+PLAIN_COUNTS = (
+  "proposals",
+  "moved",
+  "saturated",
+  "unreachable",
+  "nonfinite",
+  "offgrid",
+)
+
+
 class Plain(NamedTuple):
   """The plain write-back of one tensor, `w' = Q(w + u)`: a `LeafStep`
   giving the delta that lands `w'` and, with telemetry, the counts

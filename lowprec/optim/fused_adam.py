@@ -78,7 +78,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton
 
 from lowprec.engine import codec as codec_lib
-from lowprec.engine import counting
+from lowprec.engine import counting, leafwise
 from lowprec.engine.weights import path_name
 from lowprec.grids import _ieee, choices
 from lowprec.grids import rng as rng_lib
@@ -203,11 +203,7 @@ def scale_by_stored_adam(
       mu_s = state.scales[f"mu/{name}"]
       nu_s = state.scales[f"nu/{name}"]
       seeds = _seeds([keys.get(f"{n}/{name}") for n in ("mu", "nu")])
-      step = functools.partial(_reference_step, telemetry=telemetry)
-      if _held(g, codecs):
-        step = functools.partial(
-          _leaf_step, telemetry=telemetry, interpret=kernel == "pallas"
-        )
+      step = _moment_step(kernel, g, codecs, telemetry)
       u, m2, ms, v2, vs, *counts = step(
         codecs, hyper, corrections, seeds, g, m, mu_s, v, nu_s
       )
@@ -227,6 +223,16 @@ def scale_by_stored_adam(
   return optax.GradientTransformation(
     reference.init, _checked(reference, update_fn)
   )
+
+
+def _moment_step(kernel, g, codecs, telemetry):
+  """The step of one leaf's moments: the kernel where it takes the leaf
+  (`_held`), else the XLA path (`_reference_step`)."""
+  if _held(g, codecs):
+    return functools.partial(
+      _leaf_step, telemetry=telemetry, interpret=kernel == "pallas"
+    )
+  return functools.partial(_reference_step, telemetry=telemetry)
 
 
 def _corrections(hyper, state) -> tuple[jax.Array, jax.Array]:
@@ -418,7 +424,7 @@ def _decayed(apply, u, w, step_size):
   return u * step_size
 
 
-def _reference_apply(apply, out, seeds, w, step_size, telemetry):
+def _reference_apply(apply, out, seeds, w, step_size):
   """`_reference_step`'s outputs with the direction replaced by the
   write-back's deltas of `w`, and the write-back's counts appended."""
   u, *rest = out
@@ -488,7 +494,7 @@ def _leaf_step(
   # With telemetry, each row's counts of each field, each moment.
   n_counts = 2 * len(_FIELDS) if telemetry else 0
   if apply is not None and apply.leaf.telemetry:
-    n_counts += _APPLY_COUNTS
+    n_counts += len(leafwise.PLAIN_COUNTS)
   weights = [] if apply is None else [flat(w, block)]
   out_shape = (
     jax.ShapeDtypeStruct((rows, block), jnp.float32),
@@ -551,7 +557,7 @@ def _leaf_step(
       telemetry=telemetry,
     )
     if apply is not None:
-      out = _reference_apply(apply, out, seeds, w, step_size, telemetry)
+      out = _reference_apply(apply, out, seeds, w, step_size)
     widths = (block, width["mu"], 1, width["nu"], 1)
     return (
       *(flat(a, w) for a, w in zip(out[:5], widths, strict=True)),
@@ -703,10 +709,6 @@ def _body(codecs, hyper, names, layout, telemetry, c_ref, s_ref, *refs):
       ref[...] = c
 
 
-# The write-back's counts of a leaf (`leafwise.Plain`'s masks).
-_APPLY_COUNTS = 6
-
-
 def _apply_lane(apply, u, w, step_size, s_ref, indices, k, totals):
   """The write-back's deltas of one lane of weights `w` under the
   direction `u`, and (its telemetry) each row's counts added to
@@ -718,10 +720,7 @@ def _apply_lane(apply, u, w, step_size, s_ref, indices, k, totals):
   delta, masks, _ = apply.leaf.elements(
     w.astype(jnp.float32), u, apply.fmt, bits
   )
-  rows = [jnp.sum(m.astype(jnp.int32), axis=-1, keepdims=True) for m in masks]
-  if totals is not None:
-    rows = [a + b for a, b in zip(totals, rows, strict=True)]
-  return delta, (rows if masks else None)
+  return delta, (counting.row_counts(masks, totals) if masks else None)
 
 
 class _Lane(NamedTuple):
@@ -863,8 +862,5 @@ def _row_counts(xs, olds, read, codes, old_codes) -> list:
     xs, olds, read, codes, old_codes, strict=True
   ):
     masks = stored_lib._state_masks(x, old, v, over, code, code_old)
-    rows = [jnp.sum(k.astype(jnp.int32), axis=-1, keepdims=True) for k in masks]
-    if totals is not None:
-      rows = [a + b for a, b in zip(totals, rows, strict=True)]
-    totals = rows
+    totals = counting.row_counts(masks, totals)
   return totals

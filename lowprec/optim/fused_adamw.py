@@ -226,15 +226,8 @@ def stored_adamw_writeback(
       _, wb_step = rng_lib.next_step(s_wb.key, impl["w"])
       wb_keys = rng_lib.leaf_keys(wb_step, sorted(held))
     step_size = _step_size(learning_rate, s_scale)
-    directions, deltas, out_mu, out_nu, scales, per, per_wb = (
-      [],
-      {},
-      [],
-      [],
-      {},
-      {},
-      {},
-    )
+    directions, out_mu, out_nu = [], [], []
+    deltas, scales, per, per_wb = {}, {}, {}, {}
     for name, (_, g), m, v, w, f in zip(
       names, flat_g, mus, nus, ws, fmts, strict=True
     ):
@@ -242,7 +235,7 @@ def stored_adamw_writeback(
       nu_s = s_adam.scales[f"nu/{name}"]
       seeds = fused_adam._seeds([keys.get(f"{n}/{name}") for n in ("mu", "nu")])
       if name in held:
-        wb_seeds = fused_adam._seeds([wb_keys.get(name)])[:2]
+        wb_seeds = fused_adam._seeds([wb_keys.get(name)])
         delta, m2, ms, v2, vs, *counts = fused_adam._leaf_step(
           codecs,
           hyper,
@@ -264,20 +257,9 @@ def stored_adamw_writeback(
         if telemetry:
           per_wb[name] = counts[2 * len(_FIELDS) :]
       else:
-        step = fused_adam._reference_step
-        if fused_adam._held(g, codecs):
-          step = _interpreted(kernel)
+        step = fused_adam._moment_step(kernel, g, codecs, telemetry)
         u, m2, ms, v2, vs, *counts = step(
-          codecs,
-          hyper,
-          corrections,
-          seeds,
-          g,
-          m,
-          mu_s,
-          v,
-          nu_s,
-          telemetry=telemetry,
+          codecs, hyper, corrections, seeds, g, m, mu_s, v, nu_s
         )
         directions.append(u)
       if telemetry:
@@ -306,7 +288,7 @@ def stored_adamw_writeback(
     flat_rest = treedef.flatten_up_to(rest)
     out = [deltas.get(n, r) for n, r in zip(names, flat_rest, strict=True)]
     if telemetry and per_wb:
-      merged = counting.by_field(per_wb, writeback_lib._COUNTS)
+      merged = counting.by_field(per_wb, leafwise.PLAIN_COUNTS)
       s_wb = s_wb._replace(
         **{c: {**getattr(s_wb, c), **merged[c]} for c in merged}
       )
@@ -334,18 +316,6 @@ def _check_decayed_dtypes(params, weight_decay) -> None:
         "to float32: store the weights as float32 holding grid values "
         "(lowprec.to_grid(params, fmt)), or give weight_decay=0"
       )
-
-
-def _interpreted(kernel):
-  """`scale_by_stored_adam`'s kernel step for a leaf whose moments the
-  kernel takes but whose weights it does not."""
-
-  def step(*args, telemetry):
-    return fused_adam._leaf_step(
-      *args, telemetry=telemetry, interpret=kernel == "pallas"
-    )
-
-  return step
 
 
 def _step_size(learning_rate, state) -> jax.Array:

@@ -36,8 +36,8 @@ from lowprec.optim import writeback_kernel
 NONFINITE_MODES = ("keep", "propagate")
 SCALE_MODES = ("recompute", "keep")  # block scales of a scaled write-back
 
-_COUNTS = ("proposals", "moved", "saturated", "unreachable", "nonfinite")
-_COUNTS += ("offgrid",)  # checked by `report()`, not reported
+# `offgrid` is checked by `report()`, not reported.
+_COUNTS = leafwise.PLAIN_COUNTS
 _REPORTED = ("proposals", "erased", "moved", "saturated", "unreachable")
 _REPORTED += ("nonfinite",)
 

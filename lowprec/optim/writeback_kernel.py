@@ -41,6 +41,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton
 
+from lowprec.engine import counting, leafwise
 from lowprec.grids import choices
 from lowprec.grids import rng as rng_lib
 from lowprec.grids.formats import Format
@@ -101,7 +102,7 @@ def _step(kernel, leaf, fmt, w, u32, key):
     if key is None
     else jnp.stack(rng_lib._seeds(key))
   )
-  n_counts = 6 if leaf.telemetry else 0
+  n_counts = len(leafwise.PLAIN_COUNTS) if leaf.telemetry else 0
   spec = lambda w: pl.BlockSpec((tile, w), lambda i: (i, 0))  # noqa: E731
   out_shape = (
     jax.ShapeDtypeStruct((rows, _LANES), jnp.float32),
@@ -154,5 +155,5 @@ def _body(leaf, fmt, tile, random, s_ref, w_ref, u_ref, d_ref, *count_refs):
     bits = rng_lib.hash_at(index, s_ref[0], s_ref[1])
   delta, masks, _ = leaf.elements(w, u, fmt, bits)
   d_ref[...] = delta
-  for ref, mask in zip(count_refs, masks, strict=True):
-    ref[...] = jnp.sum(mask.astype(jnp.int32), axis=-1, keepdims=True)
+  for ref, c in zip(count_refs, counting.row_counts(masks), strict=True):
+    ref[...] = c
