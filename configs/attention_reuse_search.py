@@ -115,6 +115,6 @@ def get_config(arg=None):
     c.study.arms = {
       k: v
       for k, v in arms.items()
-      if k.startswith(("e4m3_", "e2m1_", "mx_e2m1_"))
+      if k.startswith(("e2m1_", "mx_e2m1_"))
     }
   return c

@@ -34,7 +34,6 @@ from experiments import (
   train,
 )
 from experiments.analysis import bwd_tables, figures, tables
-from tests.studies_test import _smoke as study_smoke
 
 STUDIES = ["bwd_operator_checks", "attention_reuse", "norm_store"]
 CONFIGS = sorted(
@@ -415,28 +414,6 @@ def test_fp4_bias_gets_seed_intervals_and_paired_differences(tmp_path):
 # ---------------------------------------------------- smoke, end to end
 
 
-def _smoke(name, tmp_path):
-  """The study's smoke through the entry point (tests/studies_test.py),
-  with a figure of a sensible size."""
-  c, md, png = study_smoke(name, tmp_path)
-  assert 1000 < os.path.getsize(png) < 200_000
-  return c, md
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ["attention_reuse", "norm_store"])
-def test_training_study_smoke_logs_the_probe(name, tmp_path):
-  c, md = _smoke(name, tmp_path)
-  arm = next(iter(c.study.arms))
-  path = os.path.join(tmp_path, name, arm, "seed0", "metrics.jsonl")
-  recs = results.read_metrics(path)
-  group = bwd_tables.probe_groups(tables.load_runs(tmp_path, name)[0])[0]
-  probed = [r["step"] for r in recs if f"probe/{group}/bias2" in r]
-  assert probed == [0, 2, 4]
-  assert all(f"probe/{group}/cos" in r for r in recs if r["step"] in probed)
-  assert "final val loss" in md
-
-
 @pytest.mark.slow
 def test_probe_metrics_and_params_survive_a_resume(tmp_path):
   # The smoke variant of one arm, then the same run "killed" after step 2
@@ -463,45 +440,9 @@ def test_probe_metrics_and_params_survive_a_resume(tmp_path):
   assert os.path.getsize(figures.plot("attention_reuse", str(tmp_path))) > 1000
 
 
-@pytest.mark.slow
-def test_operator_checks_smoke_writes_the_layout(tmp_path):
-  c, md = _smoke("bwd_operator_checks", tmp_path)
-  for arm in c.study.arms:
-    d = os.path.join(tmp_path, "bwd_operator_checks", arm, "seed0")
-    for f in ("config.json", "env.json", "summary.json", "report.md"):
-      assert os.path.exists(os.path.join(d, f)), (arm, f)
-    s = results.read_json(os.path.join(d, "summary.json"))
-    assert len(s["rows"]) == 14 + 5  # every use of every op, and totals
-    assert len(s["values"]) == 14 * 4
-  assert "prediction = verification" in md
-  # Finished runs are skipped on a second call.
-  c2 = _load("bwd_operator_checks", "scale=smoke,arm=per_use")
-  c2.log.results_dir = str(tmp_path)
-  assert study.run_study(c2)[0]["status"] == "finished"
-
-
 def test_every_common_field_the_studies_use_exists():
   base = common.get_config()
   for name in CONFIGS:
     c = _load(name)
     assert c.study.kind in study.RUNNERS
     assert set(c.train.keys()) == set(base.train.keys())
-
-
-@pytest.mark.slow
-def test_fp4_recipe_smoke_tabulates_gaps_and_the_kernel_probe(tmp_path):
-  c, md = _smoke("fp4_recipe", tmp_path)
-  assert set(c.study.arms) == {"bf16", "nvfp4_all", "mxfp8_up"}
-  assert "- nvfp4_all minus bf16: " in md
-  assert "kernels: 1 - cos" in md
-  runs = tables.load_runs(tmp_path, "fp4_recipe")
-  probed = [
-    r["step"]
-    for r in results.read_metrics(
-      os.path.join(
-        tmp_path, "fp4_recipe", "nvfp4_all", "seed0", "metrics.jsonl"
-      )
-    )
-    if "probe/kernels/bias2" in r
-  ]
-  assert probed == [0, 2, 4] and len(runs) == 3

@@ -29,11 +29,12 @@ from experiments import (
   lowprec_config,
   models,
   optim,
+  results,
   study,
   tasks,
   train,
 )
-from experiments.analysis import figures, plotting, studies, tables
+from experiments.analysis import bwd_tables, figures, plotting, studies, tables
 from lowprec.freeze import leaf_paths
 from tests.train_test import _run as train_run
 
@@ -868,6 +869,27 @@ def test_fp8_table_keeps_each_seed_of_a_scaled_format_apart(tmp_path):
 # -------------------------------------------------------- smoke, end to end
 
 
+# The study whose smoke runs through `scripts.reproduce` (every arm, then
+# the table and figure, in one command) rather than the entry point alone.
+REPRODUCED = "e4m3_audit"
+
+
+def _reproduce(name, root):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+  return subprocess.run(
+    [
+      sys.executable, "-m", "scripts.reproduce", name,
+      "--arg", "scale=smoke", "--results", str(root),
+    ],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=1800,
+  )  # fmt: skip
+
+
 def _smoke(name, root):
   """Runs study `name` at smoke scale under `root` through the entry point
   (one device: the programs of one device compile in about 60% of the
@@ -875,9 +897,14 @@ def _smoke(name, root):
   error: plotting.problems). Returns the config, the table's markdown
   and the figure's path."""
   c = _load(name, "scale=smoke")
-  arg = f"--config=configs/{name}.py:scale=smoke"
-  run = train_run(root, arg, devices=1, timeout=1800)
-  assert run.returncode == 0, run.stderr[-3000:]
+  if name == REPRODUCED:
+    run = _reproduce(name, root)
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    (root / name / "reproduce.out").write_text(run.stdout)
+  else:
+    arg = f"--config=configs/{name}.py:scale=smoke"
+    run = train_run(root, arg, devices=1, timeout=1800)
+    assert run.returncode == 0, run.stderr[-3000:]
   for path in (root / name).glob("*/seed*/summary.json"):
     assert json.loads(path.read_text())["status"] == "finished", path
   md = tables.make(name, str(root))
@@ -1099,7 +1126,7 @@ def test_attention_search_smoke_tabulates_each_setting(smoke):
     )
   )
   # By dose, then MX: the config's order (study.settings).
-  assert [r["setting"] for r in rows] == ["e4m3", "e2m1", "mx_e2m1"]
+  assert [r["setting"] for r in rows] == ["e2m1", "mx_e2m1"]
   for r in rows:
     for arm in ("reuse", "redraw", "outonly"):
       assert float(r[f"{arm}_val_loss"]) > 0
@@ -1110,27 +1137,11 @@ def test_attention_search_smoke_tabulates_each_setting(smoke):
 
 
 @pytest.mark.slow
-def test_reproduce_runs_the_audit_smoke_through_the_entry_point(tmp_path):
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  out = subprocess.run(
-    [
-      sys.executable,
-      "-m",
-      "scripts.reproduce",
-      "e4m3_audit",
-      "--arg",
-      "scale=smoke",
-      "--results",
-      str(tmp_path),
-    ],
-    cwd=ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=1200,  # 10 smoke runs, compilation-bound: ~9 min on 2 busy cores
-  )
-  assert out.returncode == 0, out.stdout + out.stderr
-  md = out.stdout
+def test_reproduce_runs_the_audit_smoke_through_the_entry_point(smoke):
+  # The smoke fixture runs this study through `scripts.reproduce`.
+  _, _, root = smoke(REPRODUCED)
+  tmp_path = root
+  md = (root / REPRODUCED / "reproduce.out").read_text()
   for arm, batch in (("rn_e4m3", 16), ("rn_e4m3_b64", 64)):
     assert (
       f"- {arm} (batch {batch}): macro RMSE, one fp32 trace (seed 0) vs 2 "
@@ -1237,3 +1248,60 @@ def test_frontier_table_pairs_seeds_with_intervals_front_and_convergence(
     in text
   )
   assert "- fp32 (" not in text  # the reference is not compared to itself
+
+
+# ------------------------------------------------ the backward-pass studies
+
+
+def _bwd_smoke(smoke, name):
+  """The study's smoke (the module's one run), with a figure of a
+  sensible size."""
+  c, md, root = smoke(name)
+  (png,) = (root / name / "tables").glob("*.png")
+  assert 1000 < os.path.getsize(png) < 200_000
+  return c, md, root
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["attention_reuse", "norm_store"])
+def test_training_study_smoke_logs_the_probe(name, smoke):
+  c, md, root = _bwd_smoke(smoke, name)
+  arm = next(iter(c.study.arms))
+  path = os.path.join(root, name, arm, "seed0", "metrics.jsonl")
+  recs = results.read_metrics(path)
+  group = bwd_tables.probe_groups(tables.load_runs(str(root), name)[0])[0]
+  probed = [r["step"] for r in recs if f"probe/{group}/bias2" in r]
+  assert probed == [0, 2, 4]
+  assert all(f"probe/{group}/cos" in r for r in recs if r["step"] in probed)
+  assert "final val loss" in md
+
+
+@pytest.mark.slow
+def test_operator_checks_smoke_writes_the_layout(smoke):
+  c, md, root = _bwd_smoke(smoke, "bwd_operator_checks")
+  for arm in c.study.arms:
+    d = os.path.join(root, "bwd_operator_checks", arm, "seed0")
+    for f in ("config.json", "env.json", "summary.json", "report.md"):
+      assert os.path.exists(os.path.join(d, f)), (arm, f)
+    s = results.read_json(os.path.join(d, "summary.json"))
+    assert len(s["rows"]) == 14 + 5  # every use of every op, and totals
+    assert len(s["values"]) == 14 * 4
+  assert "prediction = verification" in md
+  # Finished runs are skipped on a second call.
+  c2 = _load("bwd_operator_checks", "scale=smoke,arm=per_use")
+  c2.log.results_dir = str(root)
+  assert study.run_study(c2)[0]["status"] == "finished"
+
+
+@pytest.mark.slow
+def test_fp4_recipe_smoke_tabulates_gaps_and_the_kernel_probe(smoke):
+  c, md, root = _bwd_smoke(smoke, "fp4_recipe")
+  assert set(c.study.arms) == {"bf16", "nvfp4_all", "mxfp8_up"}
+  assert "- nvfp4_all minus bf16: " in md
+  assert "kernels: 1 - cos" in md
+  runs = tables.load_runs(str(root), "fp4_recipe")
+  path = os.path.join(root, "fp4_recipe", "nvfp4_all", "seed0", "metrics.jsonl")
+  probed = [
+    r["step"] for r in results.read_metrics(path) if "probe/kernels/bias2" in r
+  ]
+  assert probed == [0, 2, 4] and len(runs) == 3
