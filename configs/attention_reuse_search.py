@@ -113,8 +113,6 @@ def get_config(arg=None):
     c.train.probe_draws = 16
   if c.study.scale == "smoke":
     c.study.arms = {
-      k: v
-      for k, v in arms.items()
-      if k.startswith(("e2m1_", "mx_e2m1_"))
+      k: v for k, v in arms.items() if k.startswith(("e2m1_", "mx_e2m1_"))
     }
   return c
