@@ -583,27 +583,28 @@ def _run_telemetry_check(pairs, steps):
     assert int(changed) > 0, pair  # the counts count something
 
 
-# One pair of each kind of code map and rounding: dynamic maps (block
-# 256), amax e4m3 scales, companded codes, 4-bit codes drawn
-# stochastically, e4m3 stochastic beside nearest, and dead zone. The
-# bits test above takes every pair (with FMAs, telemetry off).
+# One pair of `PAIRS` of each kind of code map and rounding (dynamic maps
+# of block 256, amax e4m3 scales, companded codes, 4-bit codes drawn
+# stochastically, e4m3 stochastic beside nearest), which the bits test
+# above takes all of (with FMAs, telemetry off), and every dead-zone
+# pair, which only this test takes.
 TELEMETRY_PAIRS = (
   "bitsandbytes",
   "amax_e4m3",
   "companded8_e4m3",
   "4bit_stochastic",
   "e4m3_stochastic_beside_nearest",
-  "4bit_deadzone",
+  *DEADZONE,
 )
 
 
-@pytest.mark.slow  # about 2 minutes cold, five steps
+@pytest.mark.slow  # about 3 minutes cold, five steps
 def test_kernel_telemetry_equals_store_state_without_fmas():
   """The kernel's counts (changed, erased, flushed, saturated,
   non-finite, stalled, per leaf and moment) and everything else equal
   `store_state`'s with telemetry on, bit for bit, for one pair of
-  formats of each kind (five steps, seed 0, a NaN and an inf at step 3
-  and a step after them)."""
+  formats of each kind and every dead-zone pair (five steps, seed 0, a
+  NaN and an inf at step 3 and a step after them)."""
   _run_telemetry_check(TELEMETRY_PAIRS, steps=5)
 
 

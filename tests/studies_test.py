@@ -892,7 +892,8 @@ def _reproduce(name, root):
 
 def _smoke(name, root):
   """Runs study `name` at smoke scale under `root` through the entry point
-  (one device: the programs of one device compile in about 60% of the
+  (`REPRODUCED` through `scripts.reproduce`, its output kept beside the
+  runs; one device: the programs of one device compile in about 60% of the
   time of eight), makes its table and figure (an illegible figure is an
   error: plotting.problems). Returns the config, the table's markdown
   and the figure's path."""
@@ -1140,7 +1141,6 @@ def test_attention_search_smoke_tabulates_each_setting(smoke):
 def test_reproduce_runs_the_audit_smoke_through_the_entry_point(smoke):
   # The smoke fixture runs this study through `scripts.reproduce`.
   _, _, root = smoke(REPRODUCED)
-  tmp_path = root
   md = (root / REPRODUCED / "reproduce.out").read_text()
   for arm, batch in (("rn_e4m3", 16), ("rn_e4m3_b64", 64)):
     assert (
@@ -1155,13 +1155,13 @@ def test_reproduce_runs_the_audit_smoke_through_the_entry_point(smoke):
   assert "- batch 16 vs 64:" in md
   # With two unseen seeds, e_1 - c = -(e_2 - c): one reused trace's two
   # correlations have opposite signs (or are undefined).
-  table = tmp_path / "e4m3_audit" / "tables" / "e4m3_audit.csv"
+  table = root / "e4m3_audit" / "tables" / "e4m3_audit.csv"
   rows = list(csv.DictReader(open(table)))
   assert len(rows) == 4
   for arm in ("rn_e4m3", "rn_e4m3_b64"):
     r = [float(x["source_specificity_corr"]) for x in rows if x["arm"] == arm]
     assert r[0] == pytest.approx(-r[1]) or all(map(math.isnan, r))
-  assert (tmp_path / "e4m3_audit" / "tables" / "e4m3_audit.png").exists()
+  assert (root / "e4m3_audit" / "tables" / "e4m3_audit.png").exists()
 
 
 @pytest.mark.slow
