@@ -94,6 +94,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # to float32 rounding. On in the full-scale presets; off at CPU scale,
   # whose documented numbers were made with the unrolled loop.
   c.model.scan_layers = False
+  # The blocks' leaves stored stacked, one array per kind of leaf
+  # (lowprec.engine.stacked): the optimizer's step compiles one program
+  # per kind of leaf, not per leaf, so compile time stays flat in depth.
+  # The same bits, telemetry, parameter paths and checkpoints as stored
+  # apart; float32 and plain write-back arms (study.validate names what
+  # else refuses it).
+  c.model.stack_layers = False
   # Compute precision, a stated choice (config.json records it, the run
   # header prints it): the dtype the model computes in (its parameters are
   # cast for the forward; the stored weights, the optimizer and the loss

@@ -373,3 +373,41 @@ def state_targets(lp) -> dict[str, list]:
     parts = [r for r in rules.split(";") if r.strip()]
     out[name] = state_rules(lp, parts, f"lowprec.state_targets {name!r}")
   return out
+
+
+# lowprec keys whose transforms keep one value per leaf, and so do not
+# take a leaf of stacked layers (model.stack_layers): set, they refuse it.
+_STACKED_REFUSED = (
+  "trace_targets",
+  "trace_remedies",
+  "state",
+  "state_targets",
+  "group_recipes",
+  "decay_erasure",
+  "trace_progress",
+)
+
+
+def check_stack_layers(c) -> None:
+  """Raises where `model.stack_layers` is set and a transform of the arm
+  does not take a leaf of stacked layers, naming the fix."""
+  if not c.model.get("stack_layers", False):
+    return
+  lp = c.lowprec
+  why = None
+  if c.model.kind != "gpt":
+    why = f"model.kind={c.model.kind!r} (it stacks a GPT's blocks)"
+  elif set_keys := [k for k in _STACKED_REFUSED if lp.get(k)]:
+    why = f"lowprec.{set_keys[0]} (its state keeps one value per leaf)"
+  elif compensation(lp) != "none":
+    why = f"lowprec.compensation={compensation(lp)!r}"
+  elif lp.writeback and needs_params(lp):
+    why = "per-tensor scales (lowprec.int_scale=0), one per layer"
+  elif lp.get("writeback_kernel", "xla") != "xla":
+    # A stacked leaf is stepped by XLA's ops, never by the kernel.
+    why = f"lowprec.writeback_kernel={lp.writeback_kernel!r}"
+  if why is not None:
+    raise ValueError(
+      f"model.stack_layers stores the blocks' leaves stacked, which {why} "
+      "does not take: set model.stack_layers=False for this arm"
+    )

@@ -182,6 +182,16 @@ class GPT(nn.Module):
     return head(x)
 
 
+def layer_groups(cfg: dict) -> list[tuple[str, int, int]]:
+  """The GPT's runs of blocks that share a body, as `(prefix, start,
+  stop)` (`lowprec.engine.stacked`): the blocks with the config's
+  numerics, then the `compute_keep_last` blocks that keep the plain ones."""
+  n = cfg["n_layer"]
+  first_plain = max(n - cfg.get("compute_keep_last", 0), 0)
+  runs = [(0, first_plain), (first_plain, n)]
+  return [("h", a, b) for a, b in runs if b > a]
+
+
 ACTIVATIONS = {"relu": jax.nn.relu, "gelu": jax.nn.gelu, "silu": jax.nn.silu}
 
 

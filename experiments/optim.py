@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 import lowprec
 from experiments import lowprec_config
-from lowprec.engine import leafwise
+from lowprec.engine import leafwise, stacked
+from lowprec.engine.rules import path_name
 from lowprec.optim import writeback_kernel
 
 
@@ -96,15 +98,35 @@ def global_norm(tree) -> jax.Array:
   parameters. Adding halves of zero-padded vectors (each leaf, then the
   leaves' sums) fixes the order: the same bits on any device count.
   """
-  leaves = [x.astype(jnp.float32) for x in jax.tree.leaves(tree)]
-  if not leaves:
+  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+  if not flat:
     return jnp.float32(0)
+  square_sum = lambda _, v: _pairwise_sum(jnp.square(v))  # noqa: E731
+  names = [path_name(p) for p, _ in flat]
+  lone = [
+    (jnp.ravel(x.astype(jnp.float32)),)
+    for n, (_, x) in zip(names, flat, strict=True)
+    if stacked.layer_names(n) is None
+  ]
   # Leaves of one shape are squared and summed stacked, and the sums come
   # back as one vector: one program per kind of leaf, none per leaf.
-  rows = [(jnp.ravel(x),) for x in leaves]
-  sums = leafwise.grouped(
-    lambda _, v: _pairwise_sum(jnp.square(v)), rows, stacked=True
-  )
+  parts = [leafwise.grouped(square_sum, lone, stacked=True)] if lone else []
+  if len(lone) == len(flat):
+    return jnp.sqrt(_pairwise_sum(parts[0]))
+  # A leaf of stacked layers (model.stack_layers) gives each layer's sum,
+  # and the sums are added in the order of the layers stored apart: the
+  # same norm, bit for bit.
+  order = [n for n in names if stacked.layer_names(n) is None]
+  for n, (_, x) in zip(names, flat, strict=True):
+    if layers := stacked.layer_names(n):
+      rows = x.astype(jnp.float32).reshape(len(layers), -1)
+      parts.append(jax.vmap(lambda v: square_sum(None, v))(rows))
+      order.extend(layers)
+  apart = jax.eval_shape(stacked.unstack, tree)
+  where = {n: i for i, n in enumerate(order)}
+  flat_apart = jax.tree_util.tree_flatten_with_path(apart)[0]
+  index = [where[path_name(p)] for p, _ in flat_apart]
+  sums = jnp.concatenate(parts)[np.asarray(index)]
   return jnp.sqrt(_pairwise_sum(sums))
 
 

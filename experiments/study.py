@@ -194,6 +194,7 @@ def validate(c) -> None:
   _check_float32_predictions(lp)
   _check_compensation(lp)
   _check_eco(c)
+  lowprec_config.check_stack_layers(c)
   if lowprec_config.compensation(lp) == "kahan":
     formats.append(("lowprec.buffer", lp.buffer))
   for field, name in formats:

@@ -14,6 +14,7 @@ import optax
 from experiments import data as data_lib
 from experiments import models, probes
 from lowprec import nn as lpnn
+from lowprec.engine import stacked
 from lowprec.grids import choices
 
 
@@ -28,6 +29,10 @@ class Task:
   probe: Callable[..., dict] | None = None
   # how the model computes: jit `compute.precise(fn)` for its precision
   compute: Compute | None = None
+  # runs of layers whose leaves `init` stores stacked and `loss` and
+  # `probe` take so (`model.stack_layers`; `lowprec.engine.stacked`):
+  # checkpoints and summaries hold them apart
+  layers: tuple = ()
 
 
 # model.compute_dtype: the dtype the forward and backward compute in.
@@ -177,7 +182,35 @@ def gpt_task(config) -> Task:
   probe = None
   if config.train.probe_every_steps:
     probe = _gpt_probe(config.train, model, data.eval_batches()[0], compute)
-  return Task(init, _lm_loss(model, compute), data, model, probe, compute)
+  loss = _lm_loss(model, compute)
+  if not m.get("stack_layers", False):
+    return Task(init, loss, data, model, probe, compute)
+  # The blocks' leaves stored stacked: the optimizer's per-leaf programs
+  # are one per kind of leaf at any depth. The model takes them apart
+  # (slices that XLA folds into lowprec.nn.rolled's stack).
+  layers = tuple(models.layer_groups(cfg))
+  return Task(
+    lambda key: stacked.stack(init(key), layers),
+    lambda params, *a: loss(stacked.unstack(params), *a),
+    data,
+    model,
+    None if probe is None else _unstacked_probe(probe),
+    compute,
+    layers,
+  )
+
+
+def _unstacked_probe(probe):
+  """The probe, given params with stacked layers: it reads them apart."""
+
+  def run(params, key):
+    return probe(stacked.unstack(params), key)
+
+  if hasattr(probe, "programs"):
+    run.programs = lambda params, key: probe.programs(
+      stacked.unstack(params), key
+    )
+  return run
 
 
 def _gpt_probe(t, model, batch, compute):

@@ -43,6 +43,7 @@ from experiments import (
   tasks,
   tensorboard,
 )
+from lowprec.engine import stacked
 
 
 class TrainState(NamedTuple):
@@ -229,6 +230,7 @@ class Run:
 
 def build_run(config) -> Run:
   """Builds the task, mesh, optimizer, initial state and jitted step."""
+  lowprec_config.check_stack_layers(config)
   task = tasks.build(config)
   mesh = make_mesh(config)
   parts = config.train.virtual_shards
@@ -237,7 +239,8 @@ def build_run(config) -> Run:
   fsdp = config.train.fsdp
   source = None  # parameters to start from, when not the model's init
   if config.train.init_from_arm:
-    like = jax.eval_shape(task.init, init_key)
+    # Checkpoints hold the layers apart (model.stack_layers or not).
+    like = jax.eval_shape(lambda k: stacked.unstack(task.init(k)), init_key)
     source = checkpoint.restore_params(
       source_checkpoints(config),
       config.train.init_from_step,
@@ -247,6 +250,7 @@ def build_run(config) -> Run:
         param_sharding(mesh, like, fsdp),
       ),
     )
+    source = stacked.stack(source, task.layers) if task.layers else source
   first = source
   if first is None and lowprec_config.needs_params(config.lowprec):
     first = jax.jit(task.init)(init_key)  # per-tensor scales come from it
@@ -378,9 +382,11 @@ class _Loop:
   def restore(self) -> None:
     """The latest checkpoint that restores (broken ones set aside), then
     the metrics file opened at that step."""
-    self.start, self.state, rejected = self.ckpt.restore_latest(
-      self.state, os.path.join(self.workdir, "bad_checkpoints")
+    self.start, restored, rejected = self.ckpt.restore_latest(
+      self.apart(self.state), os.path.join(self.workdir, "bad_checkpoints")
     )
+    if self.start:
+      self.state = self.together(restored)
     for step, why in rejected:
       self.say(
         f"{self.tag} checkpoint {step} is unreadable ({why}); set aside",
@@ -399,6 +405,19 @@ class _Loop:
     self.last = self.metrics_file.last or {}
     self.eval_batches = self.run.eval_batches()
     self.t0 = time.time()
+
+  def apart(self, state):
+    """`state` with its layers stored apart, as checkpoints and summaries
+    hold them whether or not the run stores them stacked
+    (`model.stack_layers`)."""
+    return stacked.unstack(state) if self.run.task.layers else state
+
+  def together(self, state):
+    """`apart`'s inverse, on the shardings of the run's state."""
+    if not self.run.task.layers:
+      return state
+    shardings = jax.tree.map(lambda x: x.sharding, self.state)
+    return jax.device_put(stacked.stack(state, self.run.task.layers), shardings)
 
   # ---- measurements -------------------------------------------------------
 
@@ -455,7 +474,7 @@ class _Loop:
       )
     self.last = record
     if save:
-      self.ckpt.save(done, self.state)
+      self.ckpt.save(done, self.apart(self.state))
     self.report(record)
 
   def train(self, step: int) -> dict:
@@ -527,7 +546,7 @@ class _Loop:
 
   def summary(self) -> dict:
     """summary.json, written only when the run is whole."""
-    params = self.state.params
+    params = self.apart(self.state).params
     summary = {
       "status": "finished",
       "steps": self.total,

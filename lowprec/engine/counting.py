@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lowprec.engine import stacked
+
 
 def count(*masks) -> tuple[jax.Array, ...]:
   """int32 counts of the True entries of each mask, in one reduction.
@@ -97,11 +99,15 @@ def layout(
   total of every count and mass; the ratio `ratio = (name, numerator,
   denominator)` of the totals (if any); then,
   per tensor path `n` of `per` (`{path: {field: value}}`), `<field>/<n>`
-  and `<name>/<n>`. With `host`, values are read to the host: exact ints,
-  floats, and float64 fractions; else they stay arrays (int32 counts,
-  float32 masses and fractions), traceable.
+  and `<name>/<n>`; a path of stacked layers (`h_0:12/...`, values with
+  the layers on their first axis) as each layer's path. With `host`,
+  values are read to the host: exact ints, floats, and float64
+  fractions; else they stay arrays (int32 counts, float32 masses and
+  fractions), traceable.
   """
   p = prefix
+  # A leaf of stacked layers reports each layer under its own path.
+  per = stacked.expand(per)
   if host:
     per = jax.device_get(per)
     # Counts summed exactly in int64; masses in their own float32, as

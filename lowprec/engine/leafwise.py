@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lowprec.engine import stacked
 from lowprec.engine.codec import Codec, encode, land, tally
 from lowprec.engine.weights import (
   Float8ParamsWarning,
@@ -110,13 +111,22 @@ def step(
   key_state: tuple | None,
   leaf: LeafStep,
   kernel=None,
+  *,
+  layers: bool = False,
 ):
   """One write-back over the tree: `(deltas, new key words, {path:
   kept})`. `key_state` is `(key words, impl)` for a random rounding (None
   for nearest); each parameter draws 32 bits per element from
   `fold_in(split(key)[1], leaf_seed(path))`. `kernel(leaf, fmt, w, u32,
   key)`, where given, steps the leaves it takes (`(delta, kept)`, the
-  same as `leaf`'s) and returns None for the others."""
+  same as `leaf`'s) and returns None for the others.
+
+  With `layers`, a leaf holding stacked layers (`h_0:12/...`,
+  `lowprec.engine.stacked`) is stepped as its layers one by one, under
+  `jax.vmap`: each layer's bits from its own path's key, and what `leaf`
+  keeps with the layers on its first axis. The kernel does not take
+  such a leaf. Without `layers` (a caller whose state keeps one count
+  per leaf), such a leaf is refused."""
   if params is None:
     raise ValueError(
       f"{caller} rounds w + u and needs the current params: call "
@@ -130,11 +140,23 @@ def step(
   for (path, u), w in zip(flat, ws, strict=True):
     f = None if u is None else weight_format(lookup, path, w)
     todo.append((path, u, w, f))
+  stacks = {
+    path_name(p): stacked.layer_names(path_name(p))
+    for p, _, _, f in todo
+    if f is not None
+  }
+  stacks = {n: layer for n, layer in stacks.items() if layer is not None}
+  if stacks and not layers:
+    raise ValueError(
+      f"{caller}: parameter {next(iter(stacks))!r} holds stacked layers, "
+      f"which {caller} does not step one by one; store its layers apart "
+      "(lowprec.engine.stacked.unstack)"
+    )
   new_key = keys = None
   if key_state is not None:
     new_key, step_key = rng_lib.next_step(*key_state)
-    keys = rng_lib.leaf_keys(
-      step_key, [path_name(p) for p, _, _, f in todo if f is not None]
+    keys = _keys(
+      step_key, [path_name(p) for p, _, _, f in todo if f is not None], stacks
     )
   rows, statics, names = [], [], []
   for path, u, w, f in todo:
@@ -148,14 +170,19 @@ def step(
     statics.append((path, f))
     names.append(name)
 
+  def plain(path, f, w, u32, key):
+    bits = None if key is None else rng_lib.random_bits(key, jnp.shape(w))
+    return leaf(path, w.astype(jnp.float32), u32, f, bits)
+
   def one(static, w, u32, key):
     path, f = static
+    if path_name(path) in stacks:  # its layers, one by one
+      return jax.vmap(lambda *a: plain(path, f, *a))(w, u32, key)
     if kernel is not None:
       out = kernel(leaf, f, w, u32, key)
       if out is not None:
         return out
-    bits = None if key is None else rng_lib.random_bits(key, jnp.shape(w))
-    return leaf(path, w.astype(jnp.float32), u32, f, bits)
+    return plain(path, f, w, u32, key)
 
   # Leaf by leaf, not stacked: stacking same-shaped leaves (`grouped`)
   # builds a deep model's step a few seconds sooner but copies every
@@ -168,6 +195,17 @@ def step(
   ]
   kept = {n: done[n][1] for n in names}
   return jax.tree_util.tree_unflatten(treedef, deltas), new_key, kept
+
+
+def _keys(step_key, names, stacks) -> dict:
+  """`{name: key words}`, for a stacked leaf its layers' words stacked:
+  each layer's key is the one its own path gets stored apart."""
+  flat = [layer for n in names for layer in stacks.get(n, [n])]
+  words = rng_lib.leaf_keys(step_key, flat)
+  return {
+    n: jnp.stack([words[x] for x in stacks[n]]) if n in stacks else words[n]
+    for n in names
+  }
 
 
 def same_shapes(rows, statics=None) -> list[list[int]]:

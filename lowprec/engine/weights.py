@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lowprec.engine import stacked
 from lowprec.engine.rules import (  # noqa: F401  (the parameter dialect, re-exported)
   FormatLookup,
   format_lookup,
@@ -68,10 +69,27 @@ def leaf_format(lookup: FormatLookup, path, x) -> Format | None:
   alone. Raises for an integer or boolean array given a format."""
   if not is_array(x):
     return None
-  fmt = lookup(path)
+  fmt = _stacked_format(lookup, path)
   if fmt is not None:
     check_float(path_name(path), x.dtype)
   return fmt
+
+
+def _stacked_format(lookup: FormatLookup, path):
+  """`lookup(path)`; for a leaf holding stacked layers (`h_0:12/...`,
+  `lowprec.engine.stacked`), the format every layer's own path has."""
+  layers = stacked.layer_paths(path)
+  if layers is None:
+    return lookup(path)
+  fmts = [lookup(p) for p in layers]
+  if any(f != fmts[0] for f in fmts[1:]):
+    which = sorted({str(f) for f in fmts})
+    raise ValueError(
+      f"parameter {path_name(path)!r} stacks layers whose formats differ "
+      f"({', '.join(which)}); store those layers apart, or give them one "
+      "format"
+    )
+  return fmts[0]
 
 
 def check_float(name: str, dtype) -> None:

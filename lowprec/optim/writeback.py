@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from lowprec.engine import counting, leafwise
+from lowprec.engine import counting, leafwise, stacked
 from lowprec.engine.weights import format_lookup
 from lowprec.grids import choices, scaled
 from lowprec.grids import rng as rng_lib
@@ -316,7 +316,8 @@ def writeback(
     fmts = {
       n: f for n, (_, f, _) in leafwise.weights(lookup, params, fmt).items()
     }
-    zeros = {n: jnp.zeros([], jnp.int32) for n in fmts}
+    # A leaf of stacked layers counts each layer (lowprec.engine.stacked).
+    zeros = {n: jnp.zeros(stacked.count_shape(n), jnp.int32) for n in fmts}
     on_scaled = {n: z for n, z in zeros.items() if _is_scaled(fmts[n])}
     return WritebackState(
       count=jnp.zeros([], jnp.int32),
@@ -330,7 +331,7 @@ def writeback(
   def counted(updates, params, ks):
     """The deltas, the new key and the state's count fields."""
     deltas, new_key, kept = leafwise.step(
-      "writeback", lookup, updates, params, ks, leaf, on_kernel
+      "writeback", lookup, updates, params, ks, leaf, on_kernel, layers=True
     )
     counts = counting.by_field(kept, _COUNTS, telemetry)
     n = len(_COUNTS)
@@ -352,7 +353,14 @@ def writeback(
       counts = jax.tree.map(lambda c, o: jnp.where(due, c, o), counts, last)
     else:
       deltas, new_key, _ = leafwise.step(
-        "writeback", lookup, updates, params, ks, silent, on_kernel
+        "writeback",
+        lookup,
+        updates,
+        params,
+        ks,
+        silent,
+        on_kernel,
+        layers=True,
       )
       last = _last_counts(state)
       if branch is None:
