@@ -94,13 +94,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # to float32 rounding. On in the full-scale presets; off at CPU scale,
   # whose documented numbers were made with the unrolled loop.
   c.model.scan_layers = False
-  # The blocks' leaves stored stacked, one array per kind of leaf
-  # (lowprec.engine.stacked): the optimizer's step compiles one program
-  # per kind of leaf, not per leaf, so compile time stays flat in depth.
-  # The same bits, telemetry, parameter paths and checkpoints as stored
-  # apart; float32 and plain write-back arms (study.validate names what
-  # else refuses it).
-  c.model.stack_layers = False
+  # How the blocks' leaves are stored: "apart" (a leaf per layer),
+  # "stacked" (one array per kind of leaf, lowprec.engine.stacked: the
+  # optimizer's step compiles one program per kind of leaf, so compile
+  # time stays flat in depth) or "auto" (stacked where every transform of
+  # the arm takes it; the run header says which). The same bits,
+  # telemetry, parameter paths and checkpoints either way. "auto" in the
+  # full-scale presets.
+  c.model.layer_storage = "apart"
   # Compute precision, a stated choice (config.json records it, the run
   # header prints it): the dtype the model computes in (its parameters are
   # cast for the forward; the stored weights, the optimizer and the loss

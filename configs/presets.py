@@ -24,11 +24,13 @@ PRESETS = {
 
 def use(c, name: str) -> None:
   """Sets `c.model`'s shape (layers, heads, width, vocabulary, length),
-  with its blocks compiled once (`model.scan_layers`) and attention fused
-  where the arm allows it (`model.fused_attention`)."""
+  with its blocks compiled once (`model.scan_layers`), stored stacked and
+  attention fused where the arm allows them (`model.layer_storage`,
+  `model.fused_attention`)."""
   c.model.update(PRESETS[name])
   c.model.scan_layers = True
   c.model.fused_attention = True
+  c.model.layer_storage = "auto"
 
 
 def gpt_390m_probe_run(c, probe_every_steps: int) -> None:

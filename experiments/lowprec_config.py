@@ -375,10 +375,17 @@ def state_targets(lp) -> dict[str, list]:
   return out
 
 
+# model.layer_storage: how a GPT's blocks' leaves are stored. "apart",
+# one leaf per layer; "stacked", one array per kind of leaf with the layers
+# on its first axis (lowprec.engine.stacked), so the optimizer compiles
+# one program per kind of leaf at any depth; "auto", stacked where every
+# transform of the arm takes it. The bits are the same either way.
+LAYER_STORAGES = ("apart", "stacked", "auto")
+
 # lowprec keys whose transforms keep one value per leaf, and so do not
-# take a leaf of stacked layers (model.stack_layers): set, they refuse it.
+# take a leaf of stacked layers: set, they keep the layers apart.
 _STACKED_REFUSED = (
-  "trace_targets",
+  "trace_at_init",
   "trace_remedies",
   "state",
   "state_targets",
@@ -388,26 +395,39 @@ _STACKED_REFUSED = (
 )
 
 
-def check_stack_layers(c) -> None:
-  """Raises where `model.stack_layers` is set and a transform of the arm
-  does not take a leaf of stacked layers, naming the fix."""
-  if not c.model.get("stack_layers", False):
-    return
+def _unstackable(c) -> str | None:
+  """What in the config does not take stacked layers; None if nothing."""
   lp = c.lowprec
-  why = None
   if c.model.kind != "gpt":
-    why = f"model.kind={c.model.kind!r} (it stacks a GPT's blocks)"
-  elif set_keys := [k for k in _STACKED_REFUSED if lp.get(k)]:
-    why = f"lowprec.{set_keys[0]} (its state keeps one value per leaf)"
-  elif compensation(lp) != "none":
-    why = f"lowprec.compensation={compensation(lp)!r}"
-  elif lp.writeback and needs_params(lp):
-    why = "per-tensor scales (lowprec.int_scale=0), one per layer"
-  elif lp.get("writeback_kernel", "xla") != "xla":
+    return f"model.kind={c.model.kind!r} (it stacks a GPT's blocks)"
+  if set_keys := [k for k in _STACKED_REFUSED if lp.get(k)]:
+    return f"lowprec.{set_keys[0]} (its state keeps one value per leaf)"
+  if compensation(lp) != "none":
+    return f"lowprec.compensation={compensation(lp)!r}"
+  if lp.writeback and needs_params(lp):
+    return "per-tensor scales (lowprec.int_scale=0), one per layer"
+  if lp.get("writeback_kernel", "xla") != "xla":
     # A stacked leaf is stepped by XLA's ops, never by the kernel.
-    why = f"lowprec.writeback_kernel={lp.writeback_kernel!r}"
-  if why is not None:
+    return f"lowprec.writeback_kernel={lp.writeback_kernel!r}"
+  return None
+
+
+def stacked_layers(c) -> bool:
+  """Whether the run stores its blocks' leaves stacked
+  (`model.layer_storage`).
+
+  Raises:
+    ValueError: `model.layer_storage="stacked"` where a transform of the
+      arm does not take stacked layers, naming it and the fix.
+  """
+  storage = c.model.get("layer_storage", "apart")
+  if storage == "apart":
+    return False
+  why = _unstackable(c)
+  if why is not None and storage == "stacked":
     raise ValueError(
-      f"model.stack_layers stores the blocks' leaves stacked, which {why} "
-      "does not take: set model.stack_layers=False for this arm"
+      f"model.layer_storage='stacked' stores the blocks' leaves stacked, "
+      f"which {why} does not take: set model.layer_storage='apart' (or "
+      "'auto', which keeps them apart where they must be)"
     )
+  return why is None

@@ -113,7 +113,7 @@ def global_norm(tree) -> jax.Array:
   parts = [leafwise.grouped(square_sum, lone, stacked=True)] if lone else []
   if len(lone) == len(flat):
     return jnp.sqrt(_pairwise_sum(parts[0]))
-  # A leaf of stacked layers (model.stack_layers) gives each layer's sum,
+  # A leaf of stacked layers (model.layer_storage) gives each layer's sum,
   # and the sums are added in the order of the layers stored apart: the
   # same norm, bit for bit.
   order = [n for n in names if stacked.layer_names(n) is None]

@@ -72,6 +72,7 @@ def choices() -> dict:
     "lowprec.int_scale_scope": lowprec_config.INT_SCOPES,
     "lowprec.state_kernel": optim.STATE_KERNELS,
     "lowprec.writeback_kernel": optim.WRITEBACK_KERNELS,
+    "model.layer_storage": lowprec_config.LAYER_STORAGES,
   }
 
 
@@ -194,7 +195,7 @@ def validate(c) -> None:
   _check_float32_predictions(lp)
   _check_compensation(lp)
   _check_eco(c)
-  lowprec_config.check_stack_layers(c)
+  lowprec_config.stacked_layers(c)  # raises where it cannot be
   if lowprec_config.compensation(lp) == "kahan":
     formats.append(("lowprec.buffer", lp.buffer))
   for field, name in formats:

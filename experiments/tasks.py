@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import optax
 
 from experiments import data as data_lib
-from experiments import models, probes
+from experiments import lowprec_config, models, probes
 from lowprec import nn as lpnn
 from lowprec.engine import stacked
 from lowprec.grids import choices
@@ -30,7 +30,7 @@ class Task:
   # how the model computes: jit `compute.precise(fn)` for its precision
   compute: Compute | None = None
   # runs of layers whose leaves `init` stores stacked and `loss` and
-  # `probe` take so (`model.stack_layers`; `lowprec.engine.stacked`):
+  # `probe` take so (`model.layer_storage`; `lowprec.engine.stacked`):
   # checkpoints and summaries hold them apart
   layers: tuple = ()
 
@@ -127,10 +127,11 @@ def _gpt_cfg(m) -> dict:
 
 def compute_header(config) -> str:
   """The run header's line on how the model computes: dtype, matmul
-  precision and, for a GPT, which attention runs.
+  precision and, for a GPT, which attention runs and how its blocks'
+  leaves are stored.
 
   Example: `compute float32, matmul precision default, attention fused
-  (jax.nn.dot_product_attention)`.
+  (jax.nn.dot_product_attention), layers stored stacked`.
   """
   c = Compute.of(config.model)
   line = f"compute {c.dtype}, matmul precision {c.matmul_precision}"
@@ -141,6 +142,8 @@ def compute_header(config) -> str:
       if kind == "fused"
       else "per-use operator (lowprec.ops.Attention)"
     )
+    stored = "stacked" if lowprec_config.stacked_layers(config) else "apart"
+    line += f", layers stored {stored}"
   if config.lowprec.get("native_fp8", False):
     line += ", float8 products as float8 dots"
   return line
@@ -183,7 +186,7 @@ def gpt_task(config) -> Task:
   if config.train.probe_every_steps:
     probe = _gpt_probe(config.train, model, data.eval_batches()[0], compute)
   loss = _lm_loss(model, compute)
-  if not m.get("stack_layers", False):
+  if not lowprec_config.stacked_layers(config):
     return Task(init, loss, data, model, probe, compute)
   # The blocks' leaves stored stacked: the optimizer's per-leaf programs
   # are one per kind of leaf at any depth. The model takes them apart

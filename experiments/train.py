@@ -230,7 +230,6 @@ class Run:
 
 def build_run(config) -> Run:
   """Builds the task, mesh, optimizer, initial state and jitted step."""
-  lowprec_config.check_stack_layers(config)
   task = tasks.build(config)
   mesh = make_mesh(config)
   parts = config.train.virtual_shards
@@ -239,7 +238,7 @@ def build_run(config) -> Run:
   fsdp = config.train.fsdp
   source = None  # parameters to start from, when not the model's init
   if config.train.init_from_arm:
-    # Checkpoints hold the layers apart (model.stack_layers or not).
+    # Checkpoints hold the layers apart, however the run stores them.
     like = jax.eval_shape(lambda k: stacked.unstack(task.init(k)), init_key)
     source = checkpoint.restore_params(
       source_checkpoints(config),
@@ -409,7 +408,7 @@ class _Loop:
   def apart(self, state):
     """`state` with its layers stored apart, as checkpoints and summaries
     hold them whether or not the run stores them stacked
-    (`model.stack_layers`)."""
+    (`model.layer_storage`)."""
     return stacked.unstack(state) if self.run.task.layers else state
 
   def together(self, state):

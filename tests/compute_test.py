@@ -102,16 +102,22 @@ def test_attention_is_fused_only_where_nothing_is_rounded(numerics, kind):
   assert fewer == (2 if kind == "fused" else 0)
 
 
-def test_the_runner_header_says_which_attention_and_precision():
+def test_the_runner_header_says_which_attention_precision_and_storage():
   c = _config(fused_attention=True, matmul_precision="highest")
   assert tasks.compute_header(c) == (
     "compute float32, matmul precision highest, attention fused "
-    "(jax.nn.dot_product_attention)"
+    "(jax.nn.dot_product_attention), layers stored apart"
   )
   c.lowprec.fwd_format = "float8_e4m3fn"
+  c.model.layer_storage = "auto"
   assert tasks.compute_header(c).endswith(
-    "attention per-use operator (lowprec.ops.Attention)"
+    "attention per-use operator (lowprec.ops.Attention), layers stored stacked"
   )
+  # "auto" keeps the layers apart where a transform keeps values per leaf.
+  c.lowprec.trace_targets = ("bfloat16",)
+  assert tasks.compute_header(c).endswith("layers stored stacked")
+  c.lowprec.trace_at_init = True
+  assert tasks.compute_header(c).endswith("layers stored apart")
 
 
 def _dots(config):

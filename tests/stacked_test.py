@@ -1,11 +1,12 @@
-"""Layers stored stacked (`lowprec.engine.stacked`, `model.stack_layers`).
+"""Layers stored stacked (`lowprec.engine.stacked`, `model.layer_storage`).
 
 Oracle: the same layers stored apart, one leaf per layer. A write-back
 over stacked layers gives the apart run's bits (every stochastic draw
 from each layer's own path), its telemetry key for key, and the
 fixed-order norm its bits; through the entry point, a run with
-`model.stack_layers` gives the apart run's parameter digest, losses and
-telemetry, after a kill and resume, and checkpoints the layers apart.
+`model.layer_storage="stacked"` gives the apart run's parameter digest,
+losses and telemetry, after a kill and resume, and checkpoints the
+layers apart.
 """
 
 import json
@@ -140,6 +141,43 @@ def test_writeback_on_stacked_layers_gives_the_apart_bits(
     _same_report(lowprec.telemetry(s_together), report)
 
 
+def test_reference_trace_of_stacked_layers_reports_each_layer_as_apart():
+  targets = [
+    "float8_e4m3fn",
+    lowprec.freeze.Target("float8_e5m2", "stochastic"),
+    "mxfp8_e4m3",
+  ]
+  tx = optax.chain(
+    optax.adam(1e-2),
+    lowprec.freeze.reference_trace(targets, sample=40, key=jax.random.key(3)),
+  )
+  apart = _params()
+  together = stacked.stack(apart, GROUPS)
+  s_apart, s_together = tx.init(apart), tx.init(together)
+  update = jax.jit(tx.update)
+  for step in range(2):
+    grads = jax.tree.map(lambda w, s=step: 0.01 * jnp.sin(5.0 * w + s), apart)
+    u, s_apart = update(grads, s_apart, apart)
+    apart = optax.apply_updates(apart, u)
+    u, s_together = update(stacked.stack(grads, GROUPS), s_together, together)
+    together = optax.apply_updates(together, u)
+  report = lowprec.telemetry(s_apart)
+  assert "pred/float8_e4m3fn/erased_fraction/h_2/attn/kernel" in report
+  assert report["pred/float8_e4m3fn/erased"] > 0
+  # Counts exact, the move probabilities' float32 sums and the sample's
+  # values (the same coordinates, from every layer) bit for bit.
+  _same_report(lowprec.telemetry(s_together), report)
+  positions = s_apart[-1].sample_positions()
+  assert {n.split("/")[0] for n, _ in positions} >= {"h_0", "h_1", "h_2"}
+  assert s_together[-1].sample_positions() == positions
+
+
+def test_reference_trace_at_init_refuses_stacked_layers():
+  tx = lowprec.freeze.reference_trace("bfloat16", at_init=True)
+  with pytest.raises(ValueError, match="store the layers apart"):
+    tx.init(stacked.stack(_params(), GROUPS))
+
+
 def test_layers_with_different_formats_are_refused_by_name():
   rules = [(r"h_0/.*", "bfloat16"), *RULES]
   params = stacked.stack(lowprec.to_grid(_params(), rules), GROUPS)
@@ -183,6 +221,9 @@ def _run(tmp, *args, wait=True):
     "--config.model.scan_layers=True",
     "--config.train.steps=16",
     "--config.ckpt.every_steps=4",
+    # The write-back with a trace of its own sampled trajectory.
+    "--config.lowprec.trace_targets=('bfloat16',)",
+    "--config.lowprec.trace_sample=16",
     f"--config.log.results_dir={tmp}",
     *args,
   ]
@@ -214,7 +255,7 @@ def test_entry_point_stacked_run_killed_and_resumed_gives_the_apart_bits(
   tmp_path,
 ):
   _run(tmp_path / "apart")
-  stack = "--config.model.stack_layers=True"
+  stack = "--config.model.layer_storage=stacked"
   proc = _run(tmp_path / "stacked", stack, wait=False)
   run_dir = tmp_path / "stacked" / "smoke" / "sr_bf16" / "seed0"
   deadline = time.time() + 300
@@ -234,6 +275,8 @@ def test_entry_point_stacked_run_killed_and_resumed_gives_the_apart_bits(
   ra, rb = _records(tmp_path / "apart"), _records(tmp_path / "stacked")
   assert len(ra) == len(rb) == 17
   assert any("moved/h_2/attn/qkv/kernel" in r for r in ra)
+  assert any("pred/bfloat16/erased_fraction/h_1/mlp/fc/kernel" in r for r in ra)
+  assert any(len(r.get("pred/sample/w", ())) == 16 for r in ra)
   for x, y in zip(ra, rb, strict=True):
     _same_report(x, y)
   # The checkpoints hold the layers apart, as an apart run's do.
@@ -244,7 +287,7 @@ def test_entry_point_stacked_run_killed_and_resumed_gives_the_apart_bits(
   assert "h_2" in meta and "h_0:3" not in meta
 
 
-def test_entry_point_refuses_stacked_layers_for_a_trace_naming_the_fix(
+def test_entry_point_refuses_stacked_layers_for_at_init_naming_the_fix(
   tmp_path,
 ):
   out = subprocess.run(
@@ -253,7 +296,8 @@ def test_entry_point_refuses_stacked_layers_for_a_trace_naming_the_fix(
       "-m",
       "experiments.run",
       "--config=configs/smoke.py:arm=fp32_reference",
-      "--config.model.stack_layers=True",
+      "--config.model.layer_storage=stacked",
+      "--config.lowprec.trace_at_init=True",
       f"--config.log.results_dir={tmp_path}",
     ],
     cwd=ROOT,
@@ -263,6 +307,6 @@ def test_entry_point_refuses_stacked_layers_for_a_trace_naming_the_fix(
     env=dict(os.environ, JAX_PLATFORMS="cpu"),
   )
   assert out.returncode != 0
-  assert "set model.stack_layers=False" in out.stderr + out.stdout
+  assert "set model.layer_storage='apart'" in out.stderr + out.stdout
   assert "Traceback" not in out.stderr
   assert not (tmp_path / "smoke").exists()  # nothing written

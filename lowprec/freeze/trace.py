@@ -19,7 +19,7 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
-from lowprec.engine import leafwise, weights
+from lowprec.engine import leafwise, stacked, weights
 from lowprec.freeze import reports
 from lowprec.grids import choices, rounding, scaled
 from lowprec.grids.formats import (
@@ -175,6 +175,11 @@ class TraceLayout:
   formats: tuple[tuple[Format | None, ...], ...]  # [target][leaf]
   sizes: tuple[int, ...]
   theta: float
+  # Where the params store layers stacked (lowprec.engine.stacked): for
+  # each stored float leaf, the leaves (of `leaves`, which names every
+  # layer apart) it holds on its first axis, or None for one leaf. None
+  # when nothing is stacked.
+  stored: tuple[tuple[int, ...] | None, ...] | None = None
 
   @property
   def offsets(self) -> tuple[int, ...]:
@@ -385,6 +390,10 @@ def reference_trace(
   sample = _checked_sample(sample, key, theta)
 
   def make_layout(params) -> TraceLayout:
+    stored = _stored_layers(params)
+    if stored is not None:
+      # Every layer counts, samples and reports as its own leaf.
+      params = jax.eval_shape(stacked.unstack, params)
     flat = reports.float_paths(params)
     return TraceLayout(
       targets=tuple(n for n, _ in parsed),
@@ -395,12 +404,20 @@ def reference_trace(
       ),
       sizes=tuple(int(np.size(x)) for _, x in flat),
       theta=float(theta),
+      stored=stored,
     )
 
   def init_fn(params):
     lay = make_layout(params)
     ws = reports.float_leaves(params)
-    _check_blocks(ws, lay)
+    if lay.stored is not None and at_init:
+      raise ValueError(
+        "reference_trace(at_init=True) keeps a flag per coordinate of each "
+        "leaf, and params holding stacked layers (lowprec.engine.stacked) "
+        "give it a leaf of several: store the layers apart "
+        "(stacked.unstack), or trace without at_init"
+      )
+    _check_blocks(_apart_shapes(ws, lay), lay)
     n_t, n_l = len(lay.targets), len(lay.leaves)
     index = _sample_index(key, sample, sum(lay.sizes))
     empty = None if not sample else jnp.zeros([sample], jnp.float32)
@@ -420,9 +437,8 @@ def reference_trace(
 
   def update_fn(updates, state, params=None):
     lay = state.layout
-    ws, us = reports.step_leaves(
-      "reference_trace", params, updates, len(lay.leaves)
-    )
+    n_stored = len(lay.leaves) if lay.stored is None else len(lay.stored)
+    ws, us = reports.step_leaves("reference_trace", params, updates, n_stored)
     ws = [jnp.asarray(w, jnp.float32) for w in ws]
     us = [jnp.asarray(u, jnp.float32) for u in us]
     # One traced count per kind of leaf (stacked), not per leaf, and the
@@ -431,7 +447,7 @@ def reference_trace(
       ws,
       us,
       lambda fmts, w, u: _leaf_counts(w, u, fmts, lay.roundings),
-      [tuple(f[i] for f in lay.formats) for i in range(len(ws))],
+      lay,
       state,
     )
     run_start = _online_crossing(state, proposals, erased_a, lay)
@@ -482,15 +498,86 @@ def _sample_index(key, sample: int, total: int):
   return jnp.asarray(edges[:-1], jnp.int32) + r
 
 
-def _stacked(ws, us, counts, formats, state):
+def _stored_layers(params):
+  """`TraceLayout.stored` of `params`: for each float leaf, the indices
+  among the leaves stored apart of the layers it stacks (None for a leaf
+  of one layer); None when no leaf stacks layers."""
+  names = [reports.leaf_name(p) for p, _ in reports.float_paths(params)]
+  if not any(stacked.layer_names(n) for n in names):
+    return None
+  apart = jax.eval_shape(stacked.unstack, params)
+  index = {
+    reports.leaf_name(p): i
+    for i, (p, _) in enumerate(reports.float_paths(apart))
+  }
+  return tuple(
+    None
+    if (layers := stacked.layer_names(n)) is None
+    else tuple(index[x] for x in layers)
+    for n in names
+  )
+
+
+def _apart_shapes(ws, lay: TraceLayout) -> list:
+  """The leaves stored apart, from the stored `ws` (a layer of a stacked
+  leaf as its shape alone)."""
+  if lay.stored is None:
+    return ws
+  out = [None] * len(lay.leaves)
+  lone = _lone_indices(lay)
+  for s, (w, held) in enumerate(zip(ws, lay.stored, strict=True)):
+    if held is None:
+      out[lone[s]] = w
+      continue
+    for i in held:
+      out[i] = jax.ShapeDtypeStruct(jnp.shape(w)[1:], jnp.float32)
+  return out
+
+
+def _stacked(ws, us, counts, lay: TraceLayout, state):
   """Proposals `[leaves]`, erased and move probabilities `[targets,
-  leaves]` from `counts` of each leaf (the state's own without leaves)."""
+  leaves]` from `counts` of each leaf (the state's own without leaves);
+  a leaf of stacked layers counts each layer, under `vmap`."""
   if not ws:
     return state.proposals, state.erased, state.move_prob
-  p, e, m = leafwise.grouped(
-    counts, list(zip(ws, us, strict=True)), formats, stacked=True
-  )
+  formats = lambda i: tuple(f[i] for f in lay.formats)  # noqa: E731
+  if lay.stored is None:
+    p, e, m = leafwise.grouped(
+      counts,
+      list(zip(ws, us, strict=True)),
+      [formats(i) for i in range(len(ws))],
+      stacked=True,
+    )
+    return p, e.T, m.T
+  lone = [i for i, held in enumerate(lay.stored) if held is None]
+  apart = _lone_indices(lay)
+  parts, order = [], []
+  if lone:
+    rows = [(ws[i], us[i]) for i in lone]
+    fmts = [formats(apart[i]) for i in lone]
+    parts.append(leafwise.grouped(counts, rows, fmts, stacked=True))
+    order += [apart[i] for i in lone]
+  for w, u, held in zip(ws, us, lay.stored, strict=True):
+    if held is None:
+      continue
+    if any(formats(i) != formats(held[0]) for i in held):
+      raise ValueError(
+        f"reference_trace: the layers of {lay.leaves[held[0]]!r}, stored "
+        "stacked, have different target formats; store them apart"
+      )
+    f = formats(held[0])
+    parts.append(jax.vmap(lambda w, u, f=f: counts(f, w, u))(w, u))
+    order += list(held)
+  where = np.argsort(np.asarray(order))  # leaf i is entry where[i]
+  p, e, m = jax.tree.map(lambda *a: jnp.concatenate(a)[where], *parts)
   return p, e.T, m.T
+
+
+def _lone_indices(lay: TraceLayout) -> dict[int, int]:
+  """`{stored leaf: its index apart}` for the stored leaves of one layer."""
+  taken = {i for held in lay.stored if held is not None for i in held}
+  free = iter(i for i in range(len(lay.leaves)) if i not in taken)
+  return {s: next(free) for s, held in enumerate(lay.stored) if held is None}
 
 
 def _check_blocks(ws, lay: TraceLayout) -> None:
@@ -657,22 +744,38 @@ def _gather(ws, us, index, lay: TraceLayout):
     return None, None
   w_out = jnp.zeros(index.shape, jnp.float32)
   u_out = jnp.zeros(index.shape, jnp.float32)
-  rows = list(zip(ws, us, strict=True))
-  for group in leafwise.same_shapes(rows):
-    size = lay.sizes[group[0]]
-    offsets = jnp.asarray([lay.offsets[i] for i in group], jnp.int32)
+  for held, w, u in _gather_groups(ws, us, lay):
+    size = lay.sizes[held[0]]
+    offsets = jnp.asarray([lay.offsets[i] for i in held], jnp.int32)
     inside = (index >= offsets[:, None]) & (index < offsets[:, None] + size)
     member = jnp.argmax(inside, axis=0).astype(jnp.int32)
     at = jnp.clip(index - offsets[member], 0, max(size - 1, 0))
-    if len(group) == 1:
-      w, u = rows[group[0]]
-    else:
-      w, u = leafwise.stack(rows, group)
+    if len(held) > 1:  # w holds the group's leaves on its first axis
       at = member * size + at
     inside = jnp.any(inside, axis=0)
     w_out = jnp.where(inside, _take(w, at), w_out)
     u_out = jnp.where(inside, _take(u, at), u_out)
   return w_out, u_out
+
+
+def _gather_groups(ws, us, lay: TraceLayout) -> list:
+  """`(leaves held, w, u)` per gather: the stored leaves of one layer
+  stacked by shape, and each leaf of stacked layers as it is stored."""
+  if lay.stored is None:
+    apart = {s: s for s in range(len(ws))}
+  else:
+    apart = _lone_indices(lay)
+  lone = list(apart)
+  rows = [(ws[s], us[s]) for s in lone]
+  out = []
+  for group in leafwise.same_shapes(rows):
+    held = [apart[lone[g]] for g in group]
+    w, u = rows[group[0]] if len(group) == 1 else leafwise.stack(rows, group)
+    out.append((held, w, u))
+  for s, held in enumerate(lay.stored or ()):
+    if held is not None:
+      out.append((list(held), ws[s], us[s]))
+  return out
 
 
 def _take(x, flat_index):
