@@ -19,6 +19,7 @@ Random bits for rounding are keyed by (seed, step, microbatch), data by
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 import os
@@ -408,15 +409,17 @@ class _Loop:
   def apart(self, state):
     """`state` with its layers stored apart, as checkpoints and summaries
     hold them whether or not the run stores them stacked
-    (`model.layer_storage`)."""
-    return stacked.unstack(state) if self.run.task.layers else state
+    (`model.layer_storage`). One jitted program, which every process
+    runs on the global arrays."""
+    return jax.jit(stacked.unstack)(state) if self.run.task.layers else state
 
   def together(self, state):
     """`apart`'s inverse, on the shardings of the run's state."""
     if not self.run.task.layers:
       return state
     shardings = jax.tree.map(lambda x: x.sharding, self.state)
-    return jax.device_put(stacked.stack(state, self.run.task.layers), shardings)
+    stack = functools.partial(stacked.stack, groups=self.run.task.layers)
+    return jax.jit(stack, out_shardings=shardings)(state)
 
   # ---- measurements -------------------------------------------------------
 

@@ -281,3 +281,24 @@ def test_fsdp_on_two_processes_gives_the_bits_of_one_device(tmp_path):
   )
   run = os.path.join("smoke", "fp32_reference", "seed0")
   assert _record(one, run) == _record(two, run)
+
+
+@pytest.mark.slow
+def test_stacked_layers_sharded_on_two_processes_give_the_bits_of_one(
+  tmp_path,
+):
+  # The layers stored stacked, sharded over two processes: stepped,
+  # checkpointed apart and summarized by every process together.
+  stack = (
+    "--config.model.n_layer=2",
+    "--config.model.scan_layers=True",
+    "--config.model.layer_storage=stacked",
+  )
+  one, two = tmp_path / "one", tmp_path / "two"
+  _ok(
+    _finish(
+      _launch(one, 1, 1, *stack)
+      + _launch(two, 2, 4, "--config.train.fsdp=8", *stack)
+    )
+  )
+  assert _record(one) == _record(two)
