@@ -195,6 +195,15 @@ def test_a_transform_keeping_one_value_per_leaf_refuses_stacked_layers():
     tx.update(grads, state, params)
 
 
+def test_stored_moments_refuse_stacked_layers():
+  params = stacked.stack(_params(), GROUPS)
+  tx = lowprec.store_state(
+    optax.adam(1e-3), ["mu=bfloat16:stochastic"], key=jax.random.key(0)
+  )
+  with pytest.raises(ValueError, match="holds stacked layers.*apart"):
+    tx.init(params)
+
+
 def test_fixed_order_norm_of_stacked_layers_is_the_apart_norm():
   params = _params(seed=4)
   apart = jax.jit(optim.global_norm)(params)
@@ -310,3 +319,31 @@ def test_entry_point_refuses_stacked_layers_for_at_init_naming_the_fix(
   assert "set model.layer_storage='apart'" in out.stderr + out.stdout
   assert "Traceback" not in out.stderr
   assert not (tmp_path / "smoke").exists()  # nothing written
+
+
+def _step_fusions(n_layer: int, storage: str) -> int:
+  from configs import smoke
+  from experiments import costs, study, train
+
+  c = smoke.get_config()
+  c.model.update(dict(n_layer=n_layer, scan_layers=True))
+  c.model.layer_storage = storage
+  c.study.arms["sr_bf16"].lowprec.update(
+    dict(trace_targets=("bfloat16",), trace_sample=16)
+  )
+  run = train.build_run(study.resolve(c, "sr_bf16", 0))
+  batch = run.train_batch(0)
+  hlo = run.step_fn.lower(run.state, batch).compile().as_text()
+  return costs.fusions(hlo)[0]
+
+
+@pytest.mark.slow
+def test_the_stacked_step_holds_as_many_fusions_at_any_depth():
+  # The write-back with its telemetry and trace, the norms, AdamW and the
+  # microbatch sums: one program per kind of leaf, stacked; one per leaf
+  # apart (which this test sees grow, so that it can fail).
+  two, six = _step_fusions(2, "stacked"), _step_fusions(6, "stacked")
+  # Only the fixed-order norms' halving trees over the layers' sums grow,
+  # a fusion per halving: logarithmically (500 and 503 fusions here).
+  assert two <= six <= two + 8, (two, six)
+  assert _step_fusions(6, "apart") > six + 100

@@ -103,6 +103,19 @@ def layer_paths(path) -> list[tuple] | None:
   ]
 
 
+def refuse(caller: str, names) -> None:
+  """Raises, naming the fix, where one of `names` holds stacked layers:
+  for a transform that keeps one value per leaf (its keys, scales or
+  counts), which would treat the layers as one."""
+  for n in names:
+    if layer_names(n) is not None:
+      raise ValueError(
+        f"{caller}: {n!r} holds stacked layers, which {caller} keeps as one "
+        "leaf (one key, scale and count for all); store the layers apart "
+        "(lowprec.engine.stacked.unstack)"
+      )
+
+
 def count_shape(name: str) -> tuple[int, ...]:
   """The shape of one count of the leaf `name`: `(layers,)` stacked,
   `()` otherwise."""

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from lowprec.engine import counting, record
+from lowprec.engine import counting, record, stacked
 from lowprec.engine import rules as rules_lib
 from lowprec.engine.codec import (
   SCALE_DTYPES,
@@ -545,6 +545,7 @@ def store_state(
   def codecs(state, check, shapes):
     plan = rules_lib.plan(parsed, state, check=check)
     if check:
+      stacked.refuse("store_state", plan)
       check_moments(plan)
       _check_by_inner(state, plan)
     by_name = {n: sf.codec(storage, overflow) for n, sf in plan.items()}
