@@ -198,7 +198,7 @@ def test_a_transform_keeping_one_value_per_leaf_refuses_stacked_layers():
 def test_stored_moments_refuse_stacked_layers():
   params = stacked.stack(_params(), GROUPS)
   tx = lowprec.store_state(
-    optax.adam(1e-3), ["mu=bfloat16:stochastic"], key=jax.random.key(0)
+    optax.adam(1e-3), {"mu": "bfloat16:stochastic"}, key=jax.random.key(0)
   )
   with pytest.raises(ValueError, match="holds stacked layers.*apart"):
     tx.init(params)
