@@ -189,18 +189,26 @@ def gpt_task(config) -> Task:
   if not lowprec_config.stacked_layers(config):
     return Task(init, loss, data, model, probe, compute)
   # The blocks' leaves stored stacked: the optimizer's per-leaf programs
-  # are one per kind of leaf at any depth. The model takes them apart
-  # (slices that XLA folds into lowprec.nn.rolled's stack).
+  # are one per kind of leaf at any depth.
   layers = tuple(models.layer_groups(cfg))
   return Task(
     lambda key: stacked.stack(init(key), layers),
-    lambda params, *a: loss(stacked.unstack(params), *a),
+    lambda params, *a: loss(_as_model_reads(params, layers, cfg), *a),
     data,
     model,
     None if probe is None else _unstacked_probe(probe),
     compute,
     layers,
   )
+
+
+def _as_model_reads(params, layers, cfg):
+  """Stacked params as the GPT reads them: a run of blocks that
+  `lowprec.nn.rolled` scans, as it is stored; the others (unrolled
+  blocks, a run of one, which the loop steps) apart."""
+  if cfg.get("scan_layers", True) and all(b - a > 1 for _, a, b in layers):
+    return params
+  return stacked.unstack(params)
 
 
 def _unstacked_probe(probe):

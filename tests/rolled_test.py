@@ -16,6 +16,7 @@ from configs import common
 from experiments import models, tasks
 from lowprec import nn as lpnn
 from lowprec import ops
+from lowprec.engine import stacked
 
 
 def _cfg(**kw):
@@ -99,6 +100,31 @@ def test_each_rolled_layer_draws_its_own_keys():
   assert abs(losses[True, 7] / losses[True, 8] - 1) > 1e-4
   for key in (7, 8):
     np.testing.assert_allclose(losses[True, key], losses[False, key], rtol=1e-5)
+
+
+def test_rolled_blocks_read_stacked_params_as_they_are():
+  """Params storing the blocks stacked (`h_0:3`, lowprec.engine.stacked)
+  give the per-layer params' loss and gradients bit for bit (the same
+  scan over the same values), the gradient stacked as they are."""
+  cfg = _cfg(scan_layers=True)
+  numerics = lpnn.Numerics(saved="bfloat16:stochastic")
+  params, value, grads = _run(cfg, numerics)
+  model = models.GPT(cfg, numerics)
+  together = stacked.stack(params, [("h", 0, 3)])
+
+  def loss(p):
+    y = model.apply({"params": p}, TOKENS, rngs={"lowprec": jax.random.key(7)})
+    return jnp.sum(y**2)
+
+  value_s, grads_s = jax.jit(jax.value_and_grad(loss))(together)
+  np.testing.assert_array_equal(value_s, value)
+  assert "h_0:3" in grads_s and "h_0" not in grads_s
+  for a, b in zip(
+    jax.tree.leaves(stacked.unstack(grads_s)),
+    jax.tree.leaves(grads),
+    strict=True,
+  ):
+    np.testing.assert_array_equal(a, b)
 
 
 def _program_size(n_layer, scan):

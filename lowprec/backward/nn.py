@@ -45,6 +45,7 @@ from lowprec.backward import ops
 from lowprec.backward.ops.norm_dense import normalise
 from lowprec.backward.ops.rounding import Rounding
 from lowprec.backward.policy import Policy
+from lowprec.engine import stacked as stacked_lib
 
 Initializer = Callable[..., jax.Array]
 
@@ -238,9 +239,11 @@ def rolled(
   checkpoints see the same tree), but traced and compiled as one
   `jax.lax.scan` body: compile time stays flat as depth grows. Inside
   `apply`, the blocks' parameters are stacked along a new leading axis
-  (one copy, read once per step) and each layer's random keys are
-  computed outside the scan from its path, as the unrolled layer draws
-  them. `init` runs the loop, so initial values are the loop's too.
+  (one copy, read once per step), or read as they are where the params
+  store them stacked (`params["h_0:12"]`, `lowprec.engine.stacked`), and
+  each layer's random keys are computed outside the scan from its path,
+  as the unrolled layer draws them. `init` runs the loop, so initial
+  values are the loop's too.
 
   Args:
     parent: the calling module (`self` inside `@nn.compact`).
@@ -256,15 +259,21 @@ def rolled(
   Returns:
     The output of the last block.
   """
-  if parent.is_initializing() or len(names) < 2:
+  # Parameters stored stacked (`lowprec.engine.stacked`: `h_0:12` holding
+  # `h_0` to `h_11`) are read as they are, with no stack built per step.
+  params = {} if parent.is_initializing() else parent.variables["params"]
+  key = stacked_lib.key_of(names)
+  held = params.get(key) if key is not None else None
+  if held is None and (parent.is_initializing() or len(names) < 2):
     cls = nn.remat(make) if remat else make
     for name in names:
       x = cls(name=name)(x)
     return x
-  params = parent.variables["params"]
-  stacked = jax.tree.map(
-    lambda *a: jnp.stack(a), *[params[name] for name in names]
-  )
+  if held is None:
+    held = jax.tree.map(
+      lambda *a: jnp.stack(a), *[params[name] for name in names]
+    )
+  first = jax.tree.map(lambda a: a[0], held)
   block = make(parent=None)
   keys = None
   if parent.has_rng(rng):
@@ -272,7 +281,7 @@ def rolled(
     dummy = base.as_jax_rng()
     table = jax.eval_shape(
       lambda: block.apply(
-        {"params": params[names[0]]}, x, rngs={rng: dummy}, mutable=[KEYS]
+        {"params": first}, x, rngs={rng: dummy}, mutable=[KEYS]
       )[1]
     ).get(KEYS, {})
     keys = _layer_keys(base, table, names)
@@ -285,7 +294,7 @@ def rolled(
 
   if remat:
     body = jax.checkpoint(body, prevent_cse=False)
-  return jax.lax.scan(body, x, (stacked, keys))[0]
+  return jax.lax.scan(body, x, (held, keys))[0]
 
 
 def _layer_keys(base, table: dict, names: Sequence[str]):

@@ -47,6 +47,19 @@ def stacked_key(prefix: str, start: int, stop: int) -> str:
   return f"{prefix}_{start}:{stop}"
 
 
+def key_of(names: Sequence[str]) -> str | None:
+  """The stacked key of consecutive layers `names` (`["h_0", "h_1"]` ->
+  `"h_0:2"`); None where they are not `prefix_i` for consecutive i."""
+  found = [_LAYER.match(n) for n in names]
+  if not names or any(m is None for m in found):
+    return None
+  prefix, start = found[0].group(1), int(found[0].group(2))
+  expect = [f"{prefix}_{start + j}" for j in range(len(names))]
+  if list(names) != expect:
+    return None
+  return stacked_key(prefix, start, start + len(names))
+
+
 def _parse(component: str) -> Group | None:
   m = _STACKED.match(component)
   if m is None:

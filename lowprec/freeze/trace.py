@@ -549,14 +549,13 @@ def _stacked(ws, us, counts, lay: TraceLayout, state):
       stacked=True,
     )
     return p, e.T, m.T
-  lone = [i for i, held in enumerate(lay.stored) if held is None]
-  apart = _lone_indices(lay)
+  lone = _lone_indices(lay)  # {stored leaf of one layer: index apart}
   parts, order = [], []
   if lone:
-    rows = [(ws[i], us[i]) for i in lone]
-    fmts = [formats(apart[i]) for i in lone]
+    rows = [(ws[s], us[s]) for s in lone]
+    fmts = [formats(i) for i in lone.values()]
     parts.append(leafwise.grouped(counts, rows, fmts, stacked=True))
-    order += [apart[i] for i in lone]
+    order += list(lone.values())
   for w, u, held in zip(ws, us, lay.stored, strict=True):
     if held is None:
       continue
