@@ -6,7 +6,7 @@ its lean probe of the QKV kernels with rematerialised blocks: two draws of
 two rows, one row at a time) on synthetic token files, one process and one
 device: the loss is finite, the probe gives finite numbers, and the process
 stays within the memory of a 24 GB machine (390M: 16.8 GB measured).
-75 s and 6.5 minutes on 2 CPU cores (AMD EPYC, blocks stored stacked);
+75-88 s and 6-6.5 minutes on 2 CPU cores (AMD EPYC, blocks stored stacked);
 run with `-m slow`, one at a time.
 """
 
