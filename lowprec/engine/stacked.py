@@ -154,14 +154,18 @@ def expand(per_name: dict) -> dict:
   return dict(sorted(out.items()))
 
 
-def _one_level(node):
-  """`(children, rebuild)` of a pytree node; None for a leaf."""
+def _map_dicts(tree, on_dict):
+  """`tree` with every dict replaced by `on_dict(dict)`, innermost first
+  (its values already mapped); other pytree nodes rebuilt as they are."""
+  if isinstance(tree, dict):
+    return on_dict({k: _map_dicts(v, on_dict) for k, v in tree.items()})
   children, treedef = jax.tree_util.tree_flatten(
-    node, is_leaf=lambda x: x is not node
+    tree, is_leaf=lambda x: x is not tree
   )
   if treedef.num_nodes == 1 and treedef.num_leaves == 1:
-    return None  # a leaf (or a node that flattens to itself)
-  return children, lambda kids: jax.tree_util.tree_unflatten(treedef, kids)
+    return tree  # a leaf (or a node that flattens to itself)
+  kids = [_map_dicts(c, on_dict) for c in children]
+  return jax.tree_util.tree_unflatten(treedef, kids)
 
 
 def unstack(tree):
@@ -170,25 +174,18 @@ def unstack(tree):
   becomes one key per layer (`h_0`, ..., or `h_0/attn/w`, ...), each
   holding its layer's slice of every array below it."""
 
-  def walk(node):
-    if isinstance(node, dict):
-      out = {}
-      for k, v in node.items():
-        v = walk(v)
-        names = layer_names(k) if isinstance(k, str) else None
-        if names is None:
-          out[k] = v
-          continue
-        for j, layer in enumerate(names):
-          out[layer] = jax.tree.map(lambda x, j=j: x[j], v)
-      return out
-    found = _one_level(node)
-    if found is None:
-      return node
-    children, rebuild = found
-    return rebuild([walk(c) for c in children])
+  def apart(node: dict) -> dict:
+    out = {}
+    for k, v in node.items():
+      names = layer_names(k) if isinstance(k, str) else None
+      if names is None:
+        out[k] = v
+        continue
+      for j, layer in enumerate(names):
+        out[layer] = jax.tree.map(lambda x, j=j: x[j], v)
+    return out
 
-  return walk(tree)
+  return _map_dicts(tree, apart)
 
 
 def _layer_of(key: str, groups: Sequence[Group]) -> tuple[str, int] | None:
@@ -217,35 +214,28 @@ def stack(tree, groups: Sequence[Group]):
       layers whose trees differ.
   """
 
-  def walk(node):
-    if isinstance(node, dict):
-      out, runs = {}, {}
-      for k, v in node.items():
-        v = walk(v)
-        hit = _layer_of(k, groups) if isinstance(k, str) else None
-        if hit is None:
-          out[k] = v
-        else:
-          runs.setdefault(hit[0], {})[hit[1]] = v
-      for key, run in runs.items():
-        size = len(layer_names(key))
-        if sorted(run) != list(range(size)):
-          raise ValueError(
-            f"cannot stack {key!r}: the tree holds {len(run)} of its "
-            f"{size} layers"
-          )
-        layers = [run[j] for j in range(size)]
-        try:
-          out[key] = jax.tree.map(lambda *a: jnp.stack(a), *layers)
-        except ValueError as e:
-          raise ValueError(
-            f"cannot stack {key!r}: its layers' trees differ ({e})"
-          ) from None
-      return out
-    found = _one_level(node)
-    if found is None:
-      return node
-    children, rebuild = found
-    return rebuild([walk(c) for c in children])
+  def together(node: dict) -> dict:
+    out, runs = {}, {}
+    for k, v in node.items():
+      hit = _layer_of(k, groups) if isinstance(k, str) else None
+      if hit is None:
+        out[k] = v
+      else:
+        runs.setdefault(hit[0], {})[hit[1]] = v
+    for key, run in runs.items():
+      size = len(layer_names(key))
+      if sorted(run) != list(range(size)):
+        raise ValueError(
+          f"cannot stack {key!r}: the tree holds {len(run)} of its "
+          f"{size} layers"
+        )
+      layers = [run[j] for j in range(size)]
+      try:
+        out[key] = jax.tree.map(lambda *a: jnp.stack(a), *layers)
+      except ValueError as e:
+        raise ValueError(
+          f"cannot stack {key!r}: its layers' trees differ ({e})"
+        ) from None
+    return out
 
-  return walk(tree)
+  return _map_dicts(tree, together)
