@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 import lowprec
@@ -101,32 +100,26 @@ def global_norm(tree) -> jax.Array:
   flat = jax.tree_util.tree_flatten_with_path(tree)[0]
   if not flat:
     return jnp.float32(0)
-  square_sum = lambda _, v: _pairwise_sum(jnp.square(v))  # noqa: E731
   names = [path_name(p) for p, _ in flat]
-  lone = [
-    (jnp.ravel(x.astype(jnp.float32)),)
-    for n, (_, x) in zip(names, flat, strict=True)
-    if stacked.layer_names(n) is None
-  ]
+  where = tuple(range(len(flat)))
+  if any(stacked.layer_names(n) for n in names):
+    # A leaf of stacked layers (model.layer_storage) gives each layer's
+    # sum, added in the order of the layers stored apart: the same norm,
+    # bit for bit.
+    apart = jax.eval_shape(stacked.unstack, tree)
+    flat_apart = jax.tree_util.tree_flatten_with_path(apart)[0]
+    where = stacked.apart_index(names, [path_name(p) for p, _ in flat_apart])
+
+  def row(a, x):
+    x = x.astype(jnp.float32)
+    return (x.reshape(len(a), -1) if isinstance(a, tuple) else jnp.ravel(x),)
+
+  rows = [row(a, x) for a, (_, x) in zip(where, flat, strict=True)]
   # Leaves of one shape are squared and summed stacked, and the sums come
   # back as one vector: one program per kind of leaf, none per leaf.
-  parts = [leafwise.grouped(square_sum, lone, stacked=True)] if lone else []
-  if len(lone) == len(flat):
-    return jnp.sqrt(_pairwise_sum(parts[0]))
-  # A leaf of stacked layers (model.layer_storage) gives each layer's sum,
-  # and the sums are added in the order of the layers stored apart: the
-  # same norm, bit for bit.
-  order = [n for n in names if stacked.layer_names(n) is None]
-  for n, (_, x) in zip(names, flat, strict=True):
-    if layers := stacked.layer_names(n):
-      rows = x.astype(jnp.float32).reshape(len(layers), -1)
-      parts.append(jax.vmap(lambda v: square_sum(None, v))(rows))
-      order.extend(layers)
-  apart = jax.eval_shape(stacked.unstack, tree)
-  where = {n: i for i, n in enumerate(order)}
-  flat_apart = jax.tree_util.tree_flatten_with_path(apart)[0]
-  index = [where[path_name(p)] for p, _ in flat_apart]
-  sums = jnp.concatenate(parts)[np.asarray(index)]
+  sums = leafwise.grouped_apart(
+    lambda _, v: _pairwise_sum(jnp.square(v)), rows, None, where
+  )
   return jnp.sqrt(_pairwise_sum(sums))
 
 

@@ -277,6 +277,33 @@ def grouped(fn, rows, statics=None, *, stacked: bool = False):
   return jax.tree.map(lambda *p: jnp.concatenate(p)[where], *parts)
 
 
+def grouped_apart(fn, rows, statics, apart):
+  """`grouped(fn, rows, statics, stacked=True)` where some rows hold
+  stacked layers (`lowprec.engine.stacked`), with the results stacked in
+  the order of the leaves stored apart. `apart[i]` is row i's index
+  among those leaves (`stacked.apart_index`) or, for a row of stacked
+  layers (its arrays with the layers on their first axis), its layers'
+  indices: `fn` then runs on each layer alone, under `vmap`. Rows of one
+  leaf in apart order give `grouped`'s result as it is."""
+  statics = [None] * len(rows) if statics is None else list(statics)
+  lone = [i for i, a in enumerate(apart) if not isinstance(a, tuple)]
+  if [apart[i] for i in lone] == list(range(len(rows))):
+    return grouped(fn, rows, statics, stacked=True)
+  parts, order = [], []
+  if lone:
+    lone_rows = [rows[i] for i in lone]
+    parts.append(
+      grouped(fn, lone_rows, [statics[i] for i in lone], stacked=True)
+    )
+    order += [apart[i] for i in lone]
+  for i, a in enumerate(apart):
+    if isinstance(a, tuple):
+      parts.append(jax.vmap(lambda *r, s=statics[i]: fn(s, *r))(*rows[i]))
+      order += list(a)
+  where = np.argsort(np.asarray(order))  # leaf k is entry where[k]
+  return jax.tree.map(lambda *p: jnp.concatenate(p)[where], *parts)
+
+
 def _check_proposal(name: str, u) -> None:
   dtype = jnp.result_type(u)
   if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4:

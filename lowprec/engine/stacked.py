@@ -129,6 +129,17 @@ def refuse(caller: str, names) -> None:
       )
 
 
+def apart_index(names, apart_names) -> tuple[int | tuple[int, ...], ...]:
+  """For each stored leaf of `names`, where it stands among
+  `apart_names` (the same leaves stored apart, in their order): its
+  index, or for a leaf of stacked layers its layers' indices (a tuple)."""
+  where = {n: i for i, n in enumerate(apart_names)}
+  return tuple(
+    where[n] if (ls := layer_names(n)) is None else tuple(where[x] for x in ls)
+    for n in names
+  )
+
+
 def count_shape(name: str) -> tuple[int, ...]:
   """The shape of one count of the leaf `name`: `(layers,)` stacked,
   `()` otherwise."""

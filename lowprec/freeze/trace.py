@@ -176,10 +176,10 @@ class TraceLayout:
   sizes: tuple[int, ...]
   theta: float
   # Where the params store layers stacked (lowprec.engine.stacked): for
-  # each stored float leaf, the leaves (of `leaves`, which names every
-  # layer apart) it holds on its first axis, or None for one leaf. None
-  # when nothing is stacked.
-  stored: tuple[tuple[int, ...] | None, ...] | None = None
+  # each stored float leaf, its index in `leaves` (which names every layer
+  # apart), or for a leaf of stacked layers its layers' indices
+  # (`stacked.apart_index`). None when nothing is stacked.
+  stored: tuple[int | tuple[int, ...], ...] | None = None
 
   @property
   def offsets(self) -> tuple[int, ...]:
@@ -499,37 +499,28 @@ def _sample_index(key, sample: int, total: int):
 
 
 def _stored_layers(params):
-  """`TraceLayout.stored` of `params`: for each float leaf, the indices
-  among the leaves stored apart of the layers it stacks (None for a leaf
-  of one layer); None when no leaf stacks layers."""
+  """`TraceLayout.stored` of `params` (None when no leaf stacks layers)."""
   names = [reports.leaf_name(p) for p, _ in reports.float_paths(params)]
   if not any(stacked.layer_names(n) for n in names):
     return None
-  apart = jax.eval_shape(stacked.unstack, params)
-  index = {
-    reports.leaf_name(p): i
-    for i, (p, _) in enumerate(reports.float_paths(apart))
-  }
-  return tuple(
-    None
-    if (layers := stacked.layer_names(n)) is None
-    else tuple(index[x] for x in layers)
-    for n in names
-  )
+  apart = reports.float_paths(jax.eval_shape(stacked.unstack, params))
+  return stacked.apart_index(names, [reports.leaf_name(p) for p, _ in apart])
+
+
+def _apart(lay: TraceLayout, n_stored: int) -> tuple:
+  """`lay.stored`, or each stored leaf its own index where none stacks."""
+  return tuple(range(n_stored)) if lay.stored is None else lay.stored
 
 
 def _apart_shapes(ws, lay: TraceLayout) -> list:
   """The leaves stored apart, from the stored `ws` (a layer of a stacked
   leaf as its shape alone)."""
-  if lay.stored is None:
-    return ws
   out = [None] * len(lay.leaves)
-  lone = _lone_indices(lay)
-  for s, (w, held) in enumerate(zip(ws, lay.stored, strict=True)):
-    if held is None:
-      out[lone[s]] = w
+  for w, a in zip(ws, _apart(lay, len(ws)), strict=True):
+    if not isinstance(a, tuple):
+      out[a] = w
       continue
-    for i in held:
+    for i in a:
       out[i] = jax.ShapeDtypeStruct(jnp.shape(w)[1:], jnp.float32)
   return out
 
@@ -541,42 +532,18 @@ def _stacked(ws, us, counts, lay: TraceLayout, state):
   if not ws:
     return state.proposals, state.erased, state.move_prob
   formats = lambda i: tuple(f[i] for f in lay.formats)  # noqa: E731
-  if lay.stored is None:
-    p, e, m = leafwise.grouped(
-      counts,
-      list(zip(ws, us, strict=True)),
-      [formats(i) for i in range(len(ws))],
-      stacked=True,
-    )
-    return p, e.T, m.T
-  lone = _lone_indices(lay)  # {stored leaf of one layer: index apart}
-  parts, order = [], []
-  if lone:
-    rows = [(ws[s], us[s]) for s in lone]
-    fmts = [formats(i) for i in lone.values()]
-    parts.append(leafwise.grouped(counts, rows, fmts, stacked=True))
-    order += list(lone.values())
-  for w, u, held in zip(ws, us, lay.stored, strict=True):
-    if held is None:
-      continue
-    if any(formats(i) != formats(held[0]) for i in held):
+  apart = _apart(lay, len(ws))
+  statics = []
+  for a in apart:
+    if isinstance(a, tuple) and any(formats(i) != formats(a[0]) for i in a):
       raise ValueError(
-        f"reference_trace: the layers of {lay.leaves[held[0]]!r}, stored "
+        f"reference_trace: the layers of {lay.leaves[a[0]]!r}, stored "
         "stacked, have different target formats; store them apart"
       )
-    f = formats(held[0])
-    parts.append(jax.vmap(lambda w, u, f=f: counts(f, w, u))(w, u))
-    order += list(held)
-  where = np.argsort(np.asarray(order))  # leaf i is entry where[i]
-  p, e, m = jax.tree.map(lambda *a: jnp.concatenate(a)[where], *parts)
+    statics.append(formats(a[0] if isinstance(a, tuple) else a))
+  rows = list(zip(ws, us, strict=True))
+  p, e, m = leafwise.grouped_apart(counts, rows, statics, apart)
   return p, e.T, m.T
-
-
-def _lone_indices(lay: TraceLayout) -> dict[int, int]:
-  """`{stored leaf: its index apart}` for the stored leaves of one layer."""
-  taken = {i for held in lay.stored if held is not None for i in held}
-  free = iter(i for i in range(len(lay.leaves)) if i not in taken)
-  return {s: next(free) for s, held in enumerate(lay.stored) if held is None}
 
 
 def _check_blocks(ws, lay: TraceLayout) -> None:
@@ -760,20 +727,17 @@ def _gather(ws, us, index, lay: TraceLayout):
 def _gather_groups(ws, us, lay: TraceLayout) -> list:
   """`(leaves held, w, u)` per gather: the stored leaves of one layer
   stacked by shape, and each leaf of stacked layers as it is stored."""
-  if lay.stored is None:
-    apart = {s: s for s in range(len(ws))}
-  else:
-    apart = _lone_indices(lay)
-  lone = list(apart)
+  apart = _apart(lay, len(ws))
+  lone = [s for s, a in enumerate(apart) if not isinstance(a, tuple)]
   rows = [(ws[s], us[s]) for s in lone]
   out = []
   for group in leafwise.same_shapes(rows):
     held = [apart[lone[g]] for g in group]
     w, u = rows[group[0]] if len(group) == 1 else leafwise.stack(rows, group)
     out.append((held, w, u))
-  for s, held in enumerate(lay.stored or ()):
-    if held is not None:
-      out.append((list(held), ws[s], us[s]))
+  for s, a in enumerate(apart):
+    if isinstance(a, tuple):
+      out.append((list(a), ws[s], us[s]))
   return out
 
 
