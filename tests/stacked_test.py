@@ -124,21 +124,31 @@ def test_writeback_on_stacked_layers_gives_the_apart_bits(
       fmt, rounding, key=jax.random.key(0), telemetry=telemetry
     ),
   )
-  apart = lowprec.to_grid(_params(), fmt)
-  together = stacked.stack(apart, GROUPS)
+  start = lowprec.to_grid(_params(), fmt)
+  together = stacked.stack(start, GROUPS)
   _equal_trees(lowprec.to_grid(stacked.stack(_params(), GROUPS), fmt), together)
-  s_apart, s_together = tx.init(apart), tx.init(together)
-  update = jax.jit(tx.update)
-  for step in range(3):
-    grads = jax.tree.map(lambda w, s=step: 0.01 * jnp.cos(3.0 * w + s), apart)
-    u, s_apart = update(grads, s_apart, apart)
-    apart = optax.apply_updates(apart, u)
-    u, s_together = update(stacked.stack(grads, GROUPS), s_together, together)
-    together = optax.apply_updates(together, u)
+  grad = lambda w, step: 0.01 * jnp.cos(3.0 * w + step)  # noqa: E731
+  for apart, s_apart, together, s_together in _steps(tx, start, 3, grad):
     _equal_trees(stacked.unstack(together), apart)
     report = lowprec.telemetry(s_apart)
     assert report["moved"] > 0 and "moved/h_1/attn/kernel" in report
     _same_report(lowprec.telemetry(s_together), report)
+
+
+def _steps(tx, apart, steps, grad):
+  """Steps `tx` on `apart` and on its layers stacked, from the same
+  gradients (`grad(w, step)` of the apart params); yields `(params
+  apart, state, params stacked, state)` after each step."""
+  together = stacked.stack(apart, GROUPS)
+  s_apart, s_together = tx.init(apart), tx.init(together)
+  update = jax.jit(tx.update)
+  for step in range(steps):
+    grads = jax.tree.map(lambda w, s=step: grad(w, s), apart)
+    u, s_apart = update(grads, s_apart, apart)
+    apart = optax.apply_updates(apart, u)
+    u, s_together = update(stacked.stack(grads, GROUPS), s_together, together)
+    together = optax.apply_updates(together, u)
+    yield apart, s_apart, together, s_together
 
 
 def test_reference_trace_of_stacked_layers_reports_each_layer_as_apart():
@@ -151,16 +161,8 @@ def test_reference_trace_of_stacked_layers_reports_each_layer_as_apart():
     optax.adam(1e-2),
     lowprec.freeze.reference_trace(targets, sample=40, key=jax.random.key(3)),
   )
-  apart = _params()
-  together = stacked.stack(apart, GROUPS)
-  s_apart, s_together = tx.init(apart), tx.init(together)
-  update = jax.jit(tx.update)
-  for step in range(2):
-    grads = jax.tree.map(lambda w, s=step: 0.01 * jnp.sin(5.0 * w + s), apart)
-    u, s_apart = update(grads, s_apart, apart)
-    apart = optax.apply_updates(apart, u)
-    u, s_together = update(stacked.stack(grads, GROUPS), s_together, together)
-    together = optax.apply_updates(together, u)
+  grad = lambda w, step: 0.01 * jnp.sin(5.0 * w + step)  # noqa: E731
+  *_, (_, s_apart, _, s_together) = _steps(tx, _params(), 2, grad)
   report = lowprec.telemetry(s_apart)
   assert "pred/float8_e4m3fn/erased_fraction/h_2/attn/kernel" in report
   assert report["pred/float8_e4m3fn/erased"] > 0
